@@ -1,0 +1,72 @@
+"""Checkpoint -> engine: validate against the build limits, fuse once, write atomically."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kiln.checkpoint.format import (atomic_output_dir, copy_tokenizer_files, read_config, read_config_dict,
+                                    write_config, write_rank_weights)
+from kiln.config import BuildConfig, PretrainedConfig
+from kiln.errors import BuildError
+from kiln.models import get_model_class
+
+
+def validate_limits(config: PretrainedConfig, build: BuildConfig) -> None:
+    if config.position_embedding_type == "learned_absolute" and config.max_position_embeddings \
+            and build.max_seq_len > config.max_position_embeddings:
+        raise BuildError(f"max_seq_len {build.max_seq_len} exceeds the model's max_position_embeddings "
+                         f"{config.max_position_embeddings} (learned positions cannot extrapolate)")
+    window = config.get("sliding_window")
+    if window and build.max_seq_len > window:
+        raise BuildError(f"the model uses sliding-window attention (window {window}); build with "
+                         f"--max_seq_len <= {window} until kiln's paged sliding window lands")
+    if build.max_num_tokens < build.max_batch_size:
+        raise BuildError(f"max_num_tokens ({build.max_num_tokens}) must be at least max_batch_size "
+                         f"({build.max_batch_size}) so every sequence can advance each step")
+
+
+def resolve_build_config(config: PretrainedConfig, **options: int | None) -> BuildConfig:
+    """The build limits: the options given, defaults for the rest.
+
+    Unset ``max_seq_len`` is 4096 capped at the model's ``max_position_embeddings``; unset
+    ``max_input_len`` is 2048 capped at ``max_seq_len``.
+    """
+    given = {k: v for k, v in options.items() if v is not None}
+    defaults = BuildConfig()
+    if "max_seq_len" not in given:
+        given["max_seq_len"] = min(defaults.max_seq_len, config.max_position_embeddings or defaults.max_seq_len)
+    if "max_input_len" not in given:
+        given["max_input_len"] = min(defaults.max_input_len, given["max_seq_len"])
+    return BuildConfig(**given)
+
+
+def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_config: BuildConfig | None = None,
+                 progress: bool = True) -> Path:
+    """Validate ``checkpoint_dir`` and write an engine to ``output_dir``.
+
+    Without ``build_config`` the limits come from :func:`resolve_build_config`.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    config = read_config(checkpoint_dir)
+    build_config = build_config or resolve_build_config(config)
+    validate_limits(config, build_config)
+    model_cls = get_model_class(config.architecture)
+    raw = read_config_dict(checkpoint_dir)
+    with atomic_output_dir(output_dir) as tmp:
+        for rank in tqdm(range(config.mapping.world_size), desc="building ranks",
+                         disable=not progress or config.mapping.world_size == 1):
+            # Loading through the model checks every tensor's presence, shape and dtype.
+            model = model_cls.from_checkpoint(checkpoint_dir, rank)
+            with torch.device("meta"):
+                engine_model = model_cls(model.config, engine_layout=True)
+            weights = model.engine_weights(model.checkpoint_weights())
+            expected = {name for name, _ in engine_model.named_parameters()}
+            if set(weights) != expected:
+                raise BuildError(f"engine layout mismatch for rank {rank}: missing {sorted(expected - set(weights))}, "
+                                 f"extra {sorted(set(weights) - expected)}")
+            write_rank_weights(tmp, rank, weights)
+        write_config(tmp, {**raw, "build_config": build_config.to_dict()})
+        copy_tokenizer_files(checkpoint_dir, tmp)
+    return Path(output_dir)

@@ -1,0 +1,1 @@
+"""Checkpoint formats: kiln checkpoints/engines, external weight sources, the weights loader."""

@@ -1,0 +1,37 @@
+"""BuildConfig: the limits and options an engine is built with."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from kiln.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Limits an engine is built for; stored as ``build_config`` in the engine's config.json."""
+
+    max_batch_size: int = 64
+    max_input_len: int = 2048
+    max_seq_len: int = 4096
+    max_num_tokens: int = 8192
+    tokens_per_block: int = 64
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"build option {f.name} must be a positive integer, got {value!r}")
+        if self.max_input_len > self.max_seq_len:
+            raise ConfigError(
+                f"max_input_len ({self.max_input_len}) must not exceed max_seq_len ({self.max_seq_len})"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BuildConfig":
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"build_config has unknown fields {sorted(unknown)}")
+        return cls(**d)

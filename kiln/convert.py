@@ -1,0 +1,58 @@
+"""Convert an external model (Hugging Face directory or GGUF file) into a kiln checkpoint."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kiln.checkpoint.format import atomic_output_dir, copy_tokenizer_files, write_config, write_rank_weights
+from kiln.checkpoint.sources import open_source
+from kiln.errors import ConfigError
+from kiln.mapping import Mapping
+from kiln.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+def hf_architecture(hf_config: dict, where: str) -> str:
+    archs = hf_config.get("architectures")
+    if not archs or not isinstance(archs, list):
+        raise ConfigError(f"{where}: Hugging Face config.json has no 'architectures' list")
+    return archs[0]
+
+
+def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str | None = None,
+                       tp_size: int = 1, pp_size: int = 1, customized_key_dict: dict | None = None,
+                       progress: bool = True) -> Path:
+    """Write ``config.json`` and ``rank{N}.safetensors`` for every rank, plus the tokenizer.
+
+    The output appears all at once when everything succeeded (nothing half-written).
+    """
+    source = open_source(model_dir)
+    hf = source.hf_config()
+    if hf is None:
+        raise ConfigError(f"{model_dir}: no Hugging Face config.json found next to the weights")
+    model_cls = get_model_class(hf_architecture(hf, str(model_dir)))
+    world = Mapping(world_size=tp_size * pp_size, tp_size=tp_size, pp_size=pp_size)
+    with atomic_output_dir(output_dir) as tmp:
+        config = None
+        for rank in tqdm(range(world.world_size), desc="converting ranks", disable=not progress or world.world_size == 1):
+            model = model_cls.from_hugging_face(source, dtype, world.with_rank(rank), customized_key_dict,
+                                                progress=progress)
+            write_rank_weights(tmp, rank, model.checkpoint_weights())
+            config = model.config
+            del model
+        write_config(tmp, config.to_dict())
+        _save_tokenizer(source, Path(model_dir), tmp)
+    return Path(output_dir)
+
+
+def _save_tokenizer(source, model_dir: Path, out: Path) -> None:
+    save = getattr(source, "save_tokenizer", None)
+    if save is not None:  # GGUF carries its tokenizer inside the file
+        save(out)
+        return
+    src = model_dir if model_dir.is_dir() else model_dir.parent
+    if not copy_tokenizer_files(src, out):
+        logger.warning("%s: no tokenizer files found; pass --tokenizer_dir when running", src)

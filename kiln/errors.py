@@ -1,0 +1,30 @@
+"""Errors kiln raises for bad input.
+
+Every error names the file, key or field at fault and what was expected. The CLI turns a
+:class:`KilnError` into a one-line message and exit code 2; the runtime answers the one
+request at fault and keeps serving the others.
+"""
+
+
+class KilnError(Exception):
+    """Base class of every error caused by input kiln was given."""
+
+
+class ConfigError(KilnError):
+    """A config file or config field is missing, malformed or out of range."""
+
+
+class CheckpointError(KilnError):
+    """A weights file is unreadable, or a tensor is missing, unexpected or misshapen."""
+
+
+class BuildError(KilnError):
+    """A checkpoint cannot be built with the requested limits."""
+
+
+class RequestError(KilnError):
+    """A generation request is invalid (a prompt too long, a parameter out of range...)."""
+
+
+class CapacityError(KilnError):
+    """The KV cache has no room left for the work asked of it."""

@@ -1,0 +1,45 @@
+"""Multi-head attention (MHA/GQA/MQA) over a paged KV cache.
+
+The layer projects q/k/v, applies rotary embedding when configured, and hands the rest to
+the attention backend carried by the step's metadata (``metadata.backend``), so the model
+code is shared by the reference backend and every faster one.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.layers.linear import QKVColumnLinear, RowLinear
+from kiln.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int,
+                 head_size: int, *, qkv_bias: bool, dense_bias: bool, rotary: RotaryEmbedding | None,
+                 dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0,
+                 source_transposed: bool = False):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads // tp_size  # per rank
+        self.num_kv_heads = max(num_kv_heads // tp_size, 1)
+        self.head_size = head_size
+        self.scale = head_size ** -0.5
+        self.qkv = QKVColumnLinear(hidden_size, num_heads, num_kv_heads, head_size, qkv_bias, dtype=dtype,
+                                   tp_size=tp_size, tp_rank=tp_rank, source_transposed=source_transposed)
+        self.dense = RowLinear(num_heads * head_size, hidden_size, dense_bias, dtype=dtype,
+                               tp_size=tp_size, tp_rank=tp_rank, source_transposed=source_transposed)
+        self.rotary = rotary
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:
+        # hidden: [num_tokens, hidden_size]
+        num_tokens = hidden.shape[0]
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        q, k, v = self.qkv(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_size)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_size)
+        if self.rotary is not None:
+            cos, sin = metadata.rotary_cos_sin(self.rotary, positions)
+            q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        out = metadata.backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [num_tokens, heads, head]
+        return self.dense(out.reshape(num_tokens, q_size))

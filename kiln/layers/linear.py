@@ -1,0 +1,156 @@
+"""Linear layers that own their tensor-parallel sharding and weight postprocess.
+
+Weights are stored ``(out_features, in_features)`` as reference 002 prescribes.
+``ColumnLinear`` splits the output features over ranks (tp_dim 0), ``RowLinear`` the input
+features (tp_dim 1) and sums the partial results with an all-reduce.
+
+Loading protocol (used by :class:`kiln.checkpoint.loader.ModelWeightsLoader`): a module may
+define ``load_spec(param_name)`` giving, for each external tensor the parameter is made
+from, which dimension to shard and how (:class:`ShardSpec`); and ``postprocess(key,
+weights, **kwargs)`` turning the loaded tensors into ``{key: tensor}``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln import distributed
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one rank takes its part of one external tensor.
+
+    ``dim`` is the dimension split over ranks (``None``: the whole tensor). When that
+    dimension is a concatenation of parts (a fused qkv, say), ``parts`` lists them as
+    ``(size, tp_size, tp_rank)``: each part is split on its own and the rank's pieces are
+    concatenated. ``size`` may be ``None`` for a single part spanning the dimension.
+    """
+
+    dim: int | None = None
+    parts: tuple[tuple[int | None, int, int], ...] = ((None, 1, 0),)
+
+    @staticmethod
+    def even(dim: int | None, tp_size: int, tp_rank: int) -> "ShardSpec":
+        if dim is None or tp_size == 1:
+            return ShardSpec()
+        return ShardSpec(dim, ((None, tp_size, tp_rank),))
+
+    def transposed(self) -> "ShardSpec":
+        """The same split for a 2-D tensor stored the other way round."""
+        return self if self.dim is None else ShardSpec(1 - self.dim, self.parts)
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` with the weight ``(out_features, in_features)``.
+
+    ``source_transposed`` marks weights stored ``(in, out)`` in the external checkpoint
+    (GPT-2's ``Conv1D``): they are sliced on the other dimension and transposed on load.
+    """
+
+    tp_dim: int | None = None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0,
+                 source_transposed: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.source_transposed = source_transposed
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    # -- weight loading -----------------------------------------------------------------
+
+    def shard_dim(self, param_name: str) -> int | None:
+        """The dimension of ``param_name`` split over ranks, or ``None`` if replicated."""
+        if self.tp_dim is None or self.tp_size == 1:
+            return None
+        if param_name == "bias":
+            return 0 if self.tp_dim == 0 else None
+        return self.tp_dim
+
+    def load_spec(self, param_name: str, num_external: int) -> list[ShardSpec]:
+        spec = ShardSpec.even(self.shard_dim(param_name), self.tp_size, self.tp_rank)
+        if self.source_transposed and param_name == "weight":
+            spec = spec.transposed()
+        return [spec] * num_external
+
+    def postprocess(self, key: str, weights: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
+        if self.source_transposed and key.endswith("weight"):
+            weights = [w.t() for w in weights]
+        # Several external tensors (q, k, v) are concatenated along the output features.
+        tensor = weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)
+        return {key: tensor.contiguous()}
+
+
+class ColumnLinear(Linear):
+    """Output features split over ranks; each rank's output is its slice (no gather)."""
+
+    tp_dim = 0
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0,
+                 gather_output: bool = False, source_transposed: bool = False):
+        super().__init__(in_features, out_features // tp_size, bias, dtype=dtype, tp_size=tp_size,
+                         tp_rank=tp_rank, source_transposed=source_transposed)
+        self.gather_output = gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return distributed.all_gather(y, self.tp_size, dim=-1) if self.gather_output else y
+
+
+class RowLinear(Linear):
+    """Input features split over ranks; partial products summed with an all-reduce."""
+
+    tp_dim = 1
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0,
+                 source_transposed: bool = False):
+        super().__init__(in_features // tp_size, out_features, bias, dtype=dtype, tp_size=tp_size,
+                         tp_rank=tp_rank, source_transposed=source_transposed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = distributed.all_reduce(F.linear(x, self.weight), self.tp_size)
+        return y if self.bias is None else y + self.bias
+
+
+class QKVColumnLinear(ColumnLinear):
+    """The fused ``qkv`` projection: ``[q; k; v]`` rows of this rank's heads.
+
+    With fewer KV heads than ranks, KV heads are replicated: rank ``r`` holds KV head
+    ``r * num_kv_heads // tp_size``.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int,
+                 bias: bool, *, dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0,
+                 source_transposed: bool = False):
+        self.q_size = num_heads * head_size  # totals over all ranks
+        self.kv_size = num_kv_heads * head_size
+        self.kv_tp_size = min(tp_size, num_kv_heads)
+        self.kv_tp_rank = tp_rank * self.kv_tp_size // tp_size
+        local_kv_heads = max(num_kv_heads // tp_size, 1)
+        out_local = (num_heads // tp_size + 2 * local_kv_heads) * head_size
+        super().__init__(hidden_size, out_local * tp_size, bias, dtype=dtype, tp_size=tp_size,
+                         tp_rank=tp_rank, source_transposed=source_transposed)
+
+    def load_spec(self, param_name: str, num_external: int) -> list[ShardSpec]:
+        dim = 0 if not (self.source_transposed and param_name == "weight") else 1
+        q = (self.q_size, self.tp_size, self.tp_rank)
+        kv = (self.kv_size, self.kv_tp_size, self.kv_tp_rank)
+        if num_external == 3:  # separate q, k, v tensors
+            return [ShardSpec(dim, (q,)), ShardSpec(dim, (kv,)), ShardSpec(dim, (kv,))]
+        if num_external == 1:  # one fused external tensor
+            return [ShardSpec(dim, (q, kv, kv))]
+        raise ValueError(f"qkv loads from 1 or 3 external tensors, not {num_external}")

@@ -1,0 +1,60 @@
+"""Feed-forward blocks: the plain two-layer MLP (GPT-2) and the gated MLP (LLaMA's SwiGLU).
+
+Names follow reference 002: ``fc`` is the first projection, ``proj`` the output one and,
+for the gated MLP, ``gate`` the projection multiplied in (``proj(act(fc(x)) * gate(x))``).
+In an engine the gated MLP's ``fc`` and ``gate`` are fused into one ``fused_fc`` matmul.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.layers.activation import get_activation
+from kiln.layers.linear import ColumnLinear, RowLinear
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, *,
+                 dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0,
+                 source_transposed: bool = False):
+        super().__init__()
+        common = dict(dtype=dtype, tp_size=tp_size, tp_rank=tp_rank, source_transposed=source_transposed)
+        self.fc = ColumnLinear(hidden_size, intermediate_size, bias, **common)
+        self.proj = RowLinear(intermediate_size, hidden_size, bias, **common)
+        self.act = get_activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x)))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, *,
+                 dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0,
+                 fused: bool = False):
+        super().__init__()
+        common = dict(dtype=dtype, tp_size=tp_size, tp_rank=tp_rank)
+        self.fused = fused
+        if fused:
+            self.fused_fc = ColumnLinear(hidden_size, 2 * intermediate_size, bias, **common)
+        else:
+            self.fc = ColumnLinear(hidden_size, intermediate_size, bias, **common)
+            self.gate = ColumnLinear(hidden_size, intermediate_size, bias, **common)
+        self.proj = RowLinear(intermediate_size, hidden_size, bias, **common)
+        self.act = get_activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            fc, gate = self.fused_fc(x).chunk(2, dim=-1)
+        else:
+            fc, gate = self.fc(x), self.gate(x)
+        return self.proj(self.act(fc) * gate)
+
+    @staticmethod
+    def engine_weights(prefix: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rewrite this block's checkpoint tensors into the engine's fused layout."""
+        out = {}
+        for name in ("weight", "bias"):
+            fc, gate = weights.pop(f"{prefix}fc.{name}", None), weights.pop(f"{prefix}gate.{name}", None)
+            if fc is not None:
+                out[f"{prefix}fused_fc.{name}"] = torch.cat([fc, gate], dim=0)
+        return out

@@ -1,0 +1,230 @@
+"""DecoderModelForCausalLM: the decoder-only transformer every model family declares.
+
+Module tree (its parameter names are the checkpoint names of reference 002)::
+
+    transformer.vocab_embedding            (first pipeline stage)
+    transformer.position_embedding         (learned absolute positions only)
+    transformer.layers.{i}.input_layernorm / attention.{qkv,dense} / post_layernorm / mlp.*
+    transformer.ln_f, lm_head              (last pipeline stage)
+
+A family subclass sets a few class attributes (norm, gated MLP, key map) and translates
+its Hugging Face config; all loading, saving and sharding is shared.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from kiln.config import PretrainedConfig
+from kiln.errors import ConfigError
+from kiln.layers.attention import Attention
+from kiln.layers.embedding import Embedding
+from kiln.layers.linear import ColumnLinear
+from kiln.layers.mlp import MLP, GatedMLP
+from kiln.layers.normalization import LayerNorm, RmsNorm
+from kiln.layers.rotary import RotaryEmbedding
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"dtype {name!r} is not one of {sorted(DTYPES)}") from None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, model_cls: type["DecoderModelForCausalLM"], config: PretrainedConfig, layer_idx: int,
+                 rotary: RotaryEmbedding | None, engine_layout: bool):
+        super().__init__()
+        dtype, tp = torch_dtype(config.dtype), config.mapping
+        shard = dict(dtype=dtype, tp_size=tp.tp_size, tp_rank=tp.tp_rank)
+        self.input_layernorm = model_cls.make_norm(config, dtype)
+        self.attention = Attention(
+            layer_idx, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.head_size, qkv_bias=config.get("attn_bias", False),
+            dense_bias=config.get("dense_bias", config.get("attn_bias", False)), rotary=rotary,
+            source_transposed=model_cls.source_transposed, **shard)
+        self.post_layernorm = model_cls.make_norm(config, dtype)
+        inter = config.intermediate_size or 4 * config.hidden_size
+        bias = config.get("mlp_bias", False)
+        if model_cls.gated_mlp:
+            self.mlp = GatedMLP(config.hidden_size, inter, config.hidden_act, bias, fused=engine_layout, **shard)
+        else:
+            self.mlp = MLP(config.hidden_size, inter, config.hidden_act, bias,
+                           source_transposed=model_cls.source_transposed, **shard)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:
+        hidden = hidden + self.attention(self.input_layernorm(hidden), positions, metadata, kv_cache)
+        return hidden + self.mlp(self.post_layernorm(hidden))
+
+
+class Transformer(nn.Module):
+    def __init__(self, model_cls: type["DecoderModelForCausalLM"], config: PretrainedConfig, engine_layout: bool):
+        super().__init__()
+        mapping, dtype = config.mapping, torch_dtype(config.dtype)
+        self.layer_ids = list(mapping.pp_layers(config.num_hidden_layers))
+        if mapping.is_first_pp_rank:
+            parallel = config.use_parallel_embedding
+            self.vocab_embedding = Embedding(
+                config.vocab_size, config.hidden_size, dtype=dtype,
+                tp_size=mapping.tp_size if parallel else 1, tp_rank=mapping.tp_rank if parallel else 0,
+                sharding_dim=config.embedding_sharding_dim)
+            if config.position_embedding_type == "learned_absolute":
+                if not config.max_position_embeddings:
+                    raise ConfigError("learned_absolute positions need max_position_embeddings")
+                self.position_embedding = Embedding(config.max_position_embeddings, config.hidden_size, dtype=dtype)
+        rotary = None
+        if config.position_embedding_type in ("rope_gpt_neox", "rope"):
+            rotary_dim = int(config.head_size * config.get("rotary_pct", 1.0))
+            rotary = RotaryEmbedding(rotary_dim, config.get("rotary_base", 10000.0),
+                                     config.max_position_embeddings, config.get("rotary_scaling"))
+        elif config.position_embedding_type != "learned_absolute":
+            raise ConfigError(
+                f"position_embedding_type {config.position_embedding_type!r} is not one of "
+                "['learned_absolute', 'rope_gpt_neox']")
+        self.rotary = rotary
+        # Keyed by the global layer index, so a pipeline stage's names match the checkpoint's.
+        self.layers = nn.ModuleDict({
+            str(i): DecoderLayer(model_cls, config, i, rotary, engine_layout) for i in self.layer_ids})
+        if mapping.is_last_pp_rank:
+            self.ln_f = model_cls.make_norm(config, dtype)
+
+
+class DecoderModelForCausalLM(nn.Module):
+    """A decoder-only causal LM in kiln's layout. Subclasses declare a family."""
+
+    # -- what a family declares ---------------------------------------------------------
+    gated_mlp: ClassVar[bool] = True
+    source_transposed: ClassVar[bool] = False  # external linear weights stored (in, out)
+    hf_key_map: ClassVar[dict] = {}  # customized key dict for the weights loader
+
+    @classmethod
+    def make_norm(cls, config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
+        return RmsNorm(config.hidden_size, config.norm_epsilon, dtype=dtype)
+
+    @classmethod
+    def config_from_hf(cls, hf_config: dict, dtype: str, mapping) -> PretrainedConfig:
+        raise ConfigError(f"{cls.__name__} has no Hugging Face config translation")
+
+    # -- the module ------------------------------------------------------------------------
+    def __init__(self, config: PretrainedConfig, engine_layout: bool = False):
+        super().__init__()
+        self.config = config
+        self.engine_layout = engine_layout
+        mapping = config.mapping
+        self.transformer = Transformer(type(self), config, engine_layout)
+        self.vocab_size_padded = math.ceil(config.vocab_size / mapping.tp_size) * mapping.tp_size
+        if mapping.is_last_pp_rank:
+            self.lm_head = ColumnLinear(config.hidden_size, self.vocab_size_padded, bias=False,
+                                        dtype=torch_dtype(config.dtype), tp_size=mapping.tp_size,
+                                        tp_rank=mapping.tp_rank, gather_output=True)
+            if self.shares_embedding_table:
+                self.lm_head.weight = self.transformer.vocab_embedding.weight
+
+    @property
+    def shares_embedding_table(self) -> bool:
+        """lm_head reuses the embedding table (only when both hold the same rows)."""
+        m, c = self.config.mapping, self.config
+        if not c.share_embedding_table or m.pp_size > 1:
+            return False
+        return m.tp_size == 1 or (c.use_parallel_embedding and c.embedding_sharding_dim == 0)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata,
+                kv_caches: list) -> torch.Tensor:
+        """Run one packed step. ``input_ids``/``positions``: ``[num_tokens]``; returns hidden states."""
+        t = self.transformer
+        hidden = t.vocab_embedding(input_ids)
+        if hasattr(t, "position_embedding"):
+            hidden = hidden + t.position_embedding(positions)
+        for cache, layer in zip(kv_caches, t.layers.values()):
+            hidden = layer(hidden, positions, metadata, cache)
+        return t.ln_f(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[n, vocab_size]`` for the given final hidden states ``[n, hidden]``."""
+        logits = self.lm_head(hidden)[..., : self.config.vocab_size]
+        return logits.float()
+
+    def engine_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rewrite checkpoint tensors into this model's engine layout (fusions done once)."""
+        weights = dict(weights)
+        for name, module in self.named_modules():
+            rewrite = getattr(module, "engine_weights", None)
+            if rewrite is not None and module is not self:
+                weights.update(rewrite(f"{name}.", weights))
+        return weights
+
+    # -- construction from weights ----------------------------------------------------------
+
+    @classmethod
+    def from_hugging_face(cls, source, dtype: str | None = None, mapping=None,
+                          customized_key_dict: dict | None = None, progress: bool = False
+                          ) -> "DecoderModelForCausalLM":
+        """Build this rank's model (``mapping.rank``) from a Hugging Face directory or GGUF file."""
+        from kiln.checkpoint.loader import ModelWeightsLoader, translate_key
+        from kiln.checkpoint.sources import open_source
+        from kiln.mapping import Mapping
+
+        source = open_source(source) if isinstance(source, (str, Path)) else source
+        hf = source.hf_config()
+        if hf is None:
+            raise ConfigError(f"{source.path}: no Hugging Face config.json found next to the weights")
+        config = cls.config_from_hf(hf, dtype, mapping or Mapping())
+        key_map = {**cls.hf_key_map, **(customized_key_dict or {})}
+        loader = ModelWeightsLoader(source, key_map)
+        external = set(source.keys())
+        embedding = translate_key("transformer.vocab_embedding.weight", loader.key_map)[0]
+        if embedding not in external and embedding.partition(".")[2] in external:
+            # Some checkpoints (the original GPT-2 files) drop the top-level prefix.
+            loader.key_map["transformer"] = ""
+            embedding = embedding.partition(".")[2]
+        with torch.device("meta"):
+            model = cls(config)
+        lm_head = getattr(model, "lm_head", None)
+        if lm_head is not None and not model.shares_embedding_table:
+            lm_head_key = translate_key("lm_head.weight", loader.key_map)[0]
+            if lm_head_key not in external and config.get("tie_word_embeddings"):
+                # Tied weights stored once: the lm_head rows come from the embedding table.
+                lm_head.external_key_map = {"lm_head": embedding.rpartition(".")[0]}
+        loader.fill(model, loader.generate_weights(model, progress=progress))
+        return model
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint_dir: str | Path, rank: int = 0,
+                        engine_layout: bool = False) -> "DecoderModelForCausalLM":
+        """Load rank ``rank`` of a kiln checkpoint (or, with ``engine_layout``, an engine)."""
+        from kiln.checkpoint.format import read_config, read_rank_weights, rank_file
+        from kiln.checkpoint.loader import fill_parameters
+
+        config = read_config(checkpoint_dir, rank)
+        model_cls = cls if cls is not DecoderModelForCausalLM else _registered(config.architecture)
+        with torch.device("meta"):
+            model = model_cls(config, engine_layout=engine_layout)
+        fill_parameters(model, read_rank_weights(checkpoint_dir, rank), source=str(rank_file(checkpoint_dir, rank)))
+        return model
+
+    def checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors by checkpoint name (a shared table appears once)."""
+        return {name: p.data for name, p in self.named_parameters()}
+
+    def save_checkpoint(self, checkpoint_dir: str | Path) -> None:
+        """Write a single-rank model as a checkpoint (config.json + rank0.safetensors), atomically."""
+        from kiln.checkpoint.format import atomic_output_dir, write_config, write_rank_weights
+
+        if self.config.mapping.world_size != 1:
+            raise ConfigError("save_checkpoint writes one rank; use kiln.convert for a multi-rank checkpoint")
+        with atomic_output_dir(checkpoint_dir) as tmp:
+            write_config(tmp, self.config.to_dict())
+            write_rank_weights(tmp, 0, self.checkpoint_weights())
+
+
+def _registered(architecture: str) -> type:
+    from kiln.models.registry import get_model_class
+
+    return get_model_class(architecture)

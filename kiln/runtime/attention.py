@@ -1,0 +1,87 @@
+"""Attention backends over the paged KV cache.
+
+``TorchPagedAttention`` is the reference: plain PyTorch (scaled_dot_product_attention),
+correct for any mix of prompt chunks and generation tokens. Generation tokens (one query
+each) of all sequences are batched into one padded call; prompt chunks run one call each.
+
+KV cache of one layer: ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads,
+head_size]``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kiln.runtime.metadata import AttentionMetadata
+
+
+class TorchPagedAttention:
+    name = "torch"
+
+    def prepare(self, md: AttentionMetadata) -> None:
+        """Per-step index tensors shared by every layer."""
+        decode = [i for i, q in enumerate(md.query_lens) if q == 1]
+        chunks = [i for i, q in enumerate(md.query_lens) if q != 1]
+        bs = md.block_size
+        st = md.backend_state
+        if decode:
+            max_len = max(md.seq_lens[i] for i in decode)
+            slots = torch.zeros(len(decode), max_len, dtype=torch.int64)
+            for row, i in enumerate(decode):
+                slots[row, : md.seq_lens[i]] = _seq_slots(md.block_tables[i], md.seq_lens[i], bs)
+            lens = torch.tensor([md.seq_lens[i] for i in decode])
+            st["decode_tokens"] = torch.tensor([md.query_start_loc[i] for i in decode])
+            st["decode_slots"] = slots  # [num_decode, max_len]
+            st["decode_mask"] = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :]
+        st["chunks"] = []
+        for i in chunks:
+            q_len, s_len = md.query_lens[i], md.seq_lens[i]
+            start = md.query_start_loc[i]
+            # Cached context before this chunk must be read back; a whole fresh prompt need not.
+            slots = None if q_len == s_len else _seq_slots(md.block_tables[i], s_len, bs)
+            mask = None
+            if q_len != s_len:
+                q_pos = torch.arange(s_len - q_len, s_len)[:, None]
+                mask = torch.arange(s_len)[None, :] <= q_pos  # [q_len, s_len]
+            st["chunks"].append((start, start + q_len, slots, mask))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, md: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head]; k, v: [num_tokens, num_kv_heads, head]
+        k_cache, v_cache = kv_cache
+        num_kv_heads, head = k.shape[1], k.shape[2]
+        flat_k = k_cache.view(-1, num_kv_heads, head)
+        flat_v = v_cache.view(-1, num_kv_heads, head)
+        flat_k.index_copy_(0, md.slot_mapping, k)
+        flat_v.index_copy_(0, md.slot_mapping, v)
+        gqa = q.shape[1] != num_kv_heads
+        out = torch.empty_like(q)
+        st = md.backend_state
+        if "decode_tokens" in st:
+            idx = st["decode_tokens"]
+            kd = flat_k[st["decode_slots"]].transpose(1, 2)  # [n, kv_heads, max_len, head]
+            vd = flat_v[st["decode_slots"]].transpose(1, 2)
+            qd = q[idx].unsqueeze(2)  # [n, heads, 1, head]
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=st["decode_mask"], scale=scale,
+                                               enable_gqa=gqa)
+            out[idx] = o.squeeze(2)
+        for start, end, slots, mask in st["chunks"]:
+            qc = q[start:end].transpose(0, 1)  # [heads, q_len, head]
+            if slots is None:
+                kc, vc = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                kc, vc = flat_k[slots].transpose(0, 1), flat_v[slots].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out[start:end] = o.transpose(0, 1)
+        return out
+
+
+def _seq_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
+    """Cache slots of a sequence's first ``length`` tokens."""
+    blocks = torch.tensor(block_table[: (length + block_size - 1) // block_size], dtype=torch.int64)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)
+    return slots[:length]
+
+
+BACKENDS = {TorchPagedAttention.name: TorchPagedAttention}

@@ -1,0 +1,39 @@
+"""Engine: a built engine directory loaded for execution.
+
+Loading does no conversion work: the model is created on the ``meta`` device and its
+parameters are assigned the memory-mapped tensors of ``rank{N}.safetensors``.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from kiln.checkpoint.format import read_config_dict
+from kiln.config import BuildConfig, PretrainedConfig
+from kiln.errors import ConfigError, KilnError
+from kiln.models import get_model_class
+
+
+class Engine:
+    """A loaded engine: ``config``, ``build_config`` and the model of one rank."""
+
+    def __init__(self, engine_dir: str | Path, rank: int = 0):
+        self.engine_dir = Path(engine_dir)
+        started = time.perf_counter()
+        raw = read_config_dict(self.engine_dir)
+        if "build_config" not in raw:
+            raise ConfigError(f"{self.engine_dir / 'config.json'}: no build_config section; "
+                              "this is a checkpoint, not an engine (run kiln build)")
+        self.build_config = BuildConfig.from_dict(raw["build_config"])
+        self.config = PretrainedConfig.from_dict(raw, rank=rank, source=str(self.engine_dir / "config.json"))
+        if self.config.mapping.world_size != 1:
+            raise KilnError(f"{self.engine_dir}: built for {self.config.mapping.world_size} ranks; "
+                            "kiln runs single-rank engines in one process for now")
+        model_cls = get_model_class(self.config.architecture)
+        self.model = model_cls.from_checkpoint(self.engine_dir, rank, engine_layout=True)
+        self.model.eval()
+        self.load_seconds = time.perf_counter() - started
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        return self.engine_dir if (self.engine_dir / "tokenizer_config.json").is_file() else None

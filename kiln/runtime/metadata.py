@@ -1,0 +1,62 @@
+"""AttentionMetadata: everything about one packed step that attention needs.
+
+A step's tokens are packed without padding: sequence ``i`` contributes ``query_lens[i]``
+tokens (a prompt chunk, or one generated token) and afterwards holds ``seq_lens[i]``
+tokens in the KV cache::
+
+    tokens:   | seq0 chunk (5) | seq1 (1) | seq2 (1) | seq3 chunk (3) |
+    query_start_loc: 0          5          6          7                10
+
+Token ``t`` is written to cache slot ``slot_mapping[t]`` (``block * block_size + offset``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    backend: object  # the attention backend; see kiln.runtime.attention
+    query_lens: list[int]
+    seq_lens: list[int]  # KV length of each sequence after this step
+    query_start_loc: list[int]
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: list[list[int]]  # block ids of each sequence, in order
+    block_size: int
+    token_seq_lens: torch.Tensor  # [num_tokens]: its sequence's seq_len (dynamic rope)
+    _rotary_cache: dict = field(default_factory=dict)
+    backend_state: dict = field(default_factory=dict)  # backend-specific per-step tensors
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+    def rotary_cos_sin(self, rotary, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for this step's positions, computed once per step and shared by layers."""
+        key = id(rotary)
+        if key not in self._rotary_cache:
+            self._rotary_cache[key] = rotary.cos_sin(positions, self.token_seq_lens)
+        return self._rotary_cache[key]
+
+    @classmethod
+    def build(cls, backend, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+              block_size: int) -> "AttentionMetadata":
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        slots, token_seq_lens = [], []
+        for q, s, table in zip(query_lens, seq_lens, block_tables):
+            for pos in range(s - q, s):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            token_seq_lens.extend([s] * q)
+        md = cls(backend=backend, query_lens=list(query_lens), seq_lens=list(seq_lens), query_start_loc=starts,
+                 slot_mapping=torch.tensor(slots, dtype=torch.int64), block_tables=block_tables,
+                 block_size=block_size, token_seq_lens=torch.tensor(token_seq_lens, dtype=torch.int64))
+        backend.prepare(md)
+        return md

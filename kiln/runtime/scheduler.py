@@ -1,0 +1,143 @@
+"""Scheduler: which sequences get how many tokens in the next step (pure Python).
+
+There is no prefill phase and no decode phase. Every step each running sequence is given
+tokens to catch up with its ``num_tokens`` -- a whole prompt, a prompt chunk, or the one
+token it generated last step -- under a token budget (``max_num_tokens``). Two small
+policies decide:
+
+* capacity: a sequence runs only with KV blocks for every token it will hold after the
+  step; when blocks run out, the most recently admitted sequence is preempted (its blocks
+  freed, recomputed later from its tokens);
+* batch composition: running sequences first, in admission order, then waiting ones,
+  while the token budget and ``max_num_seqs`` allow; long prompts are chunked.
+
+The step is ``out = scheduler.schedule(); res = runner.execute(out); scheduler.update(out, res)``.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kiln.errors import CapacityError
+from kiln.runtime.block_pool import BlockPool
+from kiln.runtime.sequence import Sequence
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int  # tokens of seq computed this step, from seq.num_computed_tokens on
+
+    @property
+    def completes(self) -> bool:
+        """Whether the sequence is caught up after this step (so it samples a token)."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: dict[int, int]  # seq_id -> new token, for every chunk that completes
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_tokens: int):
+        self.pool = pool
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max_num_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def add(self, seq: Sequence) -> None:
+        needed = self.blocks_for(seq.max_total_tokens)
+        if needed > self.pool.num_blocks:
+            raise CapacityError(
+                f"request {seq.seq_id} may need {seq.max_total_tokens} tokens ({needed} KV blocks) but the "
+                f"KV cache holds {self.pool.num_blocks} blocks of {self.block_size} tokens")
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve(seq, n):
+                # Free room by preempting from the back; maybe this very sequence.
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+                continue
+            out.chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve(seq, n):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+        return out
+
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        """Make sure ``seq`` has blocks for ``n`` more tokens; False if the pool lacks them."""
+        missing = self.blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids)
+        if missing <= 0:
+            return True
+        if missing > self.pool.num_free:
+            return False
+        seq.block_ids.extend(self.pool.allocate(missing))
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Sequence]:
+        """Advance sequences by the step's results; returns the sequences that got a token."""
+        advanced = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            completes = chunk.completes
+            seq.num_computed_tokens += chunk.num_tokens
+            if completes:
+                seq.append_token(result.sampled[seq.seq_id])
+                advanced.append(seq)
+                if seq.is_finished:
+                    self.finish(seq)
+        return advanced
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished (or cancelled) sequence's blocks and drop it."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_ids:
+            self.pool.free(seq.block_ids)
+            seq.block_ids = []

@@ -1,0 +1,59 @@
+"""Tiny random Hugging Face models saved to a directory, for comparing kiln against HF."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def make_llama(path: Path, *, num_heads: int = 4, num_kv_heads: int = 2, hidden: int = 64, layers: int = 2,
+               vocab: int = 256, tie: bool = False, rope_scaling: dict | None = None, qkv_bias: bool = False,
+               max_positions: int = 256, seed: int = 0, safe_serialization: bool = True,
+               max_shard_size: str | None = None, model_type: str = "llama"):
+    """Save a random Llama (or Qwen2 with ``model_type='qwen2'``) to ``path``; return the HF model."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2 + 8,
+                  num_hidden_layers=layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                  max_position_embeddings=max_positions, tie_word_embeddings=tie, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if model_type == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        if rope_scaling is not None:
+            common["rope_parameters"] = {"rope_theta": 10000.0, **rope_scaling}
+        config = transformers.LlamaConfig(attention_bias=qkv_bias, **common)
+        model = transformers.LlamaForCausalLM(config)
+    _randomize_norms(model)
+    model = model.float().eval()
+    kwargs = {"safe_serialization": safe_serialization}
+    if max_shard_size:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(path, **kwargs)
+    return model
+
+
+def make_gpt2(path: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, vocab: int = 256,
+              positions: int = 128, seed: int = 0, safe_serialization: bool = True):
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads,
+                                     n_positions=positions, bos_token_id=1, eos_token_id=2)
+    model = transformers.GPT2LMHeadModel(config)
+    _randomize_norms(model)
+    model = model.float().eval()
+    model.save_pretrained(path, safe_serialization=safe_serialization)
+    return model
+
+
+def _randomize_norms(model) -> None:
+    """Norm weights start at 1 and biases at 0: perturb them so a mixed-up norm shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.02)
