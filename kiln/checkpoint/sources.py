@@ -75,7 +75,10 @@ class SafetensorsSource:
         try:
             if index is None:
                 return self._handles[file].get_tensor(key)
-            return self._handles[file].get_slice(key)[index]
+            # A slice is a view into the file's memory map; copy it so the caller owns it. A
+            # view would alias a whole-tensor read of the same tensor (a tied lm_head shard
+            # and the embedding table), which safetensors then refuses to save.
+            return self._handles[file].get_slice(key)[index].clone()
         except Exception as e:
             raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from None
 

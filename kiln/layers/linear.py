@@ -107,6 +107,15 @@ class ColumnLinear(Linear):
         y = F.linear(x, self.weight, self.bias)
         return distributed.all_gather(y, self.tp_size, dim=-1) if self.gather_output else y
 
+    def postprocess(self, key: str, weights: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
+        out = super().postprocess(key, weights, **kwargs)
+        missing = self.out_features - out[key].shape[0]
+        if self.gather_output and self.tp_rank == self.tp_size - 1 and 0 < missing < self.tp_size:
+            # The vocab-parallel lm_head of a vocabulary not divisible by tp_size: the last
+            # shard is zero-padded (compute_logits drops the padded columns).
+            out[key] = torch.cat([out[key], out[key].new_zeros(missing, *out[key].shape[1:])])
+        return out
+
 
 class RowLinear(Linear):
     """Input features split over ranks; partial products summed with an all-reduce."""

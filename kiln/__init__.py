@@ -1,0 +1,11 @@
+"""kiln: an LLM inference engine on PyTorch.
+
+Convert external checkpoints (Hugging Face, GGUF) into one checkpoint format, build
+engines, and run them: ``LLM`` for most users, ``kiln.runtime`` for the lower layers.
+"""
+from kiln.errors import KilnError
+from kiln.llm import LLM, CompletionOutput, RequestOutput
+from kiln.runtime.sampling import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "KilnError", "__version__"]

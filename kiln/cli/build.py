@@ -1,0 +1,34 @@
+"""``kiln build``: a kiln checkpoint -> an engine directory."""
+from __future__ import annotations
+
+import time
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("build", help="build a kiln checkpoint into an engine",
+                       description="Validate a checkpoint against the build limits and write an engine: "
+                                   "weights in the runtime's layout plus config.json with a build_config section.")
+    p.add_argument("--checkpoint_dir", required=True, help="the kiln checkpoint (from kiln convert)")
+    p.add_argument("--output_dir", required=True, help="where to write the engine (replaced atomically)")
+    p.add_argument("--max_batch_size", type=int, help="most sequences in one step (default 64)")
+    p.add_argument("--max_input_len", type=int,
+                   help="longest prompt in tokens (default 2048, capped at max_seq_len)")
+    p.add_argument("--max_seq_len", type=int,
+                   help="longest prompt + generation in tokens (default 4096, capped at the model's max positions)")
+    p.add_argument("--max_num_tokens", type=int, help="most tokens computed in one step (default 8192)")
+    p.add_argument("--tokens_per_block", type=int, help="tokens per paged KV-cache block (default 64)")
+    p.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from kiln.build import build_engine, resolve_build_config
+    from kiln.checkpoint.format import read_config
+
+    started = time.perf_counter()
+    build_config = resolve_build_config(
+        read_config(args.checkpoint_dir), max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
+        max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens, tokens_per_block=args.tokens_per_block)
+    out = build_engine(args.checkpoint_dir, args.output_dir, build_config)
+    limits = ", ".join(f"{k}={v}" for k, v in build_config.to_dict().items())
+    print(f"built engine {out} ({limits}) in {time.perf_counter() - started:.1f}s")
+    return 0

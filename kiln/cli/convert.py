@@ -1,0 +1,31 @@
+"""``kiln convert``: a Hugging Face directory or GGUF file -> a kiln checkpoint."""
+from __future__ import annotations
+
+import time
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("convert", help="convert a Hugging Face dir or GGUF file into a kiln checkpoint",
+                       description="Convert external weights into a kiln checkpoint: config.json plus "
+                                   "rank{N}.safetensors per rank, and the tokenizer.")
+    p.add_argument("--model_dir", required=True,
+                   help="Hugging Face model directory (safetensors, sharded safetensors, .bin or .pth) or a .gguf file")
+    p.add_argument("--output_dir", required=True, help="where to write the checkpoint (replaced atomically)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="weight dtype of the checkpoint; auto keeps the source's dtype (float32 for GGUF)")
+    p.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks to split the weights over (default 1)")
+    p.add_argument("--pp_size", type=int, default=1, help="pipeline-parallel stages to split the layers over (default 1)")
+    p.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from kiln.checkpoint.format import read_config
+    from kiln.convert import convert_checkpoint
+
+    started = time.perf_counter()
+    out = convert_checkpoint(args.model_dir, args.output_dir, dtype=args.dtype, tp_size=args.tp_size,
+                             pp_size=args.pp_size)
+    config = read_config(out)
+    print(f"converted {config.architecture} ({config.num_hidden_layers} layers, {config.dtype}, "
+          f"tp={config.mapping.tp_size} pp={config.mapping.pp_size}) to {out} in {time.perf_counter() - started:.1f}s")
+    return 0

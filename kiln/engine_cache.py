@@ -1,0 +1,86 @@
+"""Resolve what the user points at (HF dir, GGUF file, checkpoint, engine) to an engine dir.
+
+Anything that is not already an engine is converted and built into a cache directory
+(default ``~/.cache/kiln``, or ``$KILN_CACHE_DIR``) keyed by the source's identity (path,
+file sizes and modification times) and the options. A second call reuses the engine;
+two processes racing serialise on a lock file, and the engine appears atomically.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from kiln.errors import CheckpointError
+
+ENGINE_FORMAT_VERSION = 1
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln"))
+
+
+def classify(path: Path) -> str:
+    """'engine', 'checkpoint' or 'external' (Hugging Face dir or GGUF file)."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    config = path / "config.json"
+    if path.is_dir() and config.is_file():
+        try:
+            d = json.loads(config.read_text())
+        except json.JSONDecodeError:
+            d = {}
+        if "build_config" in d and "architecture" in d:
+            return "engine"
+        if "architecture" in d and (path / "rank0.safetensors").is_file():
+            return "checkpoint"
+    return "external"
+
+
+def _source_identity(path: Path) -> list:
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+
+
+def cache_key(path: Path, options: dict) -> str:
+    blob = json.dumps({"v": ENGINE_FORMAT_VERSION, "src": _source_identity(path), "opts": options}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def resolve_engine(model: str | Path, *, dtype: str | None = None, build_options: dict | None = None,
+                   cache_dir: str | Path | None = None, progress: bool = True) -> Path:
+    """The engine directory for ``model``, converting and building into the cache if needed."""
+    from kiln.build import build_engine, resolve_build_config
+    from kiln.checkpoint.format import read_config
+    from kiln.convert import convert_checkpoint
+
+    path = Path(model).expanduser().absolute()
+    kind = classify(path)
+    if kind == "engine":
+        return path
+    build_options = {k: v for k, v in (build_options or {}).items() if v is not None}
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    key = cache_key(path, {"dtype": dtype, "kind": kind, **build_options})
+    engine_dir = cache / f"{path.stem}-{key}"
+    if (engine_dir / "config.json").is_file():
+        return engine_dir
+    with open(cache / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same engine
+        if (engine_dir / "config.json").is_file():
+            return engine_dir
+        checkpoint = path
+        if kind == "external":
+            checkpoint = cache / f"{path.stem}-{key}.checkpoint"
+            convert_checkpoint(path, checkpoint, dtype=dtype, progress=progress)
+        try:
+            build_engine(checkpoint, engine_dir, resolve_build_config(read_config(checkpoint), **build_options),
+                         progress=progress)
+        finally:
+            if checkpoint != path:
+                import shutil
+
+                shutil.rmtree(checkpoint, ignore_errors=True)
+    return engine_dir

@@ -1,0 +1,64 @@
+"""Tokenizer loading, end-of-sequence ids, chat prompts and incremental detokenization."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kiln.errors import ConfigError
+
+
+def load_tokenizer(directory: str | Path):
+    """The Hugging Face tokenizer saved in ``directory`` (an engine, checkpoint or HF dir)."""
+    from transformers import AutoTokenizer
+
+    directory = Path(directory)
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except Exception as e:  # transformers raises many types for a missing or broken tokenizer
+        raise ConfigError(f"{directory}: no usable tokenizer ({type(e).__name__}: {e}); "
+                          "pass --tokenizer_dir") from None
+
+
+def end_ids(directory: str | Path, tokenizer) -> list[int]:
+    """End-of-sequence ids: generation_config.json's ``eos_token_id`` (int or list), else the tokenizer's."""
+    path = Path(directory) / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation rendered by the tokenizer's chat template, ready for the reply."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("the tokenizer has no chat template; use a plain prompt instead of chat")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding everything.
+
+    Each step decodes from a little before the new tokens (``prefix_offset``) so merges
+    such as leading spaces come out right, and holds back text that ends in an
+    incomplete multi-byte character until the next token completes it.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.prefix_offset = 0  # decode from here...
+        self.read_offset = 0  # ...and everything before this has been emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def step(self, token_ids: list[int], final: bool = False) -> str:
+        """The text added by the tokens appended since the last call ("" if none is ready)."""
+        emitted = self._decode(token_ids[self.prefix_offset:self.read_offset])
+        text = self._decode(token_ids[self.prefix_offset:])
+        if len(text) <= len(emitted) or (text.endswith("\ufffd") and not final):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        return text[len(emitted):]
