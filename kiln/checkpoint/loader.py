@@ -157,13 +157,18 @@ class ModelWeightsLoader:
         self.update_key_mapping(model)
         modules = dict(model.named_modules())
         weights: dict[str, torch.Tensor] = {}
-        params = list(model.named_parameters())
-        for name, param in tqdm(params, desc="loading weights", disable=not progress, leave=False):
+        params = dict(model.named_parameters())
+        for name, param in tqdm(params.items(), desc="loading weights", disable=not progress, leave=False):
             if name in weights:
                 continue  # already produced by a layer's postprocess
             module = modules[name.rpartition(".")[0]]
             for key, tensor in self.load(name, preprocess, module, config=getattr(model, "config", None),
                                          **kwargs).items():
+                expected = params.get(key)
+                if expected is not None and tuple(tensor.shape) != tuple(expected.shape):
+                    raise CheckpointError(
+                        f"{self.source.path}: {key!r} made from {self.translate(key)} has shape "
+                        f"{list(tensor.shape)}, expected {list(expected.shape)} for this config")
                 weights[key] = tensor.to(param.dtype) if tensor.is_floating_point() else tensor
         return weights
 

@@ -1,0 +1,37 @@
+"""Shared test setup: repo root importable, two CPU threads, and HF dir -> kiln engine in one call."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # so `tests.utils` and `kiln` import from the checkout
+
+torch.set_num_threads(2)
+
+
+def convert_and_build(hf_dir: Path, work_dir: Path, build_options: dict | None = None,
+                      **convert_kwargs) -> Path:
+    """Convert ``hf_dir`` into ``work_dir/checkpoint`` and build ``work_dir/engine``; return the engine dir.
+
+    ``build_options`` go to :func:`kiln.build.resolve_build_config` (``tokens_per_block=4``...).
+    """
+    from kiln.build import build_engine, resolve_build_config
+    from kiln.checkpoint.format import read_config
+    from kiln.convert import convert_checkpoint
+
+    work_dir = Path(work_dir)
+    checkpoint = convert_checkpoint(hf_dir, work_dir / "checkpoint", progress=False, **convert_kwargs)
+    build_config = resolve_build_config(read_config(checkpoint), **(build_options or {}))
+    return build_engine(checkpoint, work_dir / "engine", build_config, progress=False)
+
+
+@pytest.fixture(scope="session")
+def build_from_hf() -> Callable[..., Path]:
+    """The :func:`convert_and_build` helper, for fixtures of any scope."""
+    return convert_and_build

@@ -1,0 +1,94 @@
+"""Run kiln engines and Hugging Face models side by side on the same token ids."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from kiln.runtime.block_pool import BlockPool
+from kiln.runtime.engine import Engine
+from kiln.runtime.metadata import AttentionMetadata
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.sequence import Sequence
+
+
+@torch.inference_mode()
+def kiln_prompt_logits(engine_dir: str | Path, token_ids: list[int]) -> torch.Tensor:
+    """float32 logits ``[len, vocab]`` of one prompt run as a single packed step."""
+    engine = Engine(engine_dir)
+    n = len(token_ids)
+    runner = ModelRunner(engine, num_blocks=math.ceil(n / engine.build_config.tokens_per_block))
+    md = AttentionMetadata.build(runner.backend, [n], [n], [list(range(runner.num_blocks))], runner.block_size)
+    hidden = engine.model(torch.tensor(token_ids), torch.arange(n), md, runner.kv_caches)
+    return engine.model.compute_logits(hidden)
+
+
+def kiln_greedy(engine_dir: str | Path, prompts: list[list[int]], max_new_tokens: int,
+                max_num_tokens: int | None = None, steps: list | None = None) -> list[list[int]]:
+    """Greedy tokens for all ``prompts`` generated together by one Scheduler.
+
+    ``max_num_tokens`` is the scheduler's per-step token budget (default: the engine's).
+    When ``steps`` is a list, each step's ``[(seq_id, num_tokens, completes), ...]`` is appended.
+    """
+    engine = Engine(engine_dir)
+    bc = engine.build_config
+    block_size = bc.tokens_per_block
+    num_blocks = sum(math.ceil((len(p) + max_new_tokens) / block_size) for p in prompts)
+    runner = ModelRunner(engine, num_blocks)
+    scheduler = Scheduler(BlockPool(num_blocks), block_size, max_num_seqs=len(prompts),
+                          max_num_tokens=max_num_tokens or bc.max_num_tokens)
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+    seqs = [Sequence(i, list(p), params, end_id=None, max_seq_len=bc.max_seq_len) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        scheduler.add(seq)
+    for _ in range(sum(len(p) for p in prompts) + max_new_tokens * len(prompts) + 1):
+        if not scheduler.has_unfinished:
+            break
+        out = scheduler.schedule()
+        if steps is not None:
+            steps.append([(c.seq.seq_id, c.num_tokens, c.completes) for c in out.chunks])
+        scheduler.update(out, runner.execute(out))
+    assert not scheduler.has_unfinished, "generation did not finish within the expected number of steps"
+    return [seq.output_token_ids for seq in seqs]
+
+
+@torch.inference_mode()
+def hf_greedy(hf_model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Exactly ``n`` greedy new tokens per prompt from HF ``generate``, one prompt at a time.
+
+    ``eos_token_id=None`` matches kiln's ``ignore_eos``: with an eos id set, ``min_new_tokens``
+    would forbid eos (mask its logit) instead of letting greedy pick it.
+    """
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=n,
+                                max_new_tokens=n, eos_token_id=None, pad_token_id=0)
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
+    """``max |ours - ref| <= rel * max |ref|`` (and equal shapes)."""
+    assert ours.shape == ref.shape, f"shape {tuple(ours.shape)} != reference {tuple(ref.shape)}"
+    diff = (ours.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    assert diff <= rel * scale, f"max abs diff {diff:.3e} > {rel} * max|ref| ({scale:.3e})"
+
+
+def resave_as_torch_bin(hf_dir: str | Path, name: str = "pytorch_model.bin") -> Path:
+    """Replace the single ``model.safetensors`` of ``hf_dir`` by a pickled state dict ``name``.
+
+    transformers 5 always writes safetensors (``safe_serialization=False`` is silently
+    ignored), so tests make their ``.bin`` / ``.pth`` checkpoints with this.
+    """
+    from safetensors.torch import load_file
+
+    hf_dir = Path(hf_dir)
+    st = hf_dir / "model.safetensors"
+    torch.save(load_file(st), hf_dir / name)
+    st.unlink()
+    return hf_dir / name
