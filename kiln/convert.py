@@ -24,10 +24,14 @@ def hf_architecture(hf_config: dict, where: str) -> str:
 
 def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str | None = None,
                        tp_size: int = 1, pp_size: int = 1, customized_key_dict: dict | None = None,
+                       use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
                        progress: bool = True) -> Path:
     """Write ``config.json`` and ``rank{N}.safetensors`` for every rank, plus the tokenizer.
 
-    The output appears all at once when everything succeeded (nothing half-written).
+    With ``use_parallel_embedding`` the embedding table is split over the tensor-parallel
+    ranks along ``embedding_sharding_dim`` (0: vocabulary, 1: hidden), as reference 001
+    describes; otherwise every rank holds it whole. The output appears all at once when
+    everything succeeded (nothing half-written).
     """
     source = open_source(model_dir)
     hf = source.hf_config()
@@ -38,8 +42,10 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     with atomic_output_dir(output_dir) as tmp:
         config = None
         for rank in tqdm(range(world.world_size), desc="converting ranks", disable=not progress or world.world_size == 1):
-            model = model_cls.from_hugging_face(source, dtype, world.with_rank(rank), customized_key_dict,
-                                                progress=progress)
+            model = model_cls.from_hugging_face(
+                source, dtype, world.with_rank(rank), customized_key_dict, progress=progress,
+                config_overrides={"use_parallel_embedding": use_parallel_embedding,
+                                  "embedding_sharding_dim": embedding_sharding_dim})
             write_rank_weights(tmp, rank, model.checkpoint_weights())
             config = model.config
             del model

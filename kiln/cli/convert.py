@@ -15,6 +15,10 @@ def add_parser(sub) -> None:
                    help="weight dtype of the checkpoint; auto keeps the source's dtype (float32 for GGUF)")
     p.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks to split the weights over (default 1)")
     p.add_argument("--pp_size", type=int, default=1, help="pipeline-parallel stages to split the layers over (default 1)")
+    p.add_argument("--use_parallel_embedding", action="store_true",
+                   help="split the embedding table over the tp ranks too (default: whole on every rank)")
+    p.add_argument("--embedding_sharding_dim", type=int, choices=[0, 1], default=0,
+                   help="with --use_parallel_embedding: 0 splits the vocabulary, 1 the hidden size (default 0)")
     p.set_defaults(handler=run)
 
 
@@ -24,7 +28,8 @@ def run(args) -> int:
 
     started = time.perf_counter()
     out = convert_checkpoint(args.model_dir, args.output_dir, dtype=args.dtype, tp_size=args.tp_size,
-                             pp_size=args.pp_size)
+                             pp_size=args.pp_size, use_parallel_embedding=args.use_parallel_embedding,
+                             embedding_sharding_dim=args.embedding_sharding_dim)
     config = read_config(out)
     print(f"converted {config.architecture} ({config.num_hidden_layers} layers, {config.dtype}, "
           f"tp={config.mapping.tp_size} pp={config.mapping.pp_size}) to {out} in {time.perf_counter() - started:.1f}s")

@@ -49,15 +49,10 @@ class Embedding(nn.Module):
     # -- weight loading -----------------------------------------------------------------
 
     def load_spec(self, param_name: str, num_external: int) -> list[ShardSpec]:
-        if self.tp_size == 1:
-            return [ShardSpec()] * num_external
-        rows_per_rank = self.weight.shape[0]
-        if self.sharding_dim == 0:
-            # Rank r takes rows [r * rows_per_rank, (r + 1) * rows_per_rank); the loader
-            # splits by ceil as well, so only the last rank comes up short.
-            return [ShardSpec(0, ((None, self.tp_size, self.tp_rank),))] * num_external
-        del rows_per_rank
-        return [ShardSpec(1, ((None, self.tp_size, self.tp_rank),))] * num_external
+        # Vocabulary sharding splits rows by ceil(vocab / tp_size), as the loader does, so
+        # only the last rank comes up short (and is padded in postprocess).
+        dim = None if self.tp_size == 1 else self.sharding_dim
+        return [ShardSpec.even(dim, self.tp_size, self.tp_rank)] * num_external
 
     def postprocess(self, key: str, weights: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
         tensor = weights[0]

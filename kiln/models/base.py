@@ -12,6 +12,7 @@ its Hugging Face config; all loading, saving and sharding is shared.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import ClassVar
@@ -164,9 +165,13 @@ class DecoderModelForCausalLM(nn.Module):
 
     @classmethod
     def from_hugging_face(cls, source, dtype: str | None = None, mapping=None,
-                          customized_key_dict: dict | None = None, progress: bool = False
-                          ) -> "DecoderModelForCausalLM":
-        """Build this rank's model (``mapping.rank``) from a Hugging Face directory or GGUF file."""
+                          customized_key_dict: dict | None = None, progress: bool = False,
+                          config_overrides: dict | None = None) -> "DecoderModelForCausalLM":
+        """Build this rank's model (``mapping.rank``) from a Hugging Face directory or GGUF file.
+
+        ``config_overrides`` sets checkpoint config fields the Hugging Face config does not
+        decide, such as ``use_parallel_embedding`` and ``embedding_sharding_dim``.
+        """
         from kiln.checkpoint.loader import ModelWeightsLoader, translate_key
         from kiln.checkpoint.sources import open_source
         from kiln.mapping import Mapping
@@ -176,6 +181,8 @@ class DecoderModelForCausalLM(nn.Module):
         if hf is None:
             raise ConfigError(f"{source.path}: no Hugging Face config.json found next to the weights")
         config = cls.config_from_hf(hf, dtype, mapping or Mapping())
+        if config_overrides:
+            config = dataclasses.replace(config, **config_overrides)
         key_map = {**cls.hf_key_map, **(customized_key_dict or {})}
         loader = ModelWeightsLoader(source, key_map)
         external = set(source.keys())

@@ -150,3 +150,41 @@ def test_pipeline_stages_hold_disjoint_layers(checkpoints, tp: int) -> None:
     for stage in stages:
         assert_same_as_single_rank(stage, single)
     assert set(stages[0]) | set(stages[1]) == set(single) | {"lm_head.weight"}
+
+
+@pytest.mark.parametrize("sharding_dim", [0, 1])
+def test_parallel_embedding_shards_and_lookup(tmp_path, monkeypatch, sharding_dim: int) -> None:
+    """use_parallel_embedding splits the table per reference 001, and the ranks' lookups combine.
+
+    Vocabulary sharding (dim 0): each rank holds ceil(vocab / tp) rows (the last zero-padded)
+    and returns zeros for ids outside its range, so the sum over ranks (the all-reduce) is
+    the full lookup. Hidden sharding (dim 1): each rank returns its columns for every id, so
+    concatenating them (the all-gather) is the full lookup. The collectives are replaced by
+    identity here to see each rank's local result.
+    """
+    import kiln.distributed
+    from kiln.layers.embedding import Embedding
+
+    monkeypatch.setattr(kiln.distributed, "all_reduce", lambda x, tp_size: x)
+    monkeypatch.setattr(kiln.distributed, "all_gather", lambda x, tp_size, dim=-1: x)
+    tp, vocab = 4, 250
+    hf = tmp_path / "hf"
+    make_llama(hf, vocab=vocab)
+    full = read_rank_weights(convert_checkpoint(hf, tmp_path / "tp1", progress=False), 0)
+    out = convert_checkpoint(hf, tmp_path / "tp4", tp_size=tp, use_parallel_embedding=True,
+                             embedding_sharding_dim=sharding_dim, progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["use_parallel_embedding"] is True and config["embedding_sharding_dim"] == sharding_dim
+    table = full["transformer.vocab_embedding.weight"]
+    ids = torch.tensor([0, 5, 62, 63, 127, 200, 249])
+    lookups = []
+    for rank in range(tp):
+        shard = read_rank_weights(out, rank)["transformer.vocab_embedding.weight"]
+        layer = Embedding(vocab, table.shape[1], tp_size=tp, tp_rank=rank, sharding_dim=sharding_dim)
+        assert shard.shape == layer.weight.shape
+        layer.weight.data = shard
+        lookups.append(layer(ids))
+        if sharding_dim == 0 and rank == tp - 1:
+            assert shard[vocab - rank * shard.shape[0]:].abs().sum() == 0  # zero padding
+    combined = sum(lookups) if sharding_dim == 0 else torch.cat(lookups, dim=-1)
+    torch.testing.assert_close(combined, table[ids], rtol=0, atol=0)

@@ -8,7 +8,7 @@ import torch
 
 def make_llama(path: Path, *, num_heads: int = 4, num_kv_heads: int = 2, hidden: int = 64, layers: int = 2,
                vocab: int = 256, tie: bool = False, rope_scaling: dict | None = None, qkv_bias: bool = False,
-               max_positions: int = 256, seed: int = 0, safe_serialization: bool = True,
+               max_positions: int = 256, seed: int = 0,
                max_shard_size: str | None = None, model_type: str = "llama"):
     """Save a random Llama (or Qwen2 with ``model_type='qwen2'``) to ``path``; return the HF model."""
     import transformers
@@ -28,7 +28,7 @@ def make_llama(path: Path, *, num_heads: int = 4, num_kv_heads: int = 2, hidden:
         model = transformers.LlamaForCausalLM(config)
     _randomize_norms(model)
     model = model.float().eval()
-    kwargs = {"safe_serialization": safe_serialization}
+    kwargs = {}  # .bin checkpoints: tests.utils.compare.resave_as_torch_bin (transformers 5 writes safetensors)
     if max_shard_size:
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(path, **kwargs)
@@ -36,7 +36,7 @@ def make_llama(path: Path, *, num_heads: int = 4, num_kv_heads: int = 2, hidden:
 
 
 def make_gpt2(path: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, vocab: int = 256,
-              positions: int = 128, seed: int = 0, safe_serialization: bool = True):
+              positions: int = 128, seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
@@ -45,7 +45,7 @@ def make_gpt2(path: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, 
     model = transformers.GPT2LMHeadModel(config)
     _randomize_norms(model)
     model = model.float().eval()
-    model.save_pretrained(path, safe_serialization=safe_serialization)
+    model.save_pretrained(path)
     return model
 
 
