@@ -37,7 +37,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     hf = source.hf_config()
     if hf is None:
         raise ConfigError(f"{model_dir}: no Hugging Face config.json found next to the weights")
-    model_cls = get_model_class(hf_architecture(hf, str(model_dir)))
+    model_cls = get_model_class(hf_architecture(hf, str(model_dir)), source=str(model_dir))
     world = Mapping(world_size=tp_size * pp_size, tp_size=tp_size, pp_size=pp_size)
     with atomic_output_dir(output_dir) as tmp:
         config = None

@@ -52,7 +52,7 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_confi
     config = read_config(checkpoint_dir)
     build_config = build_config or resolve_build_config(config)
     validate_limits(config, build_config)
-    model_cls = get_model_class(config.architecture)
+    model_cls = get_model_class(config.architecture, source=str(checkpoint_dir / "config.json"))
     raw = read_config_dict(checkpoint_dir)
     with atomic_output_dir(output_dir) as tmp:
         for rank in tqdm(range(config.mapping.world_size), desc="building ranks",

@@ -17,9 +17,11 @@ def register_model(*architectures: str) -> Callable[[type], type]:
     return decorate
 
 
-def get_model_class(architecture: str) -> type:
+def get_model_class(architecture: str, source: str | None = None) -> type:
+    """The class registered for ``architecture``; ``source`` (a config path) goes into the error."""
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
+        where = f"{source}: " if source else ""
         raise ConfigError(
-            f"unknown architecture {architecture!r}; kiln supports {sorted(MODEL_REGISTRY)}") from None
+            f"{where}unknown architecture {architecture!r}; kiln supports {sorted(MODEL_REGISTRY)}") from None

@@ -29,7 +29,7 @@ class Engine:
         if self.config.mapping.world_size != 1:
             raise KilnError(f"{self.engine_dir}: built for {self.config.mapping.world_size} ranks; "
                             "kiln runs single-rank engines in one process for now")
-        model_cls = get_model_class(self.config.architecture)
+        model_cls = get_model_class(self.config.architecture, source=str(self.engine_dir / "config.json"))
         self.model = model_cls.from_checkpoint(self.engine_dir, rank, engine_layout=True)
         self.model.eval()
         self.load_seconds = time.perf_counter() - started
