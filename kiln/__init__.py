@@ -4,8 +4,9 @@ Convert external checkpoints (Hugging Face, GGUF) into one checkpoint format, bu
 engines, and run them: ``LLM`` for most users, ``kiln.runtime`` for the lower layers.
 """
 from kiln.errors import KilnError
-from kiln.llm import LLM, CompletionOutput, RequestOutput
-from kiln.runtime.sampling import SamplingParams
+from kiln.llm import LLM
+from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "KilnError", "__version__"]

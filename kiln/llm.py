@@ -8,50 +8,25 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+import torch
 from tqdm import tqdm
 
 from kiln.engine_cache import resolve_engine
 from kiln.errors import ConfigError, RequestError
+from kiln.outputs import (FINISH_NAMES, CompletionOutput, RequestOutput, StreamDelta, TextTracker, beam_completions,
+                          completion)
 from kiln.runtime.engine import Engine
-from kiln.runtime.engine_core import EngineCore
-from kiln.runtime.sampling import SamplingParams
-from kiln.runtime.sequence import FinishReason, Sequence
-from kiln.tokenizer import IncrementalDetokenizer, chat_prompt_ids, end_ids, load_tokenizer
+from kiln.runtime.engine_core import EngineCore, Request
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sequence import FinishReason
+from kiln.tokenizer import chat_prompt_ids, end_ids, load_tokenizer
 
-# What users of OpenAI-style APIs expect to see.
-_FINISH_NAMES = {FinishReason.END_ID: "stop", FinishReason.STOP_WORDS: "stop", FinishReason.LENGTH: "length",
-                 FinishReason.CANCELLED: "abort"}
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "StreamDelta"]
 
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-
-
-@dataclass
-class RequestOutput:
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
-    finished: bool = True
-
-
-@dataclass
-class StreamDelta:
-    """A piece of a streamed generation: new text and tokens, and whether it is the last."""
-
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
+DEFAULT_MAX_BEAM_WIDTH = 8  # engines the LLM API builds itself can serve beam search
 
 
 class LLM:
@@ -65,9 +40,11 @@ class LLM:
                  cache_dir: str | Path | None = None, max_batch_size: int | None = None,
                  max_input_len: int | None = None, max_seq_len: int | None = None,
                  max_num_tokens: int | None = None, tokens_per_block: int | None = None,
-                 kv_cache_max_tokens: int | None = None, progress: bool = True):
+                 max_beam_width: int = DEFAULT_MAX_BEAM_WIDTH, kv_cache_max_tokens: int | None = None,
+                 progress: bool = True):
         build_options = dict(max_batch_size=max_batch_size, max_input_len=max_input_len, max_seq_len=max_seq_len,
-                             max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block)
+                             max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block,
+                             max_beam_width=max_beam_width)
         self.engine_dir = resolve_engine(model, dtype=dtype, build_options=build_options, cache_dir=cache_dir,
                                          progress=progress)
         self.engine = Engine(self.engine_dir)
@@ -84,7 +61,7 @@ class LLM:
             num_blocks = max(1, kv_cache_max_tokens // build.tokens_per_block)
         self.core = EngineCore(self.engine, num_blocks=num_blocks)
 
-    # -- prompts ----------------------------------------------------------------------------
+    # -- requests ---------------------------------------------------------------------------
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -93,10 +70,55 @@ class LLM:
             return prompt
         raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def _add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def _engine_params(self, params: SamplingParams) -> SamplingParams:
+        """The request's params with the model's extra end ids, tokenized bad words and the
+        log-probs ``best_of`` needs to rank its samples."""
+        changes = {}
         if self.extra_stop_ids:
-            params = dataclasses.replace(params, stop_token_ids=list(params.stop_token_ids) + self.extra_stop_ids)
-        return self.core.add_request(prompt_ids, params, self.end_id)
+            changes["stop_token_ids"] = list(params.stop_token_ids) + self.extra_stop_ids
+        if params.bad_words:
+            words = list(params.bad_words_ids)
+            for word in params.bad_words:  # ban the word at a word start and mid-text alike
+                for variant in {word, " " + word.lstrip()}:
+                    ids = self.tokenizer(variant, add_special_tokens=False)["input_ids"]
+                    if ids and ids not in words:
+                        words.append(ids)
+            changes["bad_words_ids"] = words
+        if not params.use_beam_search and params.num_samples > params.n and params.logprobs is None:
+            changes["logprobs"] = 0
+        if params.use_beam_search and (params.stop or params.stop_words_ids):
+            raise RequestError("stop strings and multi-token stop words are not supported with beam search")
+        return dataclasses.replace(params, **changes) if changes else params
+
+    def _add(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Request, dict]:
+        request = self.core.add_request(prompt_ids, self._engine_params(params), self.end_id,
+                                        return_context_logits=params.prompt_logprobs is not None)
+        request.params = params  # what the caller asked for (outputs follow it)
+        trackers = {}
+        if params.stop:
+            trackers = {s.seq_id: TextTracker(self.tokenizer, params.stop, params.include_stop_str_in_output)
+                        for s in request.seqs}
+        return request, trackers
+
+    def _check_stop_strings(self, request: Request, trackers: dict) -> None:
+        for seq in request.seqs:
+            tracker = trackers.get(seq.seq_id)
+            if tracker is None or tracker.num_tokens == seq.num_output_tokens:
+                continue
+            if tracker.update(seq.output_token_ids, final=seq.is_finished):
+                self.core.finish_sequence(seq, FinishReason.STOP_WORDS)
+
+    def _step(self, pending: dict[int, tuple[Request, dict]]) -> list[Request]:
+        """One engine step; applies stop strings; returns the requests that finished."""
+        self.core.step()
+        done = []
+        for request_id, (request, trackers) in list(pending.items()):
+            if trackers:
+                self._check_stop_strings(request, trackers)
+            if request.is_finished:
+                done.append(request)
+                del pending[request_id]
+        return done
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -111,22 +133,19 @@ class LLM:
         if len(params_list) != len(prompts):
             raise RequestError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
         encoded = [self._encode(p) for p in prompts]
-        seqs = []
+        added: list[tuple[Request, dict]] = []
         try:
             for ids, p in zip(encoded, params_list):
-                seqs.append(self._add(ids, p))
+                added.append(self._add(ids, p))
         except Exception:
-            for seq in seqs:  # one bad prompt rejects the batch: leave nothing queued
-                self.core.abort(seq)
+            for request, _ in added:  # one bad prompt rejects the batch: leave nothing queued
+                self.core.abort(request)
             raise
-        pending = set(seqs)
-        with tqdm(total=len(seqs), desc="generating", disable=not use_tqdm) as bar:
+        pending = {r.request_id: (r, t) for r, t in added}
+        with tqdm(total=len(added), desc="generating", disable=not use_tqdm) as bar:
             while pending:
-                self.core.step()
-                done = {s for s in pending if s.is_finished}
-                pending -= done
-                bar.update(len(done))
-        return [self._output(s, p if isinstance(p, str) else None) for s, p in zip(seqs, prompts)]
+                bar.update(len(self._step(pending)))
+        return [self._output(r, t, p if isinstance(p, str) else None) for (r, t), p in zip(added, prompts)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
@@ -135,26 +154,55 @@ class LLM:
         return self.generate([chat_prompt_ids(self.tokenizer, c) for c in conversations], sampling_params)
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Generate for one prompt, yielding text as it is decoded."""
-        seq = self._add(self._encode(prompt), sampling_params or SamplingParams())
-        detok = IncrementalDetokenizer(self.tokenizer)
+        """Generate for one prompt (one sequence, no beam search), yielding text as it is decoded."""
+        params = sampling_params or SamplingParams()
+        if params.use_beam_search or params.num_samples > 1:
+            raise RequestError("stream() returns one sequence: use generate() for n > 1 or beam search")
+        request, trackers = self._add(self._encode(prompt), params)
+        seq = request.seqs[0]
+        tracker = trackers.get(seq.seq_id) or TextTracker(self.tokenizer, [], False)
+        pending = {request.request_id: (request, trackers)}
         sent = 0
         try:
-            while not seq.is_finished:
-                self.core.step()
+            while pending:
+                self._step(pending)
                 out = seq.output_token_ids
                 if len(out) > sent or seq.is_finished:
-                    text = detok.step(out, final=seq.is_finished)
-                    reason = _FINISH_NAMES[seq.finish_reason] if seq.is_finished else None
-                    yield StreamDelta(text, out[sent:], seq.is_finished, reason)
+                    if tracker.num_tokens != len(out):
+                        tracker.update(out, final=seq.is_finished)
+                    reason = FINISH_NAMES[seq.finish_reason] if seq.is_finished else None
+                    yield StreamDelta(tracker.delta(), out[sent:], seq.is_finished, reason)
                     sent = len(out)
         finally:
-            if not seq.is_finished:
-                self.core.abort(seq)
+            if not request.is_finished:
+                self.core.abort(request)
 
-    def _output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
-        tokens = seq.output_token_ids
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        reason = _FINISH_NAMES[seq.finish_reason] if seq.finish_reason else None
-        return RequestOutput(seq.seq_id, prompt, seq.token_ids[: seq.num_prompt_tokens],
-                             [CompletionOutput(0, text, list(tokens), reason)])
+    # -- outputs ------------------------------------------------------------------------------
+
+    def _output(self, request: Request, trackers: dict, prompt: str | None) -> RequestOutput:
+        params = request.params
+        if request.beam is not None:
+            outputs = beam_completions(request, self.tokenizer)[: params.n]
+        else:
+            seqs = request.seqs
+            if len(seqs) > params.n:  # best_of: keep the n most likely samples
+                seqs = sorted(seqs, key=lambda s: -s.cum_logprob)[: params.n]
+            outputs = [completion(i, s, self.tokenizer, trackers.get(s.seq_id), params.logprobs is not None)
+                       for i, s in enumerate(seqs)]
+        return RequestOutput(request.request_id, prompt, list(request.prompt_token_ids), outputs,
+                             self._prompt_logprobs(request))
+
+    def _prompt_logprobs(self, request: Request) -> list | None:
+        k = request.params.prompt_logprobs
+        if k is None or not request.context_logits:
+            return None
+        logprobs = torch.cat(request.context_logits).log_softmax(dim=-1)  # row i predicts prompt token i + 1
+        ids = request.prompt_token_ids
+        out: list = [None]
+        for i in range(1, len(ids)):
+            entry = {ids[i]: logprobs[i - 1, ids[i]].item()}
+            if k:
+                values, tops = logprobs[i - 1].topk(k)
+                entry = {**dict(zip(tops.tolist(), values.tolist())), **entry}
+            out.append(entry)
+        return out

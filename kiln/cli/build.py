@@ -17,6 +17,9 @@ def add_parser(sub) -> None:
                    help="longest prompt + generation in tokens (default 4096, capped at the model's max positions)")
     p.add_argument("--max_num_tokens", type=int, help="most tokens computed in one step (default 8192)")
     p.add_argument("--tokens_per_block", type=int, help="tokens per paged KV-cache block (default 64)")
+    p.add_argument("--max_beam_width", type=int, help="widest beam search the engine serves (default 1: none)")
+    p.add_argument("--gather_all_token_logits", action="store_true", default=None,
+                   help="let requests ask for the logits of every prompt token (context logits)")
     p.set_defaults(handler=run)
 
 
@@ -27,7 +30,8 @@ def run(args) -> int:
     started = time.perf_counter()
     build_config = resolve_build_config(
         read_config(args.checkpoint_dir), max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
-        max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens, tokens_per_block=args.tokens_per_block)
+        max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens, tokens_per_block=args.tokens_per_block,
+        max_beam_width=args.max_beam_width, gather_all_token_logits=args.gather_all_token_logits)
     out = build_engine(args.checkpoint_dir, args.output_dir, build_config)
     limits = ", ".join(f"{k}={v}" for k, v in build_config.to_dict().items())
     print(f"built engine {out} ({limits}) in {time.perf_counter() - started:.1f}s")

@@ -8,12 +8,25 @@ import sys
 from kiln.errors import KilnError
 
 
+def _with_dashed_aliases(names: tuple[str, ...]) -> list[str]:
+    return [*names, *(n.replace("_", "-") for n in names if n.startswith("--") and "_" in n)]
+
+
+class _AliasGroup(argparse._ArgumentGroup):
+    def add_argument(self, *names, **kwargs):
+        return super().add_argument(*_with_dashed_aliases(names), **kwargs)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that also accepts ``--max-seq-len`` for every ``--max_seq_len`` flag."""
 
     def add_argument(self, *names, **kwargs):
-        aliases = [n.replace("_", "-") for n in names if n.startswith("--") and "_" in n]
-        return super().add_argument(*names, *aliases, **kwargs)
+        return super().add_argument(*_with_dashed_aliases(names), **kwargs)
+
+    def add_argument_group(self, *args, **kwargs):
+        group = _AliasGroup(self, *args, **kwargs)
+        self._action_groups.append(group)
+        return group
 
 
 def build_parser() -> argparse.ArgumentParser:

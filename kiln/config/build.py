@@ -15,11 +15,16 @@ class BuildConfig:
     max_seq_len: int = 4096
     max_num_tokens: int = 8192
     tokens_per_block: int = 64
+    max_beam_width: int = 1
+    gather_all_token_logits: bool = False  # keep the logits of every prompt token (context logits)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if f.type in (bool, "bool"):
+                if not isinstance(value, bool):
+                    raise ConfigError(f"build option {f.name} must be true or false, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"build option {f.name} must be a positive integer, got {value!r}")
         if self.max_input_len > self.max_seq_len:
             raise ConfigError(

@@ -3,31 +3,31 @@
 Every front end (GenerationSession, LLM, and later the in-flight Executor) drives this::
 
     out = scheduler.schedule(); result = runner.execute(out); scheduler.update(out, result)
+
+A request is a :class:`Request`: one sequence, ``best_of`` independent samples, or the
+live beams of a beam search, which move in lockstep and are re-formed after every step
+from the :class:`~kiln.runtime.beam_search.BeamSearch` decision (children share their
+parent's KV blocks; the block a child writes next is copied on write).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from kiln.errors import CapacityError, RequestError
-from kiln.runtime.block_pool import BlockPool
 from kiln.models.base import torch_dtype
+from kiln.runtime.beam_search import BeamHypothesis, BeamSearch, BeamSearchParams
+from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.engine import Engine
 from kiln.runtime.kv_cache import available_memory_bytes, kv_bytes_per_token
 from kiln.runtime.model_runner import ModelRunner
-from kiln.runtime.sampling import SamplingParams
-from kiln.runtime.scheduler import Scheduler
-from kiln.runtime.sequence import Sequence
-
-
-@dataclass
-class StepStats:
-    num_steps: int = 0
-    num_tokens: int = 0  # tokens computed (prompt and generated)
-    num_generated: int = 0
-    seconds: float = 0.0
-
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import RunnerOutput, Scheduler
+from kiln.runtime.sequence import FinishReason, Sequence
 
 KV_CACHE_MEMORY_FRACTION = 0.3  # of the memory available at start-up, when no size is given
 
@@ -43,6 +43,34 @@ def default_num_blocks(engine: Engine, max_num_seqs: int) -> int:
     return max(1, min(wanted, affordable))
 
 
+@dataclass
+class StepStats:
+    num_steps: int = 0
+    num_tokens: int = 0  # tokens computed (prompt and generated)
+    num_generated: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's sequences: samples, or the live beams of a beam search."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    beam: BeamSearch | None = None
+    hypotheses: list[BeamHypothesis] | None = None  # beam search results, once done
+    context_logits: list[torch.Tensor] = field(default_factory=list)  # chunks, when asked
+    generation_logits: list[list[torch.Tensor]] = field(default_factory=list)  # per step, per live seq
+
+    @property
+    def is_finished(self) -> bool:
+        if self.beam is not None:
+            return self.hypotheses is not None
+        return all(s.is_finished for s in self.seqs)
+
+
 class EngineCore:
     def __init__(self, engine: Engine, *, max_num_seqs: int | None = None, max_num_tokens: int | None = None,
                  num_blocks: int | None = None, attention_backend: str = "torch"):
@@ -56,11 +84,16 @@ class EngineCore:
         self.runner = ModelRunner(engine, num_blocks, attention_backend)
         self.pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(self.pool, block, self.max_num_seqs, self.max_num_tokens)
-        self._ids = itertools.count()
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._requests: dict[int, Request] = {}  # seq_id -> request, for live sequences
         self.stats = StepStats()
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, end_id: int | None) -> Sequence:
-        """Validate and queue one request; returns its live Sequence."""
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, end_id: int | None,
+                    return_context_logits: bool = False, return_generation_logits: bool = False) -> Request:
+        """Validate and queue one request."""
         build = self.engine.build_config
         if not prompt_token_ids:
             raise RequestError("the prompt is empty")
@@ -74,28 +107,143 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        seq = Sequence(next(self._ids), list(prompt_token_ids), params, end_id, build.max_seq_len)
-        self.scheduler.add(seq)
-        return seq
+        if end_id is not None and not 0 <= end_id < vocab:
+            raise RequestError(f"end_id {end_id} is outside the vocabulary [0, {vocab})")
+        params.validate(vocab_size=vocab, max_beam_width=build.max_beam_width)
+        if params.use_beam_search:
+            if params.beam_width > self.max_num_seqs:
+                raise RequestError(f"beam width {params.beam_width} exceeds the batch limit {self.max_num_seqs}")
+            total = min(len(prompt_token_ids) + params.max_tokens, build.max_seq_len)
+            if params.beam_width * self.scheduler.blocks_for(total) > self.pool.num_blocks:
+                raise CapacityError(f"{params.beam_width} beams of up to {total} tokens need more KV blocks than "
+                                    f"the cache's {self.pool.num_blocks}")
+        request = Request(next(self._request_ids), list(prompt_token_ids), params, [])
+        if params.use_beam_search:
+            request.beam = BeamSearch(BeamSearchParams(
+                beam_width=params.beam_width, length_penalty=params.length_penalty,
+                early_stopping=params.early_stopping, num_return_sequences=params.n,
+                diversity_rate=params.beam_search_diversity_rate,
+                end_ids=tuple([] if end_id is None or params.ignore_eos else [end_id]) + tuple(params.stop_token_ids),
+                max_new_tokens=min(params.max_tokens, build.max_seq_len - len(prompt_token_ids))),
+                prompt_len=len(prompt_token_ids))
+            copies = 1  # one sequence for the prompt; beams branch from it
+        else:
+            copies = params.num_samples
+        for i in range(copies):
+            seq_params = params
+            if copies > 1 and params.seed is not None:
+                seq_params = dataclasses.replace(params, seed=params.seed + i)  # distinct, reproducible draws
+            seq = Sequence(next(self._seq_ids), list(prompt_token_ids), seq_params, end_id, build.max_seq_len)
+            seq.return_context_logits = return_context_logits and i == 0
+            seq.return_generation_logits = return_generation_logits
+            seq.group = request
+            request.seqs.append(seq)
+        added = []
+        try:
+            for seq in request.seqs:
+                self.scheduler.add(seq)
+                added.append(seq)
+        except Exception:
+            for seq in added:
+                self.scheduler.finish(seq)
+            raise
+        for seq in request.seqs:
+            self._requests[seq.seq_id] = request
+        return request
+
+    def abort(self, request: Request) -> None:
+        """Stop a request now; its unfinished sequences end as cancelled."""
+        for seq in request.seqs:
+            self.finish_sequence(seq, FinishReason.CANCELLED)
+        if request.beam is not None and request.hypotheses is None:
+            request.hypotheses = []
+
+    def finish_sequence(self, seq: Sequence, reason: FinishReason) -> None:
+        """End one sequence now (a stop string found in its text, a cancel) and free its blocks."""
+        if not seq.is_finished:
+            seq.finish_reason = reason
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.runner.release(seq)
+        self._requests.pop(seq.seq_id, None)
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
-    def step(self) -> list[Sequence]:
-        """Run one step; returns the sequences that received a token."""
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests that advanced (got tokens or finished)."""
         started = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.chunks:
             raise CapacityError("no sequence could be scheduled: the KV cache is too small for the work queued")
         result = self.runner.execute(out)
-        advanced = self.scheduler.update(out, result)
+        self._collect_logits(result)
+        advanced_seqs = self.scheduler.update(out, result)
+        advanced: dict[int, Request] = {}
+        for seq in advanced_seqs:
+            request = self._requests[seq.seq_id]
+            advanced[request.request_id] = request
+            if seq.is_finished:
+                self._release(seq)
+        beam_requests = {r.request_id: r for r in map(self._requests.get, result.beam_logprobs) if r is not None}
+        for request in beam_requests.values():
+            if self._advance_beams(request, result):
+                advanced[request.request_id] = request
         s = self.stats
         s.num_steps += 1
         s.num_tokens += out.num_tokens
-        s.num_generated += len(advanced)
+        s.num_generated += len(advanced_seqs) + sum(len(r.seqs) for r in beam_requests.values())
         s.seconds += time.perf_counter() - started
-        return advanced
+        return list(advanced.values())
 
-    def abort(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
+    def _collect_logits(self, result: RunnerOutput) -> None:
+        for seq_id, logits in result.context_logits.items():
+            self._requests[seq_id].context_logits.append(logits)
+        by_request: dict[int, tuple[Request, dict]] = {}
+        for seq_id, logits in result.generation_logits.items():
+            request = self._requests[seq_id]
+            by_request.setdefault(request.request_id, (request, {}))[1][seq_id] = logits
+        for request, by_seq in by_request.values():
+            request.generation_logits.append([by_seq.get(s.seq_id) for s in request.seqs])
+
+    def _advance_beams(self, request: Request, result: RunnerOutput) -> bool:
+        """Apply one beam search step once every live beam has its log-probs."""
+        live = request.seqs
+        if not all(s.seq_id in result.beam_logprobs for s in live):
+            # A beam was preempted or had not caught up: the others recompute their last token later.
+            for s in live:
+                if s.seq_id in result.beam_logprobs:
+                    s.num_computed_tokens -= 1
+            return False
+        decision = request.beam.step(torch.stack([result.beam_logprobs[s.seq_id] for s in live]))
+        parents = [(list(live[p].token_ids), list(live[p].block_ids), live[p].num_computed_tokens)
+                   for p in decision.parents]
+        # Children take references to their parents' blocks before the parents let go of theirs.
+        child_blocks = [self.pool.fork(blocks) for _, blocks, _ in parents]
+        for s in live:
+            self.pool.free(s.block_ids)
+            s.block_ids = []
+        while len(live) < len(parents):  # the first step turns the prompt into beam_width beams
+            seq = Sequence(next(self._seq_ids), [], request.params, live[0].end_id, live[0].max_seq_len)
+            seq.num_prompt_tokens = live[0].num_prompt_tokens
+            seq.group = request
+            seq.return_generation_logits = live[0].return_generation_logits
+            live.append(seq)
+            self._requests[seq.seq_id] = request
+            self.scheduler.running.append(seq)
+        for seq, (tokens, _, computed), blocks, token in zip(live, parents, child_blocks, decision.tokens):
+            seq.token_ids = tokens + [token]
+            seq.block_ids = blocks
+            seq.num_computed_tokens = computed
+            self.runner.history.reset(seq)
+        if decision.done:
+            request.hypotheses = request.beam.finalize()
+            for seq in live:
+                seq.finish_reason = FinishReason.LENGTH
+                self._release(seq)
+        return True

@@ -1,15 +1,19 @@
 """ModelRunner: turns a SchedulerOutput into one packed forward pass and sampled tokens."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kiln.models.base import torch_dtype
 from kiln.runtime.attention import BACKENDS
 from kiln.runtime.engine import Engine
 from kiln.runtime.kv_cache import allocate_kv_cache
+from kiln.runtime.logits_processors import TokenHistory, process_logits
 from kiln.runtime.metadata import AttentionMetadata
 from kiln.runtime.sampling import sample
-from kiln.runtime.scheduler import RunnerOutput, SchedulerOutput
+from kiln.runtime.scheduler import RunnerOutput, SchedulerOutput, TokenResult
+from kiln.runtime.sequence import Sequence
 
 
 class ModelRunner:
@@ -25,13 +29,32 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(len(self.model.transformer.layers), num_blocks, self.block_size,
                                            attention.num_kv_heads, attention.head_size, torch_dtype(config.dtype))
         self.backend = BACKENDS[attention_backend]()
+        self.history = TokenHistory(engine.build_config.max_seq_len)
+
+    def release(self, seq: Sequence) -> None:
+        """Drop per-sequence state of a finished sequence."""
+        self.history.reset(seq)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks ``src -> dst`` in every layer (copy-on-write of shared blocks)."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies])
+        dst = torch.tensor([d for _, d in copies])
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        input_ids, positions, query_lens, seq_lens, tables, last_token, sampled_seqs = [], [], [], [], [], [], []
+        self.copy_blocks(out.block_copies)
+        input_ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
+        last_token, sampled_seqs, context_rows = [], [], []
         for chunk in out.chunks:
             seq, n = chunk.seq, chunk.num_tokens
             start = seq.num_computed_tokens
+            if seq.return_context_logits and start < seq.num_prompt_tokens:
+                context_rows.append((seq, len(input_ids), min(n, seq.num_prompt_tokens - start)))
             input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             query_lens.append(n)
@@ -40,12 +63,39 @@ class ModelRunner:
             if chunk.completes:
                 last_token.append(len(input_ids) - 1)
                 sampled_seqs.append(seq)
+        result = RunnerOutput()
         if not input_ids:
-            return RunnerOutput(sampled={})
+            return result
         md = AttentionMetadata.build(self.backend, query_lens, seq_lens, tables, self.block_size)
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), md, self.kv_caches)
+        for seq, offset, count in context_rows:
+            result.context_logits[seq.seq_id] = self.model.compute_logits(hidden[offset:offset + count])
         if not sampled_seqs:
-            return RunnerOutput(sampled={})
+            return result
         logits = self.model.compute_logits(hidden[torch.tensor(last_token)])
-        tokens = sample(logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs])
-        return RunnerOutput(sampled={s.seq_id: t for s, t in zip(sampled_seqs, tokens.tolist())})
+        for seq, row in zip(sampled_seqs, logits):
+            if seq.return_generation_logits:
+                result.generation_logits[seq.seq_id] = row.clone()
+        self._sample(logits, sampled_seqs, result)
+        return result
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], result: RunnerOutput) -> None:
+        beam_rows = [i for i, s in enumerate(seqs) if s.params.use_beam_search]
+        if beam_rows:
+            # Beam search ranks log-probs, processed after normalisation (as HF does).
+            idx = torch.tensor(beam_rows)
+            beam_seqs = [seqs[i] for i in beam_rows]
+            logprobs = process_logits(logits[idx].log_softmax(dim=-1), beam_seqs, self.history)
+            for seq, row in zip(beam_seqs, logprobs):
+                result.beam_logprobs[seq.seq_id] = row
+        rows = [i for i, s in enumerate(seqs) if not s.params.use_beam_search]
+        if not rows:
+            return
+        sample_seqs = [seqs[i] for i in rows]
+        logits = logits if len(rows) == len(seqs) else logits[torch.tensor(rows)]
+        drawn = sample(process_logits(logits, sample_seqs, self.history), sample_seqs)
+        tokens = drawn.tokens.tolist()
+        logprobs = drawn.logprobs.tolist() if drawn.logprobs is not None else [None] * len(rows)
+        tops = drawn.top_logprobs or [None] * len(rows)
+        for seq, token, logprob, top in zip(sample_seqs, tokens, logprobs, tops):
+            result.tokens[seq.seq_id] = TokenResult(token, logprob, top or None)

@@ -38,6 +38,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy before the step
 
     @property
     def num_tokens(self) -> int:
@@ -45,8 +46,20 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class TokenResult:
+    token: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass(slots=True)
 class RunnerOutput:
-    sampled: dict[int, int]  # seq_id -> new token, for every chunk that completes
+    """What a step produced, keyed by seq_id."""
+
+    tokens: dict[int, TokenResult] = field(default_factory=dict)  # sampled sequences that caught up
+    beam_logprobs: dict = field(default_factory=dict)  # beam sequences: processed log-probs [vocab]
+    context_logits: dict = field(default_factory=dict)  # [prompt tokens this step, vocab], when asked
+    generation_logits: dict = field(default_factory=dict)  # [vocab] raw logits, when asked
 
 
 class Scheduler:
@@ -80,7 +93,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._reserve(seq, n):
+            if not self._reserve(seq, n, out):
                 # Free room by preempting from the back; maybe this very sequence.
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -93,7 +106,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._reserve(seq, n):
+            if not self._reserve(seq, n, out):
                 break
             self.waiting.popleft()
             self.running.append(seq)
@@ -101,14 +114,24 @@ class Scheduler:
             budget -= n
         return out
 
-    def _reserve(self, seq: Sequence, n: int) -> bool:
-        """Make sure ``seq`` has blocks for ``n`` more tokens; False if the pool lacks them."""
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Make sure ``seq`` owns writable blocks for ``n`` more tokens; False if the pool lacks them.
+
+        The block the step writes into first may be shared with another sequence (beams
+        forked from one parent): it is copied first (copy-on-write).
+        """
+        first = seq.num_computed_tokens // self.block_size
+        shared = first < len(seq.block_ids) and self.pool.ref_count(seq.block_ids[first]) > 1
         missing = self.blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids)
-        if missing <= 0:
-            return True
-        if missing > self.pool.num_free:
+        if max(missing, 0) + shared > self.pool.num_free:
             return False
-        seq.block_ids.extend(self.pool.allocate(missing))
+        if shared:
+            new = self.pool.allocate(1)[0]
+            out.block_copies.append((seq.block_ids[first], new))
+            self.pool.free([seq.block_ids[first]])
+            seq.block_ids[first] = new
+        if missing > 0:
+            seq.block_ids.extend(self.pool.allocate(missing))
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -119,14 +142,18 @@ class Scheduler:
         out.preempted.append(seq)
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Sequence]:
-        """Advance sequences by the step's results; returns the sequences that got a token."""
+        """Advance sequences by the step's results; returns the sequences that got a token.
+
+        Beam sequences get their tokens from their beam group afterwards (see EngineCore).
+        """
         advanced = []
         for chunk in out.chunks:
             seq = chunk.seq
             completes = chunk.completes
             seq.num_computed_tokens += chunk.num_tokens
-            if completes:
-                seq.append_token(result.sampled[seq.seq_id])
+            if completes and seq.seq_id in result.tokens:
+                r = result.tokens[seq.seq_id]
+                seq.append_token(r.token, r.logprob, r.top_logprobs)
                 advanced.append(seq)
                 if seq.is_finished:
                     self.finish(seq)

@@ -1,4 +1,4 @@
-"""Sequence: the plain state of one request as it is generated (no tensors)."""
+"""Sequence: the plain state of one request as it is generated (no model tensors)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,7 +6,7 @@ from enum import Enum
 
 import torch
 
-from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 
 
 class FinishReason(str, Enum):
@@ -35,10 +35,18 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
+    current_top_p: float = 1.0  # top-p after decay (reference 003's top_p_decay rule)
+    logprobs: list[float] = field(default_factory=list)  # of each generated token
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # when params.logprobs > 0
+    cum_logprob: float = 0.0
+    group: object = None  # the beam search or sample group this sequence belongs to, if any
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
         self.generator = self.params.make_generator()
+        self.current_top_p = self.params.top_p
 
     @property
     def num_tokens(self) -> int:
@@ -61,13 +69,37 @@ class Sequence:
         """The longest this sequence can become."""
         return min(self.num_prompt_tokens + self.params.max_tokens, self.max_seq_len)
 
-    def append_token(self, token: int) -> None:
-        """Add a generated token and decide whether the sequence is done."""
+    @property
+    def stop_ids(self) -> list[int]:
+        """Single tokens that end the sequence (held back while below min_tokens)."""
+        ids = list(self.params.stop_token_ids)
+        if self.end_id is not None and not self.params.ignore_eos:
+            ids.append(self.end_id)
+        return ids
+
+    def append_token(self, token: int, logprob: float | None = None,
+                     top_logprobs: dict[int, float] | None = None) -> None:
+        """Add a generated token, update the sampling state, and decide whether the sequence is done."""
         self.token_ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+            self.cum_logprob += logprob
+        if top_logprobs is not None:
+            self.top_logprobs.append(top_logprobs)
         p = self.params
+        if p.top_p_decay < 1:
+            self.current_top_p = p.top_p if token in p.top_p_reset_ids else max(
+                self.current_top_p * p.top_p_decay, p.top_p_min)
         if token == self.end_id and not p.ignore_eos:
             self.finish_reason = FinishReason.END_ID
-        elif token in p.stop_token_ids:
+        elif token in p.stop_token_ids or self._ends_with_stop_word():
             self.finish_reason = FinishReason.STOP_WORDS
         elif self.num_output_tokens >= p.max_tokens or self.num_tokens >= self.max_seq_len:
             self.finish_reason = FinishReason.LENGTH
+
+    def _ends_with_stop_word(self) -> bool:
+        for word in self.params.stop_words_ids:
+            n = len(word)
+            if self.num_output_tokens >= 1 and self.token_ids[-n:] == word and n <= self.num_tokens:
+                return True
+        return False

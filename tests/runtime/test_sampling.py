@@ -9,11 +9,18 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kiln.errors import RequestError
-from kiln.runtime.sampling import SamplingParams, apply_top_k_top_p, sample
+from kiln.runtime.sampling import apply_top_k_top_p, sample
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sequence import Sequence
 
 
 def draw(logits: torch.Tensor, params: list[SamplingParams], generators) -> list[int]:
-    return sample(logits.clone(), params, generators).tolist()
+    seqs = []
+    for i, (p, g) in enumerate(zip(params, generators)):
+        seq = Sequence(i, [0], p, end_id=None, max_seq_len=1 << 20)
+        seq.generator = g
+        seqs.append(seq)
+    return sample(logits.clone(), seqs).tokens.tolist()
 
 
 def test_greedy_is_argmax():

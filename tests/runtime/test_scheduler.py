@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kiln.errors import CapacityError
 from kiln.runtime.block_pool import BlockPool
-from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.sequence import FinishReason, Sequence
 from tests.utils.fakes import FakeRunner, fake_token

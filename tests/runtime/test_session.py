@@ -64,7 +64,7 @@ def test_greedy_output_layout_matches_hf(tiny, reference):
     assert out.ids.shape == (3, 1, total)
     assert torch.equal(out.ids, expected_ids(PROMPTS, reference, total))
     assert out.lengths.tolist() == [[len(p) + MAX_NEW] for p in PROMPTS]
-    assert out.finish_reasons == ["length"] * 3
+    assert out.finish_reasons == [["length"]] * 3
 
 
 def test_packed_and_padded_inputs_agree(tiny):
@@ -83,7 +83,7 @@ def test_end_id_stops_a_sequence_and_pads_the_rest(tiny, reference):
     assert len(truncated[0]) == step + 1
     assert torch.equal(out.ids, expected_ids(PROMPTS, truncated, max(map(len, PROMPTS)) + MAX_NEW))
     assert out.lengths.tolist() == [[len(p) + len(o)] for p, o in zip(PROMPTS, truncated)]
-    assert out.finish_reasons[0] == "end_id"
+    assert out.finish_reasons[0] == ["end_id"]
 
 
 def test_on_token_generated_streams_every_step(tiny):

@@ -10,7 +10,7 @@ from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.engine import Engine
 from kiln.runtime.metadata import AttentionMetadata
 from kiln.runtime.model_runner import ModelRunner
-from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.sequence import Sequence
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.runtime.scheduler import RunnerOutput, SchedulerOutput
+from kiln.runtime.scheduler import RunnerOutput, SchedulerOutput, TokenResult
 
 
 def fake_token(seq_id: int, num_tokens: int) -> int:
@@ -23,8 +23,8 @@ class FakeRunner:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.calls.append([(c.seq.seq_id, c.seq.num_computed_tokens, c.num_tokens) for c in out.chunks])
-        return RunnerOutput(sampled={c.seq.seq_id: fake_token(c.seq.seq_id, c.seq.num_tokens)
-                                     for c in out.chunks if c.completes})
+        return RunnerOutput(tokens={c.seq.seq_id: TokenResult(fake_token(c.seq.seq_id, c.seq.num_tokens))
+                                    for c in out.chunks if c.completes})
 
 
 TINY_CORPUS = [

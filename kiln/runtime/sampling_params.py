@@ -1,0 +1,200 @@
+"""SamplingParams: how to generate for one request, with the names users know (vLLM/OpenAI).
+
+Order in which the controls act on a step's logits (one batched pass, see
+``kiln.runtime.logits_processors``):
+
+1. ``logit_bias`` (token -> value) and ``embedding_bias`` (a ``[vocab]`` tensor) are added;
+2. ``repetition_penalty`` (Hugging Face/CTRL rule, over prompt and output tokens): a seen
+   token's logit is divided by the penalty when positive, multiplied when negative;
+3. ``presence_penalty`` (subtracted once if the token appeared in the output) and
+   ``frequency_penalty`` (subtracted per appearance in the output), OpenAI's rule;
+4. bans to -inf: ``bad_words`` (a multi-token word bans its last token only when the
+   tokens before it match), ``no_repeat_ngram_size``, and the end/stop tokens while fewer
+   than ``min_tokens`` tokens have been generated;
+5. ``temperature``; then ``top_k``, ``top_p`` within the top-k survivors (decayed per the
+   "Factuality Enhanced Language Models" rule when ``top_p_decay`` < 1), ``min_p``; then a
+   draw with the request's own generator (``seed``).
+
+Greedy decoding is ``temperature == 0`` (or ``top_k == 1``): steps 1-4 still apply.
+Reported log-probs are those of the distribution after steps 1-4 and the temperature,
+before the top-k/top-p/min-p truncation.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.errors import RequestError
+
+EARLY_STOPPING_VALUES = (True, False, "never")
+
+
+def _check(ok: bool, field_name: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise RequestError(f"{field_name} must be {allowed}, got {value!r}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _token_lists(value: Any, field_name: str) -> list[list[int]]:
+    """Normalise a list of words (each a token-id list) and validate it."""
+    _check(isinstance(value, (list, tuple)), field_name, "a list of token-id lists", value)
+    words = []
+    for word in value:
+        if _is_int(word):
+            word = [word]
+        _check(isinstance(word, (list, tuple)) and len(word) > 0 and all(_is_int(t) and t >= 0 for t in word),
+               field_name, "a list of non-empty lists of token ids >= 0", value)
+        words.append(list(word))
+    return words
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request generation controls. Defaults change nothing but ``max_tokens``.
+
+    ``n`` sequences are returned. With ``use_beam_search`` they are the best ``n`` of a
+    beam search of width ``best_of`` (default ``n``); otherwise ``best_of`` samples are
+    drawn and the ``n`` with the highest cumulative log-prob returned.
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0  # 1: off
+    min_p: float = 0.0  # 0: off
+    top_p_decay: float = 1.0  # 1: no decay
+    top_p_min: float = 1e-6
+    top_p_reset_ids: list[int] = field(default_factory=list)
+    repetition_penalty: float = 1.0  # 1: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    no_repeat_ngram_size: int = 0  # 0: off
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    embedding_bias: torch.Tensor | None = None  # [vocab], added to the logits
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop_words_ids: list[list[int]] = field(default_factory=list)  # multi-token stop sequences
+    stop: list[str] = field(default_factory=list)  # stop strings, matched on the text (LLM API)
+    bad_words: list[str] = field(default_factory=list)  # words to ban, tokenized by the LLM API
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k log-probs per generated token (0: just the chosen token's)
+    prompt_logprobs: int | None = None
+    seed: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    beam_search_diversity_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.validate()
+
+    def validate(self, vocab_size: int | None = None, max_beam_width: int | None = None) -> None:
+        """Check every field; with ``vocab_size`` also that token ids lie in the vocabulary."""
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
+        _check(self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n), "best_of",
+               f"None or an integer >= n ({self.n})", self.best_of)
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "an integer >= 0 (0 or -1: off)", self.top_k)
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        _check(_is_number(self.top_p_decay) and 0 < self.top_p_decay <= 1, "top_p_decay", "in (0, 1]",
+               self.top_p_decay)
+        _check(_is_number(self.top_p_min) and 0 < self.top_p_min <= 1, "top_p_min", "in (0, 1]", self.top_p_min)
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "> 0",
+               self.repetition_penalty)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, name, "in [-2, 2]", value)
+        _check(_is_int(self.no_repeat_ngram_size) and self.no_repeat_ngram_size >= 0, "no_repeat_ngram_size",
+               "an integer >= 0", self.no_repeat_ngram_size)
+        _check(isinstance(self.logit_bias, dict) and all(_is_int(k) and k >= 0 and _is_number(v)
+                                                           for k, v in self.logit_bias.items()),
+               "logit_bias", "a dict of token id -> finite number", self.logit_bias)
+        self.bad_words_ids = _token_lists(self.bad_words_ids, "bad_words_ids")
+        self.stop_words_ids = _token_lists(self.stop_words_ids, "stop_words_ids")
+        for name in ("stop_token_ids", "top_p_reset_ids"):
+            ids = getattr(self, name)
+            _check(isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids), name,
+                   "a list of token ids >= 0", ids)
+        _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
+               "a list of non-empty strings", self.stop)
+        _check(isinstance(self.bad_words, list) and all(isinstance(s, str) and s for s in self.bad_words),
+               "bad_words", "a list of non-empty strings", self.bad_words)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= 20), name, "None or an integer in [0, 20]", value)
+        _check(self.seed is None or _is_int(self.seed), "seed", "None or an integer", self.seed)
+        _check(_is_number(self.length_penalty), "length_penalty", "a finite number", self.length_penalty)
+        _check(self.early_stopping in EARLY_STOPPING_VALUES, "early_stopping", "True, False or 'never'",
+               self.early_stopping)
+        _check(_is_number(self.beam_search_diversity_rate) and self.beam_search_diversity_rate >= 0,
+               "beam_search_diversity_rate", ">= 0", self.beam_search_diversity_rate)
+        if self.embedding_bias is not None:
+            _check(isinstance(self.embedding_bias, torch.Tensor) and self.embedding_bias.dim() == 1,
+                   "embedding_bias", "a 1-D tensor of vocab_size values", self.embedding_bias)
+        if vocab_size is not None:
+            self._validate_vocab(vocab_size)
+        if self.use_beam_search and max_beam_width is not None:
+            _check(self.beam_width <= max_beam_width, "best_of (beam width)",
+                   f"at most the engine's max_beam_width {max_beam_width}", self.beam_width)
+
+    def _validate_vocab(self, vocab: int) -> None:
+        ids = [*self.logit_bias, *self.stop_token_ids, *self.top_p_reset_ids,
+               *(t for w in self.bad_words_ids for t in w), *(t for w in self.stop_words_ids for t in w)]
+        bad = [t for t in ids if t >= vocab]
+        _check(not bad, "token ids", f"inside the vocabulary [0, {vocab})", bad[:5])
+        if self.embedding_bias is not None:
+            _check(self.embedding_bias.numel() == vocab, "embedding_bias", f"of length vocab_size {vocab}",
+                   f"length {self.embedding_bias.numel()}")
+
+    # -- derived ----------------------------------------------------------------------------
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def beam_width(self) -> int:
+        return (self.best_of or self.n) if self.use_beam_search else 1
+
+    @property
+    def num_samples(self) -> int:
+        """Independent sequences to run without beam search (``best_of`` or ``n``)."""
+        return 1 if self.use_beam_search else (self.best_of or self.n)
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether processing needs the token history (penalties, n-grams, multi-token bans)."""
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.no_repeat_ngram_size > 0 or any(len(w) > 1 for w in self.bad_words_ids))
+
+    def make_generator(self) -> torch.Generator | None:
+        if self.is_greedy or self.use_beam_search:
+            return None  # nothing random to draw
+        g = torch.Generator()
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
