@@ -91,9 +91,9 @@ class LLM:
         return dataclasses.replace(params, **changes) if changes else params
 
     def _add(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Request, dict]:
+        """Queue a request; returns it with a stop-string tracker per sequence (when asked)."""
         request = self.core.add_request(prompt_ids, self._engine_params(params), self.end_id,
                                         return_context_logits=params.prompt_logprobs is not None)
-        request.params = params  # what the caller asked for (outputs follow it)
         trackers = {}
         if params.stop:
             trackers = {s.seq_id: TextTracker(self.tokenizer, params.stop, params.include_stop_str_in_output)
@@ -145,7 +145,8 @@ class LLM:
         with tqdm(total=len(added), desc="generating", disable=not use_tqdm) as bar:
             while pending:
                 bar.update(len(self._step(pending)))
-        return [self._output(r, t, p if isinstance(p, str) else None) for (r, t), p in zip(added, prompts)]
+        return [self._output(r, t, p if isinstance(p, str) else None, sp)
+                for (r, t), p, sp in zip(added, prompts, params_list)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
@@ -179,10 +180,10 @@ class LLM:
 
     # -- outputs ------------------------------------------------------------------------------
 
-    def _output(self, request: Request, trackers: dict, prompt: str | None) -> RequestOutput:
-        params = request.params
+    def _output(self, request: Request, trackers: dict, prompt: str | None, params: SamplingParams) -> RequestOutput:
+        """The caller's view of a finished request (``params``: what the caller asked for)."""
         if request.beam is not None:
-            outputs = beam_completions(request, self.tokenizer)[: params.n]
+            outputs = beam_completions(request, self.tokenizer, params.logprobs is not None)[: params.n]
         else:
             seqs = request.seqs
             if len(seqs) > params.n:  # best_of: keep the n most likely samples

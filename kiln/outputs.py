@@ -97,10 +97,9 @@ def completion(index: int, seq: Sequence, tokenizer, tracker: TextTracker | None
                             tracker.stop_reason if tracker else None)
 
 
-def beam_completions(request: Request, tokenizer) -> list[CompletionOutput]:
+def beam_completions(request: Request, tokenizer, want_logprobs: bool) -> list[CompletionOutput]:
     ends = set(request.beam.params.end_ids)
     return [CompletionOutput(i, tokenizer.decode(h.token_ids, skip_special_tokens=True), list(h.token_ids),
                              "stop" if h.token_ids and h.token_ids[-1] in ends else "length", h.cum_log_prob,
-                             [{t: lp} for t, lp in zip(h.token_ids, h.log_probs)]
-                             if request.params.logprobs is not None else None)
+                             [{t: lp} for t, lp in zip(h.token_ids, h.log_probs)] if want_logprobs else None)
             for i, h in enumerate(request.hypotheses or [])]
