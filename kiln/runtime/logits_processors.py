@@ -83,19 +83,24 @@ def _add_biases(logits: torch.Tensor, params) -> None:
 
 def _apply_penalties(logits: torch.Tensor, params, tokens: torch.Tensor, lengths: torch.Tensor,
                      prompt_lens: torch.Tensor) -> None:
-    n, vocab = logits.shape
+    """Repetition, presence and frequency penalties, touching only the tokens each row has seen."""
     positions = torch.arange(tokens.shape[1])[None, :]
     valid = positions < lengths[:, None]
-    in_output = valid & (positions >= prompt_lens[:, None])
-    # Counts over the output (presence/frequency) and "seen anywhere" (repetition).
-    output_counts = torch.zeros(n, vocab).scatter_add_(1, tokens, in_output.float())
-    seen = torch.zeros(n, vocab).scatter_add_(1, tokens, valid.float()) > 0
-    repetition = torch.tensor([p.repetition_penalty for p in params])[:, None]
-    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits.copy_(torch.where(seen, penalised, logits))
-    presence = torch.tensor([p.presence_penalty for p in params])[:, None]
-    frequency = torch.tensor([p.frequency_penalty for p in params])[:, None]
-    logits -= frequency * output_counts + presence * (output_counts > 0).float()
+    in_output = (valid & (positions >= prompt_lens[:, None])).to(logits.dtype)
+    # Padding points at the row's first token, so every index is a real token of the row and
+    # duplicate writes below carry the same value.
+    tokens = torch.where(valid, tokens, tokens[:, :1])
+    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype)[:, None]
+    if (repetition != 1).any():
+        seen = logits.gather(1, tokens)
+        logits.scatter_(1, tokens, torch.where(seen > 0, seen / repetition, seen * repetition))
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype)[:, None]
+    if (frequency != 0).any():  # subtracted once per occurrence in the output
+        logits.scatter_add_(1, tokens, -frequency * in_output)
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype)[:, None]
+    if (presence != 0).any():  # subtracted once per distinct output token
+        present = torch.zeros_like(logits).scatter_reduce_(1, tokens, in_output, reduce="amax")
+        logits -= presence * present
 
 
 def _ban_ngram_repeats(logits: torch.Tensor, sizes: list[int], tokens: torch.Tensor, lengths: torch.Tensor) -> None:

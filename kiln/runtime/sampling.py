@@ -24,7 +24,9 @@ class SamplingConfig:
 
     Defaults follow reference 003, except where Hugging Face has the knob and the reference
     engines disagree: ``length_penalty`` 1.0 and ``early_stopping`` False (HF's), and
-    ``min_length`` 1 (at least one token, which is always true). ``top_k == 0`` and
+    ``min_length`` 1 (at least one token, which is always true: 1 bans nothing, as in the
+    reference, where the default skips the min-length penalty; from 2 on, the end and stop
+    tokens are banned until that many were generated, like HF's ``min_new_tokens``). ``top_k == 0`` and
     ``top_p == 0`` together mean greedy search; ``top_p_reset_ids`` -1 means none.
     """
 
@@ -55,13 +57,17 @@ class SamplingConfig:
         for i in range(batch_size):
             v = {f.name: self._pick(f.name, i, batch_size) for f in dataclasses.fields(self) if f.name != "beam_width"}
             greedy = v["top_k"] == 0 and v["top_p"] == 0
+            if not isinstance(v["temperature"], (int, float)) or v["temperature"] < 0:  # checked even when greedy
+                raise RequestError(f"SamplingConfig (sequence {i}): temperature must be >= 0, "
+                                   f"got {v['temperature']!r}")
             reset = v["top_p_reset_ids"]
             reset_ids = [] if reset in (-1, None) else (list(reset) if isinstance(reset, (list, tuple)) else [reset])
             beams = self.beam_width
             num_return = v["num_return_sequences"] or beams
             try:
                 out.append(SamplingParams(
-                    max_tokens=max_new_tokens, min_tokens=min(max(v["min_length"], 0), max_new_tokens),
+                    max_tokens=max_new_tokens,
+                    min_tokens=0 if v["min_length"] == 1 else min(max(v["min_length"], 0), max_new_tokens),
                     n=num_return, best_of=beams if beams > 1 else None, use_beam_search=beams > 1,
                     temperature=0.0 if greedy else v["temperature"], top_k=v["top_k"],
                     top_p=v["top_p"] if v["top_p"] > 0 else 1.0, min_p=v["min_p"],
@@ -97,7 +103,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
     """Draw one token per row of processed ``logits`` ``[n, vocab]`` (float32).
 
     Temperature, then top-k, top-p (each sequence's current, decayed value) and min-p, then
-    a draw with the sequence's generator; greedy rows take the argmax.
+    a draw with the sequence's generator; greedy rows take the argmax. The filters work on
+    each row's candidates sorted by logit: only the top ``max(top_k)`` when every sampled
+    row has a top-k (a partial sort), else the whole vocabulary.
     """
     params = [s.params for s in seqs]
     temperature = torch.tensor([p.temperature if not p.is_greedy and p.temperature > 0 else 1.0 for p in params])
@@ -106,18 +114,20 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if rows:
         idx = torch.tensor(rows)
-        sub = scaled[idx]
-        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else sub.shape[1] for i in rows])
-        top_p = torch.tensor([seqs[i].current_top_p for i in rows], dtype=sub.dtype)
-        min_p = torch.tensor([params[i].min_p for i in rows], dtype=sub.dtype)
-        sub = apply_top_k_top_p(sub, top_k, top_p)
-        probs = sub.softmax(dim=-1)
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one generator per row.
-        noise = torch.empty_like(probs)
-        for r, i in enumerate(rows):
-            noise[r].exponential_(generator=seqs[i].generator)
-        tokens[idx] = (probs / noise).argmax(dim=-1)
+        top_k = [params[i].top_k if params[i].top_k > 0 else 0 for i in rows]
+        width = max(top_k) if min(top_k) > 0 else logits.shape[1]
+        values, candidates = scaled[idx].topk(width, dim=-1) if width < logits.shape[1] \
+            else scaled[idx].sort(dim=-1, descending=True)
+        probs = _filtered_probs(values, torch.tensor([k or width for k in top_k]),
+                                torch.tensor([seqs[i].current_top_p for i in rows], dtype=values.dtype),
+                                torch.tensor([params[i].min_p for i in rows], dtype=values.dtype))
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. One generator per row,
+        # drawing as many numbers as the row's own candidates, so a seeded row's draws do not
+        # depend on what else shares the batch.
+        noise = torch.full_like(probs, float("inf"))
+        for r, (i, k) in enumerate(zip(rows, top_k)):
+            noise[r, : k or width].exponential_(generator=seqs[i].generator)
+        tokens[idx] = candidates.gather(1, (probs / noise).argmax(dim=-1, keepdim=True))[:, 0]
     out = SampleOutput(tokens)
     if any(p.logprobs is not None for p in params):
         logprobs = scaled.log_softmax(dim=-1)
@@ -130,15 +140,24 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
     return out
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) everything outside each row's top-k, then outside its top-p nucleus."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[1])[None, :]
-    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
+def _filtered_probs(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor) -> torch.Tensor:
+    """Probabilities over candidates sorted by logit (descending), zero outside each row's
+    top-k, its top-p nucleus within that, and below min-p x its top probability."""
+    ranks = torch.arange(sorted_logits.shape[1])[None, :]
+    masked = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    probs = masked.softmax(dim=-1)
     # Drop a token when the mass before it already reaches top_p (the first always stays).
     # top_p 1 filters nothing: float32 cumsum reaches 1.0 before the tail's tiny probabilities.
     mass_before = probs.cumsum(dim=-1) - probs
     drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    return probs.masked_fill(drop, 0.0)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) everything outside each row's top-k, then outside its top-p nucleus."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = _filtered_probs(sorted_logits, top_k, top_p, torch.zeros_like(top_p))
+    kept = sorted_logits.masked_fill(probs == 0, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, kept)

@@ -29,9 +29,6 @@ import torch
 
 from kiln.errors import RequestError
 
-EARLY_STOPPING_VALUES = (True, False, "never")
-
-
 def _check(ok: bool, field_name: str, allowed: str, value: Any) -> None:
     if not ok:
         raise RequestError(f"{field_name} must be {allowed}, got {value!r}")
@@ -115,7 +112,7 @@ class SamplingParams:
         _check(self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n), "best_of",
                f"None or an integer >= n ({self.n})", self.best_of)
         _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", ">= 0", self.temperature)
-        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "an integer >= 0 (0 or -1: off)", self.top_k)
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "an integer >= -1 (0 or -1: off)", self.top_k)
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
         _check(_is_number(self.top_p_decay) and 0 < self.top_p_decay <= 1, "top_p_decay", "in (0, 1]",
@@ -146,8 +143,8 @@ class SamplingParams:
             _check(value is None or (_is_int(value) and 0 <= value <= 20), name, "None or an integer in [0, 20]", value)
         _check(self.seed is None or _is_int(self.seed), "seed", "None or an integer", self.seed)
         _check(_is_number(self.length_penalty), "length_penalty", "a finite number", self.length_penalty)
-        _check(self.early_stopping in EARLY_STOPPING_VALUES, "early_stopping", "True, False or 'never'",
-               self.early_stopping)
+        _check(any(self.early_stopping is v for v in (True, False)) or self.early_stopping == "never",
+               "early_stopping", "True, False or 'never'", self.early_stopping)
         _check(_is_number(self.beam_search_diversity_rate) and self.beam_search_diversity_rate >= 0,
                "beam_search_diversity_rate", ">= 0", self.beam_search_diversity_rate)
         if self.embedding_bias is not None:
@@ -160,10 +157,13 @@ class SamplingParams:
                    f"at most the engine's max_beam_width {max_beam_width}", self.beam_width)
 
     def _validate_vocab(self, vocab: int) -> None:
-        ids = [*self.logit_bias, *self.stop_token_ids, *self.top_p_reset_ids,
-               *(t for w in self.bad_words_ids for t in w), *(t for w in self.stop_words_ids for t in w)]
-        bad = [t for t in ids if t >= vocab]
-        _check(not bad, "token ids", f"inside the vocabulary [0, {vocab})", bad[:5])
+        fields = {"logit_bias": list(self.logit_bias), "stop_token_ids": self.stop_token_ids,
+                  "top_p_reset_ids": self.top_p_reset_ids,
+                  "bad_words_ids": [t for w in self.bad_words_ids for t in w],
+                  "stop_words_ids": [t for w in self.stop_words_ids for t in w]}
+        for name, ids in fields.items():  # name the field at fault (kiln.errors' rule)
+            bad = [t for t in ids if t >= vocab]
+            _check(not bad, f"{name} token ids", f"inside the vocabulary [0, {vocab})", bad[:5])
         if self.embedding_bias is not None:
             _check(self.embedding_bias.numel() == vocab, "embedding_bias", f"of length vocab_size {vocab}",
                    f"length {self.embedding_bias.numel()}")
