@@ -74,7 +74,7 @@ class LLM:
         """The request's params with the model's extra end ids, tokenized bad words and the
         log-probs ``best_of`` needs to rank its samples."""
         changes = {}
-        if self.extra_stop_ids:
+        if self.extra_stop_ids and not params.ignore_eos:  # ignore_eos ignores every end id
             changes["stop_token_ids"] = list(params.stop_token_ids) + self.extra_stop_ids
         if params.bad_words:
             words = list(params.bad_words_ids)

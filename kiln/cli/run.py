@@ -90,8 +90,8 @@ def run(args) -> int:
     llm = LLM(args.engine_dir, tokenizer=args.tokenizer_dir, cache_dir=args.cache_dir)
     prompt = chat_prompt_ids(llm.tokenizer, [{"role": "user", "content": args.input_text}]) if args.chat \
         else llm._encode(args.input_text)
-    if params.use_beam_search or params.num_samples > 1:
-        return _run_many(llm, prompt, params)
+    if params.use_beam_search or params.num_samples > 1 or params.logprobs is not None:
+        return _run_many(llm, prompt, params)  # the streamed path prints no log-probs
     started = time.perf_counter()
     first_token_at = None
     tokens: list[int] = []
