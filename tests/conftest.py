@@ -35,3 +35,26 @@ def convert_and_build(hf_dir: Path, work_dir: Path, build_options: dict | None =
 def build_from_hf() -> Callable[..., Path]:
     """The :func:`convert_and_build` helper, for fixtures of any scope."""
     return convert_and_build
+
+
+# -- the real model, loaded once per session (each load is ~10 s for HF and for kiln) -----------
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """HF transformers' own load of the SmolLM2 GGUF, float32. Tests must not modify it."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.utils.real_model import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(tmp_path_factory):
+    """kiln's LLM on the SmolLM2 GGUF (converted and built into a temporary cache), float32."""
+    from kiln import LLM
+    from tests.utils.real_model import smollm2_gguf_path
+
+    return LLM(smollm2_gguf_path(), cache_dir=tmp_path_factory.mktemp("smollm2-engines"), dtype="float32",
+               max_batch_size=8, max_seq_len=512, progress=False)

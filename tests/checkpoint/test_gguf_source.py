@@ -124,11 +124,8 @@ def smollm2() -> GGUFSource:
 
 
 @pytest.fixture(scope="module")
-def hf_smollm2():
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+def hf_smollm2(smollm2_hf):
+    return smollm2_hf
 
 
 def test_real_model_tensors_equal_transformers(smollm2: GGUFSource, hf_smollm2) -> None:

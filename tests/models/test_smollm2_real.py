@@ -29,18 +29,11 @@ NEAR_TIE = 1e-3
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def models(smollm2_llm, smollm2_hf):
+    from transformers import AutoTokenizer
 
     gguf = smollm2_gguf_path()
-    llm = LLM(gguf, cache_dir=tmp_path_factory.mktemp("engines"), dtype="float32", max_batch_size=8,
-              max_seq_len=512, progress=False)
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    # Run past <|im_end|> the way kiln's ignore_eos does: HF's min_new_tokens would instead
-    # forbid the end token, changing which token is chosen there.
-    hf.generation_config.eos_token_id = None
-    hf_tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    return llm, hf, hf_tokenizer
+    return smollm2_llm, smollm2_hf, AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
 def kiln_logprobs(llm: LLM, token_ids: list[int]) -> torch.Tensor:
@@ -76,7 +69,9 @@ def test_greedy_generation_matches_hf(models):
     for ids, kiln_tokens in zip(prompt_ids, ours):
         with torch.inference_mode():
             out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+                              max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                              # past <|im_end|>, as kiln's ignore_eos (min_new_tokens would ban it instead)
+                              eos_token_id=None)
         hf_tokens = out[0, len(ids):].tolist()
         assert len(kiln_tokens) == len(hf_tokens) == NEW_TOKENS
         if kiln_tokens == hf_tokens:

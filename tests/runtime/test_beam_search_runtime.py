@@ -242,16 +242,8 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from tests.utils.real_model import smollm2_gguf_path
-
-    gguf = smollm2_gguf_path()
-    llm = LLM(gguf, cache_dir=tmp_path_factory.mktemp("smol-engines"), dtype="float32", max_batch_size=8,
-              max_seq_len=256, progress=False)
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    return llm, hf
+def smollm2(smollm2_llm, smollm2_hf):
+    return smollm2_llm, smollm2_hf
 
 
 @torch.inference_mode()
