@@ -56,12 +56,13 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], history: TokenHis
     rows = [i for i, p in enumerate(params) if p.needs_history]
     if rows:
         tokens, lengths = history.batch([seqs[i] for i in rows])
-        idx = torch.tensor(rows)
-        sub = logits[idx]
+        every_row = len(rows) == len(seqs)
+        sub = logits if every_row else logits[rows]
         prompt_lens = torch.tensor([seqs[i].num_prompt_tokens for i in rows])
         _apply_penalties(sub, [params[i] for i in rows], tokens, lengths, prompt_lens)
         _ban_ngram_repeats(sub, [params[i].no_repeat_ngram_size for i in rows], tokens, lengths)
-        logits[idx] = sub
+        if not every_row:
+            logits[rows] = sub
     _ban_bad_words(logits, seqs, history)
     _ban_end_before_min_tokens(logits, seqs)
     return logits
@@ -99,8 +100,11 @@ def _apply_penalties(logits: torch.Tensor, params, tokens: torch.Tensor, lengths
         logits.scatter_add_(1, tokens, -frequency * in_output)
     presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype)[:, None]
     if (presence != 0).any():  # subtracted once per distinct output token
-        present = torch.zeros_like(logits).scatter_reduce_(1, tokens, in_output, reduce="amax")
-        logits -= presence * present
+        # Sort each row's output tokens (others become -1) and keep each token's first copy.
+        ordered = torch.where(in_output > 0, tokens, -1).sort(dim=1).values
+        first = ordered >= 0
+        first[:, 1:] &= ordered[:, 1:] != ordered[:, :-1]
+        logits.scatter_add_(1, ordered.clamp(min=0), -presence * first.to(logits.dtype))
 
 
 def _ban_ngram_repeats(logits: torch.Tensor, sizes: list[int], tokens: torch.Tensor, lengths: torch.Tensor) -> None:

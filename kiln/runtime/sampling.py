@@ -100,7 +100,7 @@ class SampleOutput:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
-    """Draw one token per row of processed ``logits`` ``[n, vocab]`` (float32).
+    """Draw one token per row of processed ``logits`` ``[n, vocab]`` (float32; scaled in place).
 
     Temperature, then top-k, top-p (each sequence's current, decayed value) and min-p, then
     a draw with the sequence's generator; greedy rows take the argmax. The filters work on
@@ -108,16 +108,20 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
     row has a top-k (a partial sort), else the whole vocabulary.
     """
     params = [s.params for s in seqs]
+    n, vocab = logits.shape
     temperature = torch.tensor([p.temperature if not p.is_greedy and p.temperature > 0 else 1.0 for p in params])
-    scaled = logits / temperature[:, None]
-    tokens = scaled.argmax(dim=-1)
+    if (temperature != 1).any():
+        logits.div_(temperature[:, None])
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    greedy = [i for i, p in enumerate(params) if p.is_greedy]
+    tokens = torch.empty(n, dtype=torch.int64)
+    if greedy:
+        tokens[greedy] = (logits if len(greedy) == n else logits[greedy]).argmax(dim=-1)
     if rows:
-        idx = torch.tensor(rows)
+        sub = logits if len(rows) == n else logits[rows]
         top_k = [params[i].top_k if params[i].top_k > 0 else 0 for i in rows]
-        width = max(top_k) if min(top_k) > 0 else logits.shape[1]
-        values, candidates = scaled[idx].topk(width, dim=-1) if width < logits.shape[1] \
-            else scaled[idx].sort(dim=-1, descending=True)
+        width = max(top_k) if min(top_k) > 0 else vocab
+        values, candidates = sub.topk(width, dim=-1) if width < vocab else sub.sort(dim=-1, descending=True)
         probs = _filtered_probs(values, torch.tensor([k or width for k in top_k]),
                                 torch.tensor([seqs[i].current_top_p for i in rows], dtype=values.dtype),
                                 torch.tensor([params[i].min_p for i in rows], dtype=values.dtype))
@@ -127,14 +131,16 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
         noise = torch.full_like(probs, float("inf"))
         for r, (i, k) in enumerate(zip(rows, top_k)):
             noise[r, : k or width].exponential_(generator=seqs[i].generator)
-        tokens[idx] = candidates.gather(1, (probs / noise).argmax(dim=-1, keepdim=True))[:, 0]
+        tokens[rows] = candidates.gather(1, (probs / noise).argmax(dim=-1, keepdim=True))[:, 0]
     out = SampleOutput(tokens)
     if any(p.logprobs is not None for p in params):
-        logprobs = scaled.log_softmax(dim=-1)
-        out.logprobs = logprobs.gather(1, tokens[:, None])[:, 0]
+        # log_softmax(x)[t] = x[t] - logsumexp(x): no [n, vocab] output needed.
+        normalizer = torch.logsumexp(logits, dim=-1)
+        out.logprobs = logits.gather(1, tokens[:, None])[:, 0] - normalizer
         k = max(p.logprobs or 0 for p in params)
         if k:
-            values, ids = logprobs.topk(k, dim=-1)
+            values, ids = logits.topk(k, dim=-1)
+            values = values - normalizer[:, None]
             out.top_logprobs = [dict(zip(ids[r, : p.logprobs or 0].tolist(), values[r, : p.logprobs or 0].tolist()))
                                 for r, p in enumerate(params)]
     return out
