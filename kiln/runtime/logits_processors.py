@@ -75,8 +75,9 @@ def _add_biases(logits: torch.Tensor, params) -> None:
             rows.append(i)
             cols.append(token)
             vals.append(float(value))
-        if p.embedding_bias is not None:
-            logits[i] += p.embedding_bias.to(logits.dtype)
+    biased = [i for i, p in enumerate(params) if p.embedding_bias is not None]
+    if biased:
+        logits[biased] += torch.stack([params[i].embedding_bias for i in biased]).to(logits.dtype)
     if rows:
         logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(vals, dtype=logits.dtype),
                           accumulate=True)

@@ -43,7 +43,10 @@ class GenerationOutput:
     cum_log_probs: torch.Tensor  # [batch, beam]
     finish_reasons: list[list[str]]  # [batch][beam]
     context_logits: torch.Tensor | None = None  # [batch, max_input_len, vocab], when asked
-    generation_logits: torch.Tensor | None = None  # [batch, beam, max_new_tokens, vocab], when asked
+    # [batch, beam, max_new_tokens, vocab], when asked: the raw logits of each step. With beam
+    # search, beam k at step t is the k-th live beam of that step, not the ancestor of the
+    # k-th returned hypothesis.
+    generation_logits: torch.Tensor | None = None
 
     @property
     def lengths(self) -> torch.Tensor:
