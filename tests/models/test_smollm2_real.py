@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln import LLM, SamplingParams
-from kiln.runtime.metadata import AttentionMetadata
+from kiln import SamplingParams
 from kiln.tokenizer import chat_prompt_ids
+from tests.utils.compare import assert_near_tie_divergence, hf_next_logprobs, llm_next_logprobs
 from tests.utils.real_model import smollm2_gguf_path
 
 PROMPTS = [
@@ -25,7 +25,6 @@ PROMPTS = [
     "How do I reverse a list in Python?",
 ]
 NEW_TOKENS = 48
-NEAR_TIE = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -34,21 +33,6 @@ def models(smollm2_llm, smollm2_hf):
 
     gguf = smollm2_gguf_path()
     return smollm2_llm, smollm2_hf, AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-
-
-def kiln_logprobs(llm: LLM, token_ids: list[int]) -> torch.Tensor:
-    """kiln's next-token logprobs after ``token_ids`` (one packed step on a fresh block table)."""
-    runner = llm.core.runner
-    blocks = list(range(-(-len(token_ids) // runner.block_size)))
-    md = AttentionMetadata.build(runner.backend, [len(token_ids)], [len(token_ids)], [blocks], runner.block_size)
-    with torch.inference_mode():
-        hidden = llm.engine.model(torch.tensor(token_ids), torch.arange(len(token_ids)), md, runner.kv_caches)
-        return llm.engine.model.compute_logits(hidden[-1:])[0].log_softmax(-1)
-
-
-def hf_logprobs(hf, token_ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf(torch.tensor([token_ids])).logits[0, -1].float().log_softmax(-1)
 
 
 def test_chat_template_ids_match_hf(models):
@@ -77,15 +61,7 @@ def test_greedy_generation_matches_hf(models):
         if kiln_tokens == hf_tokens:
             exact += 1
             continue
-        p = next(i for i, (a, b) in enumerate(zip(kiln_tokens, hf_tokens)) if a != b)
-        prefix = ids + kiln_tokens[:p]
-        ours_lp, hf_lp = kiln_logprobs(llm, prefix), hf_logprobs(hf, prefix)
-        a, b = kiln_tokens[p], hf_tokens[p]
-        assert a in hf_lp.topk(2).indices.tolist() and b in ours_lp.topk(2).indices.tolist(), \
-            f"divergence at token {p} is not a top-2 swap"
-        assert abs(ours_lp[a] - ours_lp[b]) < NEAR_TIE and abs(hf_lp[a] - hf_lp[b]) < NEAR_TIE, \
-            f"divergence at token {p} is not a near-tie (kiln gap {ours_lp[a] - ours_lp[b]:.2e}, " \
-            f"HF gap {hf_lp[a] - hf_lp[b]:.2e})"
+        assert_near_tie_divergence(llm, hf, ids, kiln_tokens, hf_tokens)
     # A near-tie is rare; most prompts must match token for token.
     assert exact >= 3
 
@@ -93,5 +69,5 @@ def test_greedy_generation_matches_hf(models):
 def test_prompt_logits_match_hf(models):
     llm, hf, _ = models
     ids = chat_prompt_ids(llm.tokenizer, [{"role": "user", "content": PROMPTS[2]}])
-    ours, ref = kiln_logprobs(llm, ids), hf_logprobs(hf, ids)
+    ours, ref = llm_next_logprobs(llm, ids), hf_next_logprobs(hf, ids)
     assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()

@@ -18,6 +18,7 @@ import torch
 from kiln import LLM, SamplingParams
 from kiln.errors import RequestError
 from kiln.runtime import Engine, GenerationInput, GenerationSession, SamplingConfig
+from tests.utils.compare import assert_near_tie_divergence
 from tests.utils.fakes import make_tiny_tokenizer
 from tests.utils.tiny_models import make_gpt2, make_llama
 
@@ -228,7 +229,6 @@ def test_llm_beam_width_above_engine_limit_is_rejected(llm):
 
 SMOL_PROMPT = "Write a haiku about autumn leaves."
 SMOL_NEW = 16
-NEAR_TIE = 1e-3
 
 
 @pytest.fixture
@@ -244,22 +244,6 @@ def one_thread():
 @pytest.fixture(scope="module")
 def smollm2(smollm2_llm, smollm2_hf):
     return smollm2_llm, smollm2_hf
-
-
-@torch.inference_mode()
-def next_logprobs_kiln(llm, token_ids):
-    from kiln.runtime.metadata import AttentionMetadata
-
-    runner = llm.core.runner
-    blocks = list(range(-(-len(token_ids) // runner.block_size)))
-    md = AttentionMetadata.build(runner.backend, [len(token_ids)], [len(token_ids)], [blocks], runner.block_size)
-    hidden = llm.engine.model(torch.tensor(token_ids), torch.arange(len(token_ids)), md, runner.kv_caches)
-    return llm.engine.model.compute_logits(hidden[-1:])[0].float().log_softmax(-1)
-
-
-@torch.inference_mode()
-def next_logprobs_hf(hf, token_ids):
-    return hf(torch.tensor([token_ids])).logits[0, -1].float().log_softmax(-1)
 
 
 def test_smollm2_beam_search_matches_hf(smollm2, one_thread):
@@ -278,14 +262,5 @@ def test_smollm2_beam_search_matches_hf(smollm2, one_thread):
         if ours == tokens:
             assert abs(out.cumulative_logprob - float(logprobs.sum())) <= 1e-3
             continue
-        # Only a near-tie may part them: both tokens in each other's top-2, logprob gaps < 1e-3.
-        p = next((i for i, (a, b) in enumerate(zip(ours, tokens)) if a != b), min(len(ours), len(tokens)))
-        assert p < min(len(ours), len(tokens)), f"one beam is a prefix of the other: {ours} vs {tokens}"
-        prefix = ids + ours[:p]
-        ours_lp, hf_lp = next_logprobs_kiln(llm, prefix), next_logprobs_hf(hf, prefix)
-        a, b = ours[p], tokens[p]
-        assert a in hf_lp.topk(2).indices.tolist() and b in ours_lp.topk(2).indices.tolist(), \
-            f"beams part at token {p} ({a} vs HF {b}), not a top-2 swap"
-        assert abs(ours_lp[a] - ours_lp[b]) < NEAR_TIE and abs(hf_lp[a] - hf_lp[b]) < NEAR_TIE, \
-            f"beams part at token {p}, not a near-tie"
+        assert_near_tie_divergence(llm, hf, ids, ours, tokens)
         break  # after a near-tie the searches explore different beams

@@ -92,3 +92,44 @@ def resave_as_torch_bin(hf_dir: str | Path, name: str = "pytorch_model.bin") -> 
     torch.save(load_file(st), hf_dir / name)
     st.unlink()
     return hf_dir / name
+
+
+# -- the real model: vLLM's first-divergence rule --------------------------------------------
+
+NEAR_TIE = 1e-3
+
+
+@torch.inference_mode()
+def llm_next_logprobs(llm, token_ids: list[int]) -> torch.Tensor:
+    """kiln's next-token log-probs after ``token_ids`` (one packed step on blocks 0..n of an idle LLM)."""
+    from kiln.runtime.metadata import AttentionMetadata
+
+    runner = llm.core.runner
+    blocks = list(range(-(-len(token_ids) // runner.block_size)))
+    md = AttentionMetadata.build(runner.backend, [len(token_ids)], [len(token_ids)], [blocks], runner.block_size)
+    hidden = llm.engine.model(torch.tensor(token_ids), torch.arange(len(token_ids)), md, runner.kv_caches)
+    return llm.engine.model.compute_logits(hidden[-1:])[0].float().log_softmax(-1)
+
+
+@torch.inference_mode()
+def hf_next_logprobs(hf, token_ids: list[int]) -> torch.Tensor:
+    return hf(torch.tensor([token_ids])).logits[0, -1].float().log_softmax(-1)
+
+
+def assert_near_tie_divergence(llm, hf, prompt: list[int], ours: list[int], theirs: list[int]) -> int:
+    """Assert the first difference of two generations is a genuine near-tie; return its position.
+
+    At the first differing position each side's token must be in the other's top-2 and the
+    two tokens' log-probs must differ by less than ``NEAR_TIE`` on both sides.
+    """
+    p = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    assert p < min(len(ours), len(theirs)), f"one output is a prefix of the other: {ours} vs {theirs}"
+    prefix = prompt + ours[:p]
+    ours_lp, hf_lp = llm_next_logprobs(llm, prefix), hf_next_logprobs(hf, prefix)
+    a, b = ours[p], theirs[p]
+    assert a in hf_lp.topk(2).indices.tolist() and b in ours_lp.topk(2).indices.tolist(), \
+        f"outputs part at token {p} ({a} vs HF {b}), not a top-2 swap"
+    assert abs(ours_lp[a] - ours_lp[b]) < NEAR_TIE and abs(hf_lp[a] - hf_lp[b]) < NEAR_TIE, \
+        f"outputs part at token {p}, not a near-tie (kiln gap {ours_lp[a] - ours_lp[b]:.2e}, " \
+        f"HF gap {hf_lp[a] - hf_lp[b]:.2e})"
+    return p
