@@ -32,14 +32,14 @@ from kiln.runtime.sequence import FinishReason, Sequence
 KV_CACHE_MEMORY_FRACTION = 0.3  # of the memory available at start-up, when no size is given
 
 
-def default_num_blocks(engine: Engine, max_num_seqs: int) -> int:
+def default_num_blocks(engine: Engine, max_num_seqs: int, memory_fraction: float = KV_CACHE_MEMORY_FRACTION) -> int:
     """Blocks for every sequence at full length, capped at a share of available memory."""
     build, config = engine.build_config, engine.config
     wanted = max_num_seqs * -(-build.max_seq_len // build.tokens_per_block)
     attention = next(iter(engine.model.transformer.layers.values())).attention
     per_block = build.tokens_per_block * kv_bytes_per_token(
         len(engine.model.transformer.layers), attention.num_kv_heads, attention.head_size, torch_dtype(config.dtype))
-    affordable = int(available_memory_bytes() * KV_CACHE_MEMORY_FRACTION) // per_block
+    affordable = int(available_memory_bytes() * memory_fraction) // per_block
     return max(1, min(wanted, affordable))
 
 
@@ -49,6 +49,7 @@ class StepStats:
     num_tokens: int = 0  # tokens computed (prompt and generated)
     num_generated: int = 0
     seconds: float = 0.0
+    last_step_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -73,17 +74,18 @@ class Request:
 
 class EngineCore:
     def __init__(self, engine: Engine, *, max_num_seqs: int | None = None, max_num_tokens: int | None = None,
-                 num_blocks: int | None = None, attention_backend: str = "torch"):
+                 num_blocks: int | None = None, attention_backend: str = "torch",
+                 capacity_policy: str = "MAX_UTILIZATION", memory_fraction: float = KV_CACHE_MEMORY_FRACTION):
         build = engine.build_config
         self.engine = engine
         self.max_num_seqs = min(max_num_seqs or build.max_batch_size, build.max_batch_size)
         self.max_num_tokens = min(max_num_tokens or build.max_num_tokens, build.max_num_tokens)
         block = build.tokens_per_block
         if num_blocks is None:
-            num_blocks = default_num_blocks(engine, self.max_num_seqs)
+            num_blocks = default_num_blocks(engine, self.max_num_seqs, memory_fraction)
         self.runner = ModelRunner(engine, num_blocks, attention_backend)
         self.pool = BlockPool(num_blocks)
-        self.scheduler = Scheduler(self.pool, block, self.max_num_seqs, self.max_num_tokens)
+        self.scheduler = Scheduler(self.pool, block, self.max_num_seqs, self.max_num_tokens, capacity_policy)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._requests: dict[int, Request] = {}  # seq_id -> request, for live sequences
@@ -92,7 +94,8 @@ class EngineCore:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, end_id: int | None,
-                    return_context_logits: bool = False, return_generation_logits: bool = False) -> Request:
+                    return_context_logits: bool = False, return_generation_logits: bool = False,
+                    priority: float = 0.5) -> Request:
         """Validate and queue one request."""
         build = self.engine.build_config
         if not prompt_token_ids:
@@ -136,6 +139,7 @@ class EngineCore:
             seq = Sequence(next(self._seq_ids), list(prompt_token_ids), seq_params, end_id, build.max_seq_len)
             seq.return_context_logits = return_context_logits and i == 0
             seq.return_generation_logits = return_generation_logits
+            seq.priority = priority
             seq.group = request
             request.seqs.append(seq)
         added = []
@@ -197,6 +201,7 @@ class EngineCore:
         s = self.stats
         s.num_steps += 1
         s.num_tokens += out.num_tokens
+        s.last_step_tokens = out.num_tokens
         s.num_generated += len(advanced_seqs) + sum(len(r.seqs) for r in beam_requests.values())
         s.seconds += time.perf_counter() - started
         return list(advanced.values())

@@ -6,10 +6,13 @@ token it generated last step -- under a token budget (``max_num_tokens``). Two s
 policies decide:
 
 * capacity: a sequence runs only with KV blocks for every token it will hold after the
-  step; when blocks run out, the most recently admitted sequence is preempted (its blocks
-  freed, recomputed later from its tokens);
-* batch composition: running sequences first, in admission order, then waiting ones,
-  while the token budget and ``max_num_seqs`` allow; long prompts are chunked.
+  step. ``MAX_UTILIZATION`` admits greedily and, when blocks run out, preempts the most
+  recently admitted sequence (its blocks freed, recomputed later from its tokens);
+  ``GUARANTEED_NO_EVICT`` admits a sequence only when the blocks every running sequence may
+  still need up to its ``max_tokens`` fit, so nothing is ever preempted;
+* batch composition: running sequences first, in admission order, then waiting ones
+  (highest priority first, then arrival order) while the token budget and ``max_num_seqs``
+  allow; long prompts are chunked.
 
 The step is ``out = scheduler.schedule(); res = runner.execute(out); scheduler.update(out, res)``.
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kiln.errors import CapacityError
+from kiln.errors import CapacityError, ConfigError
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.sequence import Sequence
 
@@ -62,8 +65,15 @@ class RunnerOutput:
     generation_logits: dict = field(default_factory=dict)  # [vocab] raw logits, when asked
 
 
+CAPACITY_POLICIES = ("MAX_UTILIZATION", "GUARANTEED_NO_EVICT")
+
+
 class Scheduler:
-    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_tokens: int):
+    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_tokens: int,
+                 capacity_policy: str = "MAX_UTILIZATION"):
+        if capacity_policy not in CAPACITY_POLICIES:
+            raise ConfigError(f"capacity_policy {capacity_policy!r} is not one of {CAPACITY_POLICIES}")
+        self.capacity_policy = capacity_policy
         self.pool = pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -80,7 +90,11 @@ class Scheduler:
             raise CapacityError(
                 f"request {seq.seq_id} may need {seq.max_total_tokens} tokens ({needed} KV blocks) but the "
                 f"KV cache holds {self.pool.num_blocks} blocks of {self.block_size} tokens")
-        self.waiting.append(seq)
+        # Behind every waiting sequence of equal or higher priority (FCFS within a priority).
+        at = len(self.waiting)
+        while at > 0 and self.waiting[at - 1].priority < seq.priority:
+            at -= 1
+        self.waiting.insert(at, seq)
 
     @property
     def has_unfinished(self) -> bool:
@@ -106,6 +120,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self.capacity_policy == "GUARANTEED_NO_EVICT" and not self._fits_to_the_end(seq):
+                break
             if not self._reserve(seq, n, out):
                 break
             self.waiting.popleft()
@@ -113,6 +129,11 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
         return out
+
+    def _fits_to_the_end(self, seq: Sequence) -> bool:
+        """Whether ``seq`` and every running sequence can all reach their maximum length."""
+        promised = sum(self.blocks_for(s.max_total_tokens) - len(s.block_ids) for s in self.running)
+        return promised + self.blocks_for(seq.max_total_tokens) - len(seq.block_ids) <= self.pool.num_free
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Make sure ``seq`` owns writable blocks for ``n`` more tokens; False if the pool lacks them.

@@ -14,6 +14,7 @@ class FinishReason(str, Enum):
     STOP_WORDS = "stop_words"
     LENGTH = "length"
     CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
 
 
 @dataclass(slots=True, eq=False)
@@ -42,6 +43,7 @@ class Sequence:
     group: object = None  # the beam search or sample group this sequence belongs to, if any
     return_context_logits: bool = False
     return_generation_logits: bool = False
+    priority: float = 0.5  # higher is admitted first; equal priorities keep arrival order
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -1,0 +1,383 @@
+"""Executor: in-flight batching for requests that arrive at any time (reference 003/004).
+
+A background thread owns the :class:`EngineCore` and loops: take newly enqueued requests
+(a bad one gets an error response, nobody else notices), run one step, and turn what
+advanced into :class:`Response` objects that callers collect with ``await_responses`` or,
+in asyncio code, ``generate_async``. Streaming requests get a response per step with the
+new tokens; others get one final response.
+
+    executor = Executor(engine_dir, ExecutorConfig(max_batch_size=32))
+    rid = executor.enqueue_request(Request(input_token_ids=[1, 2, 3], max_tokens=16))
+    (response,) = executor.await_responses(rid)
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+import torch
+
+from kiln.errors import ConfigError, KilnError, RequestError
+from kiln.runtime.engine import Engine
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.engine_core import Request as CoreRequest
+from kiln.runtime.sampling import SamplingConfig
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sequence import FinishReason
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KvCacheConfig:
+    """KV cache size: ``max_tokens``, else ``free_memory_fraction`` of the available memory."""
+
+    max_tokens: int | None = None
+    free_memory_fraction: float = 0.3
+
+
+@dataclass
+class ExecutorConfig:
+    max_batch_size: int | None = None  # default: the engine's
+    max_num_tokens: int | None = None  # per step; default: the engine's
+    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
+    capacity_policy: str = "MAX_UTILIZATION"  # or "GUARANTEED_NO_EVICT"
+    max_queue_size: int = 1024  # requests waiting to be admitted; beyond it enqueue fails
+    iteration_stats_max: int = 1000  # how many iterations' stats to keep
+
+
+@dataclass
+class OutputConfig:
+    return_log_probs: bool = False
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
+    exclude_input_from_output: bool = False
+
+
+@dataclass
+class Request:
+    """One generation request (token ids in, token ids out)."""
+
+    input_token_ids: list[int]
+    max_tokens: int = 16
+    streaming: bool = False
+    sampling_config: SamplingConfig | SamplingParams | None = None
+    output_config: OutputConfig = field(default_factory=OutputConfig)
+    end_id: int | None = None
+    pad_id: int | None = None
+    stop_words: list[list[int]] = field(default_factory=list)
+    bad_words: list[list[int]] = field(default_factory=list)
+    embedding_bias: torch.Tensor | None = None
+    lora_config: object = None  # filled by the LoRA work
+    prompt_tuning_config: object = None  # filled by the prompt-tuning work
+    priority: float = 0.5  # higher first; FCFS within a priority
+    allotted_time_ms: int | None = None  # finish with "timeout" after this long
+
+
+@dataclass
+class Result:
+    output_token_ids: list[list[int]]  # per beam (or sample); new tokens only when streaming
+    is_final: bool
+    finish_reasons: list[str | None]
+    log_probs: list[list[float]] | None = None
+    cum_log_probs: list[float] | None = None
+    context_logits: torch.Tensor | None = None
+    generation_logits: list | None = None
+
+
+@dataclass
+class Response:
+    request_id: int
+    result: Result | None = None
+    error_msg: str | None = None
+
+    def has_error(self) -> bool:
+        return self.error_msg is not None
+
+
+@dataclass
+class IterationStats:
+    iteration: int
+    timestamp: float
+    step_ms: float
+    num_active_requests: int
+    num_queued_requests: int
+    num_scheduled_tokens: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+
+
+@dataclass(eq=False)
+class _Tracked:
+    """Executor-side state of one request."""
+
+    request_id: int
+    request: Request
+    core: CoreRequest | None = None
+    deadline: float | None = None
+    sent: dict[int, int] = field(default_factory=dict)  # seq_id -> output tokens already streamed
+
+
+class Executor:
+    def __init__(self, engine: Engine | str | Path, config: ExecutorConfig | None = None):
+        self.config = config or ExecutorConfig()
+        self.engine = engine if isinstance(engine, Engine) else Engine(engine)
+        kv = self.config.kv_cache_config
+        num_blocks = None
+        if kv.max_tokens is not None:
+            num_blocks = max(1, kv.max_tokens // self.engine.build_config.tokens_per_block)
+        elif not 0 < kv.free_memory_fraction <= 1:
+            raise ConfigError(f"kv_cache_config.free_memory_fraction must be in (0, 1], got {kv.free_memory_fraction}")
+        self.core = EngineCore(self.engine, max_num_seqs=self.config.max_batch_size,
+                               max_num_tokens=self.config.max_num_tokens, num_blocks=num_blocks,
+                               capacity_policy=self.config.capacity_policy,
+                               memory_fraction=kv.free_memory_fraction)
+        self._ids = itertools.count(1)
+        self._lock = threading.Condition()
+        self._incoming: collections.deque[_Tracked] = collections.deque()
+        self._cancelled: set[int] = set()
+        self._live: dict[int, _Tracked] = {}
+        self._responses: dict[int, list[Response]] = collections.defaultdict(list)
+        self._stats: collections.deque[IterationStats] = collections.deque(maxlen=self.config.iteration_stats_max)
+        self._iteration = 0
+        self._shutdown = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="kiln-executor", daemon=True)
+        self._thread.start()
+
+    # -- the public API ---------------------------------------------------------------------
+
+    def enqueue_request(self, request: Request) -> int:
+        """Queue a request; returns its id. Validation errors come back as an error response."""
+        return self.enqueue_requests([request])[0]
+
+    def enqueue_requests(self, requests: list[Request]) -> list[int]:
+        with self._lock:
+            self._check_running()
+            if len(self._incoming) + len(self.core.scheduler.waiting) + len(requests) > self.config.max_queue_size:
+                raise KilnError(f"the executor queue is full ({self.config.max_queue_size} requests waiting)")
+            ids = []
+            for request in requests:
+                tracked = _Tracked(next(self._ids), request)
+                if request.allotted_time_ms is not None:
+                    tracked.deadline = time.monotonic() + request.allotted_time_ms / 1000
+                self._incoming.append(tracked)
+                ids.append(tracked.request_id)
+            self._lock.notify_all()
+        return ids
+
+    def await_responses(self, request_ids: int | list[int] | None = None, timeout: float | None = None
+                        ) -> list[Response]:
+        """Responses ready for ``request_ids`` (one id, several, or ``None`` for any).
+
+        Waits up to ``timeout`` seconds (``None``: until at least one response is ready) and
+        returns what is ready, oldest first; an empty list on timeout.
+        """
+        wanted = None if request_ids is None else ({request_ids} if isinstance(request_ids, int) else set(request_ids))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                ready = [rid for rid in self._responses if wanted is None or rid in wanted]
+                if ready:
+                    out = []
+                    for rid in ready:
+                        out.extend(self._responses.pop(rid))
+                    return out
+                if self._error is not None or self._shutdown:
+                    self._check_running()
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return []
+                self._lock.wait(remaining)
+
+    def cancel_request(self, request_id: int) -> None:
+        """Stop a request; it gets a final response with finish reason "cancelled"."""
+        with self._lock:
+            self._cancelled.add(request_id)
+            self._lock.notify_all()
+
+    def get_latest_iteration_stats(self) -> list[IterationStats]:
+        """Stats of the iterations since the last call (oldest first)."""
+        with self._lock:
+            stats = list(self._stats)
+            self._stats.clear()
+            return stats
+
+    def shutdown(self) -> None:
+        """Stop the loop; requests still in flight get a final "cancelled" response."""
+        with self._lock:
+            if self._shutdown:
+                return
+            self._shutdown = True
+            self._lock.notify_all()
+        self._thread.join()
+
+    async def generate_async(self, request: Request) -> AsyncIterator[Response]:
+        """Enqueue ``request`` and yield its responses as they come (asyncio)."""
+        request_id = self.enqueue_request(request)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                responses = await loop.run_in_executor(None, self.await_responses, request_id, 0.5)
+                for response in responses:
+                    yield response
+                    if response.has_error() or response.result.is_final:
+                        return
+        finally:
+            self.cancel_request(request_id)  # a no-op once final; frees blocks if the caller left early
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _check_running(self) -> None:
+        if self._error is not None:
+            raise KilnError(f"the executor stopped after an internal error: {self._error!r}")
+        if self._shutdown:
+            raise KilnError("the executor has been shut down")
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not (self._incoming or self._cancelled or self._live or self._shutdown):
+                        self._lock.wait()
+                    if self._shutdown:
+                        break
+                    incoming, self._incoming = list(self._incoming), collections.deque()
+                    cancelled, self._cancelled = self._cancelled, set()
+                for tracked in incoming:
+                    self._admit(tracked)
+                self._cancel(cancelled)
+                self._expire()
+                if self.core.has_unfinished:
+                    self._step()
+                else:  # nothing left to compute: whatever is still tracked is done
+                    for tracked in list(self._live.values()):
+                        del self._live[tracked.request_id]
+                        self._respond(tracked, final=True)
+        except BaseException as e:  # an engine bug: fail every request loudly instead of hanging
+            logger.exception("executor loop failed")
+            with self._lock:
+                self._error = e
+                for tracked in list(self._live.values()):
+                    self._responses[tracked.request_id].append(Response(tracked.request_id, error_msg=repr(e)))
+                self._live.clear()
+                self._lock.notify_all()
+            return
+        for tracked in list(self._live.values()):
+            self.core.abort(tracked.core)
+            self._respond(tracked, final=True)
+        with self._lock:
+            self._lock.notify_all()
+
+    def _admit(self, tracked: _Tracked) -> None:
+        r = tracked.request
+        try:
+            params = self._params(r)
+            tracked.core = self.core.add_request(
+                list(r.input_token_ids), params, r.end_id, return_context_logits=r.output_config.return_context_logits,
+                return_generation_logits=r.output_config.return_generation_logits, priority=r.priority)
+        except KilnError as e:
+            self._post(Response(tracked.request_id, error_msg=str(e)))
+            return
+        self._live[tracked.request_id] = tracked
+
+    def _params(self, r: Request) -> SamplingParams:
+        if not isinstance(r.max_tokens, int) or r.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {r.max_tokens!r}")
+        config = r.sampling_config
+        if config is None:
+            config = SamplingConfig()
+        if isinstance(config, SamplingConfig):
+            params = config.per_sequence(1, r.max_tokens)[0]
+        elif isinstance(config, SamplingParams):
+            params = dataclasses.replace(config, max_tokens=r.max_tokens)
+        else:
+            raise RequestError(f"sampling_config must be a SamplingConfig or SamplingParams, got {type(config).__name__}")
+        stop_words = [list(w) for w in r.stop_words]
+        return dataclasses.replace(
+            params, stop_token_ids=list(params.stop_token_ids) + [w[0] for w in stop_words if len(w) == 1],
+            stop_words_ids=list(params.stop_words_ids) + [w for w in stop_words if len(w) > 1],
+            bad_words_ids=list(params.bad_words_ids) + [list(w) for w in r.bad_words],
+            embedding_bias=r.embedding_bias if r.embedding_bias is not None else params.embedding_bias,
+            logprobs=0 if r.output_config.return_log_probs and params.logprobs is None else params.logprobs)
+
+    def _cancel(self, request_ids: set[int]) -> None:
+        for rid in request_ids:
+            tracked = self._live.pop(rid, None)
+            if tracked is not None:
+                self.core.abort(tracked.core)
+                self._respond(tracked, final=True)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid, tracked in list(self._live.items()):
+            if tracked.deadline is not None and now >= tracked.deadline:
+                for seq in tracked.core.seqs:
+                    self.core.finish_sequence(seq, FinishReason.TIMEOUT)
+                if tracked.core.beam is not None and tracked.core.hypotheses is None:
+                    tracked.core.hypotheses = []
+                del self._live[rid]
+                self._respond(tracked, final=True)
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        advanced = self.core.step()
+        by_core = {id(t.core): t for t in self._live.values()}
+        for core_request in advanced:
+            tracked = by_core.get(id(core_request))
+            if tracked is None:
+                continue
+            final = core_request.is_finished
+            if final:
+                del self._live[tracked.request_id]
+            if final or tracked.request.streaming:
+                self._respond(tracked, final)
+        pool, scheduler = self.core.pool, self.core.scheduler
+        self._iteration += 1
+        stats = IterationStats(self._iteration, time.time(), 1000 * (time.perf_counter() - started),
+                               len(self._live), len(scheduler.waiting), self.core.stats.last_step_tokens,
+                               pool.num_blocks - pool.num_free, pool.num_free, pool.num_blocks)
+        with self._lock:
+            self._stats.append(stats)
+
+    def _respond(self, tracked: _Tracked, final: bool) -> None:
+        core, r = tracked.core, tracked.request
+        prompt = [] if r.output_config.exclude_input_from_output else list(r.input_token_ids)
+        if core.beam is not None and core.hypotheses is not None:
+            beams = [(h.token_ids, h.log_probs, "end_id" if h.token_ids and h.token_ids[-1] in core.beam.params.end_ids
+                      else "length") for h in core.hypotheses]
+            if not core.hypotheses:  # cancelled or timed out before any hypothesis
+                beams = [(s.output_token_ids, [], s.finish_reason.value if s.finish_reason else None) for s in core.seqs]
+        else:
+            beams = [(s.output_token_ids, s.logprobs, s.finish_reason.value if s.finish_reason else None)
+                     for s in core.seqs]
+        if r.streaming and core.beam is None:
+            tokens = []
+            for seq, (out, _, _) in zip(core.seqs, beams):
+                tokens.append(out[tracked.sent.get(seq.seq_id, 0):])
+                tracked.sent[seq.seq_id] = len(out)
+        else:
+            tokens = [prompt + list(out) for out, _, _ in beams]
+        result = Result(tokens, final, [reason if final else None for _, _, reason in beams])
+        if r.output_config.return_log_probs:
+            result.log_probs = [list(lp) for _, lp, _ in beams]
+            result.cum_log_probs = [float(sum(lp)) for _, lp, _ in beams]
+        if final and r.output_config.return_context_logits and core.context_logits:
+            result.context_logits = torch.cat(core.context_logits)
+        if final and r.output_config.return_generation_logits:
+            result.generation_logits = core.generation_logits
+        self._post(Response(tracked.request_id, result))
+
+    def _post(self, response: Response) -> None:
+        with self._lock:
+            self._responses[response.request_id].append(response)
+            self._lock.notify_all()
