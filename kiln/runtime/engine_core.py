@@ -75,7 +75,8 @@ class Request:
 class EngineCore:
     def __init__(self, engine: Engine, *, max_num_seqs: int | None = None, max_num_tokens: int | None = None,
                  num_blocks: int | None = None, attention_backend: str = "torch",
-                 capacity_policy: str = "MAX_UTILIZATION", memory_fraction: float = KV_CACHE_MEMORY_FRACTION):
+                 capacity_policy: str = "MAX_UTILIZATION", memory_fraction: float = KV_CACHE_MEMORY_FRACTION,
+                 enable_prefix_caching: bool = False):
         build = engine.build_config
         self.engine = engine
         self.max_num_seqs = min(max_num_seqs or build.max_batch_size, build.max_batch_size)
@@ -84,7 +85,7 @@ class EngineCore:
         if num_blocks is None:
             num_blocks = default_num_blocks(engine, self.max_num_seqs, memory_fraction)
         self.runner = ModelRunner(engine, num_blocks, attention_backend)
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, block, self.max_num_seqs, self.max_num_tokens, capacity_policy)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -226,10 +227,10 @@ class EngineCore:
                     s.num_computed_tokens -= 1
             return False
         decision = request.beam.step(torch.stack([result.beam_logprobs[s.seq_id] for s in live]))
-        parents = [(list(live[p].token_ids), list(live[p].block_ids), live[p].num_computed_tokens)
-                   for p in decision.parents]
+        parents = [(list(live[p].token_ids), list(live[p].block_ids), live[p].num_computed_tokens,
+                    list(live[p].block_hashes)) for p in decision.parents]
         # Children take references to their parents' blocks before the parents let go of theirs.
-        child_blocks = [self.pool.fork(blocks) for _, blocks, _ in parents]
+        child_blocks = [self.pool.fork(blocks) for _, blocks, _, _ in parents]
         for s in live:
             self.pool.free(s.block_ids)
             s.block_ids = []
@@ -241,9 +242,9 @@ class EngineCore:
             live.append(seq)
             self._requests[seq.seq_id] = request
             self.scheduler.running.append(seq)
-        for seq, (tokens, _, computed), blocks, token in zip(live, parents, child_blocks, decision.tokens):
+        for seq, (tokens, _, computed, hashes), blocks, token in zip(live, parents, child_blocks, decision.tokens):
             seq.token_ids = tokens + [token]
-            seq.block_ids = blocks
+            seq.block_ids, seq.block_hashes = blocks, hashes
             seq.num_computed_tokens = computed
             self.runner.history.reset(seq)
         if decision.done:

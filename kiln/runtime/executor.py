@@ -42,6 +42,7 @@ class KvCacheConfig:
 
     max_tokens: int | None = None
     free_memory_fraction: float = 0.3
+    enable_block_reuse: bool = False  # prefix caching: reuse the KV blocks of a shared prompt prefix
 
 
 @dataclass
@@ -114,6 +115,8 @@ class IterationStats:
     kv_blocks_used: int
     kv_blocks_free: int
     kv_blocks_total: int
+    kv_blocks_cached: int  # holding reusable prefix content (in use or free)
+    prefix_cache_hit_rate: float  # hit blocks / looked-up blocks since start
 
 
 @dataclass(eq=False)
@@ -140,7 +143,7 @@ class Executor:
         self.core = EngineCore(self.engine, max_num_seqs=self.config.max_batch_size,
                                max_num_tokens=self.config.max_num_tokens, num_blocks=num_blocks,
                                capacity_policy=self.config.capacity_policy,
-                               memory_fraction=kv.free_memory_fraction)
+                               memory_fraction=kv.free_memory_fraction, enable_prefix_caching=kv.enable_block_reuse)
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
         self._incoming: collections.deque[_Tracked] = collections.deque()
@@ -272,6 +275,10 @@ class Executor:
                 self._live.clear()
                 self._lock.notify_all()
             return
+        with self._lock:  # enqueued but not yet admitted: in flight too, so they get their final response
+            incoming, self._incoming = list(self._incoming), collections.deque()
+        for tracked in incoming:
+            self._admit(tracked)
         for tracked in list(self._live.values()):
             self.core.abort(tracked.core)
             self._respond(tracked, final=True)
@@ -345,7 +352,8 @@ class Executor:
         self._iteration += 1
         stats = IterationStats(self._iteration, time.time(), 1000 * (time.perf_counter() - started),
                                len(self._live), len(scheduler.waiting), self.core.stats.last_step_tokens,
-                               pool.num_blocks - pool.num_free, pool.num_free, pool.num_blocks)
+                               pool.num_blocks - pool.num_free, pool.num_free, pool.num_blocks, pool.num_cached,
+                               pool.hit_rate)
         with self._lock:
             self._stats.append(stats)
 

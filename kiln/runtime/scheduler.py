@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kiln.errors import CapacityError, ConfigError
-from kiln.runtime.block_pool import BlockPool
+from kiln.runtime.block_pool import BlockPool, chain_hash
 from kiln.runtime.sequence import Sequence
 
 
@@ -119,16 +119,45 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self.capacity_policy == "GUARANTEED_NO_EVICT" and not self._fits_to_the_end(seq):
                 break
+            self._take_cached_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._reserve(seq, n, out):
+                self._release_blocks(seq)
                 break
             self.waiting.popleft()
             self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
         return out
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        """Start a fresh sequence from the cached blocks of its longest known prefix.
+
+        At least one token is always left to compute, so the step yields its logits.
+        """
+        if seq.block_ids or seq.num_computed_tokens:
+            return
+        blocks, hashes = self.pool.take_cached_prefix(seq.token_ids, self.block_size,
+                                                      (seq.num_tokens - 1) // self.block_size)
+        seq.block_ids, seq.block_hashes = blocks, hashes
+        seq.num_computed_tokens = len(blocks) * self.block_size
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_ids)
+        seq.block_ids, seq.block_hashes = [], []
+        seq.num_computed_tokens = 0
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Make the blocks this step filled findable by later sequences with the same prefix."""
+        bs = self.block_size
+        full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
+        for j in range(len(seq.block_hashes), full):
+            tokens = tuple(seq.token_ids[j * bs:(j + 1) * bs])
+            block_hash = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            seq.block_hashes.append(block_hash)
+            self.pool.register(seq.block_ids[j], block_hash, tokens)
 
     def _fits_to_the_end(self, seq: Sequence) -> bool:
         """Whether ``seq`` and every running sequence can all reach their maximum length."""
@@ -156,9 +185,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.pool.free(seq.block_ids)
-        seq.block_ids = []
-        seq.num_computed_tokens = 0
+        self._release_blocks(seq)
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
@@ -172,6 +199,8 @@ class Scheduler:
             seq = chunk.seq
             completes = chunk.completes
             seq.num_computed_tokens += chunk.num_tokens
+            if self.pool.enable_caching:
+                self._register_full_blocks(seq)
             if completes and seq.seq_id in result.tokens:
                 r = result.tokens[seq.seq_id]
                 seq.append_token(r.token, r.logprob, r.top_logprobs)
@@ -188,4 +217,4 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.block_ids:
             self.pool.free(seq.block_ids)
-            seq.block_ids = []
+            seq.block_ids, seq.block_hashes = [], []

@@ -34,6 +34,7 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained content hash of each full block
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     current_top_p: float = 1.0  # top-p after decay (reference 003's top_p_decay rule)
