@@ -90,6 +90,9 @@ class Result:
     finish_reasons: list[str | None]
     log_probs: list[list[float]] | None = None
     cum_log_probs: list[float] | None = None
+    # per sequence, per generated token: {token: logprob} of the top-k, when the request's
+    # sampling params ask for ``logprobs=k`` (k > 0); all tokens so far, even when streaming
+    top_log_probs: list[list[dict[int, float]]] | None = None
     context_logits: torch.Tensor | None = None
     generation_logits: list | None = None
 
@@ -379,6 +382,8 @@ class Executor:
         if r.output_config.return_log_probs:
             result.log_probs = [list(lp) for _, lp, _ in beams]
             result.cum_log_probs = [float(sum(lp)) for _, lp, _ in beams]
+        if core.beam is None and (core.params.logprobs or 0) > 0:
+            result.top_log_probs = [list(s.top_logprobs) for s in core.seqs]
         if final and r.output_config.return_context_logits and core.context_logits:
             result.context_logits = torch.cat(core.context_logits)
         if final and r.output_config.return_generation_logits:

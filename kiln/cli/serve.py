@@ -1,0 +1,54 @@
+"""``kiln serve``: an OpenAI-compatible HTTP server (completions, chat, models, health, metrics)."""
+from __future__ import annotations
+
+import os
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve MODEL over HTTP: /v1/models, /v1/completions and /v1/chat/completions "
+                                   "(OpenAI-compatible, with streaming), /health and /metrics (Prometheus). "
+                                   "MODEL may be an engine, a kiln checkpoint, a Hugging Face dir or a GGUF "
+                                   "file; anything but an engine is converted and built into the engine cache "
+                                   "first.")
+    p.add_argument("model", help="engine directory, checkpoint, HF dir or GGUF file")
+    p.add_argument("--tokenizer_dir", help="tokenizer to use (default: the one stored in the engine)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--api_key", default=os.environ.get("KILN_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $KILN_API_KEY, else no key)")
+    p.add_argument("--served_model_name", help="the model name clients send and /v1/models lists "
+                                               "(default: the engine directory's name)")
+    p.add_argument("--cache_dir", help="engine cache for non-engine inputs (default ~/.cache/kiln)")
+    g = p.add_argument_group("scheduling")
+    g.add_argument("--max_batch_size", type=int,
+                   help="most sequences generated at once (default: the engine's build limit)")
+    g.add_argument("--max_num_tokens", type=int,
+                   help="most tokens computed per step, prompt chunks included (default: the engine's)")
+    g.add_argument("--kv_cache_max_tokens", type=int,
+                   help="size the KV cache for this many tokens (default: a fraction of free memory)")
+    g.add_argument("--enable_prefix_caching", action="store_true",
+                   help="reuse the KV cache of prompt prefixes shared between requests")
+    g.add_argument("--max_queue_size", type=int, default=1024,
+                   help="requests allowed to wait for admission; beyond it requests get HTTP 503 (default 1024)")
+    p.set_defaults(handler=serve)
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    from kiln.engine_cache import resolve_engine
+    from kiln.runtime.executor import ExecutorConfig, KvCacheConfig
+    from kiln.serve.app import create_app
+
+    engine_dir = resolve_engine(args.model, cache_dir=args.cache_dir,
+                                build_options=dict(max_batch_size=args.max_batch_size,
+                                                   max_num_tokens=args.max_num_tokens))
+    config = ExecutorConfig(max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+                            max_queue_size=args.max_queue_size,
+                            kv_cache_config=KvCacheConfig(max_tokens=args.kv_cache_max_tokens,
+                                                          enable_block_reuse=args.enable_prefix_caching))
+    app = create_app(engine_dir, tokenizer_dir=args.tokenizer_dir, api_key=args.api_key, executor_config=config,
+                     served_model_name=args.served_model_name)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

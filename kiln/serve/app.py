@@ -1,0 +1,357 @@
+"""The FastAPI app: one Executor per app, a router thread feeding asyncio, OpenAI endpoints.
+
+    app = create_app(engine_dir, api_key="secret")
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Every choice of every prompt runs as its own streaming executor request (``n`` samples get
+seeds ``seed``, ``seed + 1``... like the LLM API), so a stop string found in one choice
+cancels just that request and its KV blocks go back to the pool at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+from fastapi import Depends, FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from kiln.errors import ConfigError, KilnError, RequestError
+from kiln.outputs import TextTracker
+from kiln.runtime.executor import Executor, ExecutorConfig, OutputConfig, Request, Response
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.serve.metrics import Metrics
+from kiln.serve.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList)
+from kiln.tokenizer import end_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+FINISH = {"end_id": "stop", "stop_words": "stop", "length": "length", "cancelled": "abort", "timeout": "abort"}
+
+
+@dataclass
+class Event:
+    """New output of one choice."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)  # of token_ids
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass(eq=False)
+class _Choice:
+    index: int
+    request_id: int
+    tracker: TextTracker
+    tokens: list[int] = field(default_factory=list)
+    finished: bool = False
+    first_at: float | None = None
+    last_at: float | None = None
+
+
+def request_error_param(message: str, default: str | None = None) -> str | None:
+    """The field a kiln RequestError names (its messages start with it)."""
+    m = re.match(r"([a-z_]+)( token ids)? must", message)
+    return m.group(1) if m else default
+
+
+class ServingEngine:
+    """The executor, tokenizer and metrics the endpoints share."""
+
+    def __init__(self, engine_dir: str | Path, tokenizer_dir: str | Path | None = None,
+                 executor_config: ExecutorConfig | None = None, served_model_name: str | None = None):
+        self.executor = Executor(engine_dir, executor_config)
+        try:
+            engine = self.executor.engine
+            tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else engine.tokenizer_dir
+            if tokenizer_dir is None:
+                raise ConfigError(f"{engine_dir}: the engine carries no tokenizer; pass a tokenizer dir")
+            self.tokenizer = load_tokenizer(tokenizer_dir)
+            ids = end_ids(tokenizer_dir, self.tokenizer)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.end_id = ids[0] if ids else None
+        self.extra_stop_ids = ids[1:]
+        self.build = engine.build_config
+        self.vocab_size = engine.config.vocab_size
+        self.model_name = served_model_name or Path(engine_dir).name
+        self.metrics = Metrics()
+        self._queues: dict[int, asyncio.Queue] = {}
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = threading.Event()
+        self._router: threading.Thread | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._router = threading.Thread(target=self._route, name="kiln-serve-router", daemon=True)
+        self._router.start()
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        if self._router is not None:
+            self._router.join()
+        self.executor.shutdown()
+
+    def _route(self) -> None:
+        """Move executor responses to the asyncio queue of whoever waits for them."""
+        while not self._stopping.is_set():
+            try:
+                responses = self.executor.await_responses(None, timeout=0.1)
+            except KilnError as e:  # the executor stopped: fail everyone waiting
+                with self._lock:
+                    waiting = list(self._queues.items())
+                for rid, queue in waiting:
+                    self._loop.call_soon_threadsafe(queue.put_nowait, Response(rid, error_msg=str(e)))
+                self._stopping.wait(0.1)
+                continue
+            for response in responses:
+                with self._lock:
+                    queue = self._queues.get(response.request_id)
+                if queue is not None:
+                    self._loop.call_soon_threadsafe(queue.put_nowait, response)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt)["input_ids"]
+        return list(prompt)
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param)
+        if len(ids) > self.build.max_input_len or len(ids) >= self.build.max_seq_len:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens, more than this model's limit "
+                                f"(max_input_len {self.build.max_input_len}, max_seq_len {self.build.max_seq_len})",
+                           param, code="context_length_exceeded")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ApiError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                           param)
+
+    def sampling_params(self, **kwargs) -> SamplingParams:
+        """SamplingParams from request fields, validated against the engine; errors become 400s."""
+        try:
+            params = SamplingParams(**kwargs)
+            params.validate(vocab_size=self.vocab_size)
+        except RequestError as e:
+            raise ApiError(400, str(e), request_error_param(str(e))) from None
+        return params
+
+    def _engine_params(self, params: SamplingParams, i: int) -> SamplingParams:
+        """Choice ``i``'s executor params: one sample, its own seed, the model's extra end ids;
+        stop strings are applied here on the text, not by the executor."""
+        stop_ids = list(params.stop_token_ids)
+        if self.extra_stop_ids and not params.ignore_eos:
+            stop_ids += self.extra_stop_ids
+        seed = None if params.seed is None else params.seed + i
+        return dataclasses.replace(params, n=1, best_of=None, seed=seed, stop=[], stop_token_ids=stop_ids)
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams, *,
+                       http_request: HttpRequest | None = None) -> AsyncIterator[Event]:
+        """Run ``params.n`` choices per prompt (index ``prompt * n + i``); yield their new output.
+
+        Stop strings are matched on the detokenized text; the executor request of a choice that
+        hit one is cancelled. ``http_request``: poll it and stop if the client went away (the
+        streaming path is cancelled by the server instead). Leaving early cancels what still runs.
+        """
+        want_logprobs = params.logprobs is not None
+        requests, choices = [], []
+        for p, ids in enumerate(prompts):
+            for i in range(params.n):
+                requests.append(Request(input_token_ids=ids, max_tokens=params.max_tokens, streaming=True,
+                                        sampling_config=self._engine_params(params, i), end_id=self.end_id,
+                                        output_config=OutputConfig(return_log_probs=want_logprobs)))
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            try:
+                rids = self.executor.enqueue_requests(requests)
+            except KilnError as e:
+                status = 503 if "queue is full" in str(e) else 500
+                raise ApiError(status, str(e), None, "server_error" if status == 500 else "overloaded_error")
+            for rid in rids:
+                self._queues[rid] = queue
+        started = time.perf_counter()
+        for ids in prompts:
+            self.metrics.add_prompt_tokens(len(ids) * params.n)
+        for index, rid in enumerate(rids):
+            choices.append(_Choice(index, rid, TextTracker(self.tokenizer, params.stop,
+                                                           params.include_stop_str_in_output)))
+        by_rid = {c.request_id: c for c in choices}
+        self.metrics.in_flight += 1
+        try:
+            remaining = len(choices)
+            while remaining:
+                try:
+                    response = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if http_request is not None and await http_request.is_disconnected():
+                        return
+                    continue
+                choice = by_rid[response.request_id]
+                if choice.finished:
+                    continue
+                if response.has_error():
+                    raise ApiError(400, response.error_msg, request_error_param(response.error_msg))
+                event = self._advance(choice, response.result, started)
+                if choice.finished:
+                    remaining -= 1
+                if event.text or event.token_ids or event.finish_reason:
+                    yield event
+        finally:
+            self.metrics.in_flight -= 1
+            for choice in choices:
+                if not choice.finished:
+                    self.executor.cancel_request(choice.request_id)
+            with self._lock:
+                for rid in rids:
+                    self._queues.pop(rid, None)
+
+    def _advance(self, choice: _Choice, result, started: float) -> Event:
+        new = list(result.output_token_ids[0])
+        start = len(choice.tokens)
+        choice.tokens += new
+        now = time.perf_counter()
+        if new:
+            ttft = None if choice.first_at is not None else now - started
+            itl = None if choice.last_at is None else now - choice.last_at
+            choice.first_at = choice.first_at or now
+            choice.last_at = now
+            self.metrics.add_generated(len(new), ttft, itl)
+        tracker = choice.tracker
+        reason = None
+        if new or result.is_final:
+            if tracker.update(choice.tokens, final=result.is_final):
+                reason = "stop"
+                self.executor.cancel_request(choice.request_id)
+        if reason is None and result.is_final:
+            reason = FINISH.get(result.finish_reasons[0] or "", "stop")
+        if reason is not None:
+            choice.finished = True
+            self.metrics.finished(reason)
+            text = tracker.text[tracker.emitted:]  # nothing held back any more
+            tracker.emitted = len(tracker.text)
+        else:
+            text = tracker.delta()
+        event = Event(choice.index, text, new, finish_reason=reason)
+        if result.log_probs is not None:
+            event.logprobs = list(result.log_probs[0][start:len(choice.tokens)])
+            top = result.top_log_probs
+            if top is not None:
+                event.top_logprobs = list(top[0][start:len(choice.tokens)])
+        return event
+
+    def gauges(self) -> dict[str, tuple[str, float]]:
+        stats = self.executor.get_latest_iteration_stats()
+        if stats:
+            self._last_stats = stats[-1]
+        last = getattr(self, "_last_stats", None)
+        idle = self.metrics.in_flight == 0
+        pool = self.executor.core.pool
+        return {
+            "kiln_num_requests_running": ("Sequences being generated.",
+                                          0 if idle or last is None else last.num_active_requests),
+            "kiln_num_requests_waiting": ("Sequences waiting to be scheduled.",
+                                          0 if idle or last is None else last.num_queued_requests),
+            "kiln_kv_cache_blocks_used": ("KV cache blocks in use.", pool.num_blocks - pool.num_free),
+            "kiln_kv_cache_blocks_total": ("KV cache blocks in all.", pool.num_blocks),
+            "kiln_kv_cache_usage_ratio": ("Fraction of KV cache blocks in use.",
+                                          (pool.num_blocks - pool.num_free) / pool.num_blocks),
+            "kiln_prefix_cache_hit_rate": ("Prefix-cache hit blocks / looked-up blocks since start.", pool.hit_rate),
+        }
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, api_key: str | None = None,
+               executor_config: ExecutorConfig | None = None, served_model_name: str | None = None) -> FastAPI:
+    """An OpenAI-compatible app serving the engine in ``engine_dir`` (the executor starts with the app)."""
+    from kiln.serve import chat, completions
+
+    holder: dict[str, ServingEngine] = {}
+    name = served_model_name or Path(engine_dir).name
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine = await asyncio.to_thread(ServingEngine, engine_dir, tokenizer_dir, executor_config, name)
+        engine.start(asyncio.get_running_loop())
+        holder["engine"] = app.state.engine = engine
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="kiln", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(_, e: ApiError):
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = loc[0] if loc else None
+        message = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body')}: {err.get('msg')}"
+                            for err in errors) or "invalid request"
+        return _error(ApiError(400, message, param))
+
+    def engine() -> ServingEngine:
+        return holder["engine"]
+
+    async def check_key(request: HttpRequest) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        if not secrets.compare_digest(given.encode(), api_key.encode()):
+            raise ApiError(401, "invalid or missing API key", None, "authentication_error", "invalid_api_key")
+
+    def check_model(model: str) -> None:
+        if model != name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {name!r}", "model",
+                           code="model_not_found")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        e = engine()
+        return PlainTextResponse(e.metrics.render(e.gauges()), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def models():
+        return ModelList(data=[ModelCard(id=name)])
+
+    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    async def create_completion(body: CompletionRequest, request: HttpRequest):
+        check_model(body.model)
+        return await completions.serve(engine(), body, request)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    async def create_chat_completion(body: ChatCompletionRequest, request: HttpRequest):
+        check_model(body.model)
+        return await chat.serve(engine(), body, request)
+
+    return app

@@ -1,0 +1,159 @@
+"""``POST /v1/completions``: prompts (text, token ids, or a batch of either) to completions.
+
+Also holds what the chat endpoint shares: request fields to :class:`SamplingParams`
+keywords, and server-sent-event streaming.
+"""
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, AsyncIterator, Callable
+
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kiln.serve.protocol import (ApiError, CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                 CompletionResponse, SamplingFields, Usage, now, random_id)
+
+if TYPE_CHECKING:
+    from kiln.serve.app import Event, ServingEngine
+
+
+def sampling_kwargs(body: SamplingFields) -> dict:
+    """The SamplingParams keywords of the fields both endpoints share (OpenAI defaults)."""
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            bias[int(key)] = value
+        except ValueError:
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+    return dict(n=body.n, stop=stop, temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, logit_bias=bias,
+                top_k=body.top_k, min_tokens=body.min_tokens, repetition_penalty=body.repetition_penalty,
+                ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output)
+
+
+def default_max_tokens(engine: ServingEngine, prompts: list[list[int]]) -> int:
+    return max(1, engine.build.max_seq_len - max(len(p) for p in prompts))
+
+
+def sse(payload) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def stream_events(events: AsyncIterator[Event], chunk: Callable[[Event], dict], *,
+                        head: list[dict] = (), tail: Callable[[], list[dict]] = lambda: []) -> StreamingResponse:
+    """An SSE response of ``chunk(event)`` per event, after ``head`` and before ``tail()`` and ``[DONE]``.
+
+    Waits for the first event before answering, so that errors found when the request is
+    admitted (queue full, a bad request) still get their HTTP status. The generator's cleanup
+    (a client that disconnects cancels the response task) cancels the executor requests.
+    """
+    first = await events.__anext__()
+
+    async def body():
+        try:
+            for payload in head:
+                yield sse(payload)
+            yield sse(chunk(first))
+            async for event in events:
+                yield sse(chunk(event))
+            for payload in tail():
+                yield sse(payload)
+        except ApiError as e:
+            yield sse(e.body())
+        finally:
+            await events.aclose()
+        yield sse("[DONE]")
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _prompts(body: CompletionRequest) -> list:
+    p = body.prompt
+    if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+        return [p]
+    if not p:
+        raise ApiError(400, "prompt must not be empty", "prompt")
+    return list(p)
+
+
+def _token_str(engine: ServingEngine, token: int) -> str:
+    return engine.tokenizer.decode([token])
+
+
+def _logprobs(engine: ServingEngine, token_ids: list[int], logprobs: list[float], tops: list[dict],
+              offset: int) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for i, (token, lp) in enumerate(zip(token_ids, logprobs)):
+        s = _token_str(engine, token)
+        top = tops[i] if i < len(tops) else {}
+        out.tokens.append(s)
+        out.token_logprobs.append(lp)
+        out.top_logprobs.append({**{_token_str(engine, t): v for t, v in top.items()}, s: lp})
+        out.text_offset.append(offset)
+        offset += len(s)
+    return out
+
+
+async def serve(engine: ServingEngine, body: CompletionRequest, http_request: HttpRequest):
+    if body.echo:
+        raise ApiError(400, "echo is not supported", "echo")
+    prompts = [engine.encode(p) for p in _prompts(body)]
+    for ids in prompts:
+        engine.check_prompt(ids, "prompt")
+    max_tokens = body.max_tokens if body.max_tokens is not None else default_max_tokens(engine, prompts)
+    params = engine.sampling_params(max_tokens=max_tokens, logprobs=body.logprobs, **sampling_kwargs(body))
+    prompt_tokens = sum(len(p) for p in prompts)
+    rid, created = random_id("cmpl"), now()
+    want_logprobs = body.logprobs is not None
+    n_choices = len(prompts) * params.n
+    completion_tokens = [0]
+    offsets = [0] * n_choices
+
+    if body.stream:
+        events = engine.generate(prompts, params)
+
+        def chunk(event: Event) -> dict:
+            completion_tokens[0] += len(event.token_ids)
+            logprobs = None
+            if want_logprobs:
+                logprobs = _logprobs(engine, event.token_ids, event.logprobs, event.top_logprobs,
+                                     offsets[event.index])
+                offsets[event.index] += len(event.text)
+            return CompletionResponse(id=rid, created=created, model=engine.model_name, choices=[CompletionChoice(
+                index=event.index, text=event.text, logprobs=logprobs, finish_reason=event.finish_reason)]
+            ).model_dump(exclude={"usage"} if not (body.stream_options and body.stream_options.include_usage)
+                         else None)
+
+        def tail() -> list[dict]:
+            if not (body.stream_options and body.stream_options.include_usage):
+                return []
+            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens[0],
+                          total_tokens=prompt_tokens + completion_tokens[0])
+            return [CompletionResponse(id=rid, created=created, model=engine.model_name, choices=[],
+                                       usage=usage).model_dump()]
+
+        return await stream_events(events, chunk, tail=tail)
+
+    texts = [[] for _ in range(n_choices)]
+    tokens = [[] for _ in range(n_choices)]
+    lps = [[] for _ in range(n_choices)]
+    tops = [[] for _ in range(n_choices)]
+    reasons: list[str | None] = [None] * n_choices
+    async for event in engine.generate(prompts, params, http_request=http_request):
+        texts[event.index].append(event.text)
+        tokens[event.index] += event.token_ids
+        lps[event.index] += event.logprobs
+        tops[event.index] += event.top_logprobs
+        reasons[event.index] = event.finish_reason or reasons[event.index]
+    choices = [CompletionChoice(index=i, text="".join(texts[i]), finish_reason=reasons[i],
+                                logprobs=_logprobs(engine, tokens[i], lps[i], tops[i], 0) if want_logprobs else None)
+               for i in range(n_choices)]
+    generated = sum(len(t) for t in tokens)
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=generated, total_tokens=prompt_tokens + generated)
+    return JSONResponse(CompletionResponse(id=rid, created=created, model=engine.model_name, choices=choices,
+                                           usage=usage).model_dump())

@@ -1,0 +1,81 @@
+"""Prometheus text-format metrics, written by hand (no client library needed)."""
+from __future__ import annotations
+
+import bisect
+import threading
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += times
+        self.sum += value * times
+        self.count += times
+
+    def lines(self, name: str) -> list[str]:
+        out, total = [], 0
+        for bound, n in zip(list(self.buckets) + ["+Inf"], self.counts):
+            total += n
+            out.append(f'{name}_bucket{{le="{bound}"}} {total}')
+        out += [f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
+        return out
+
+
+class Metrics:
+    """Counters and histograms the serving code updates; gauges are read at scrape time."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.requests_finished: dict[str, int] = {}
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.in_flight = 0  # HTTP-level generation requests being served
+
+    def add_prompt_tokens(self, n: int) -> None:
+        with self.lock:
+            self.prompt_tokens += n
+
+    def add_generated(self, n: int, ttft: float | None, itl: float | None) -> None:
+        with self.lock:
+            self.generation_tokens += n
+            if ttft is not None:
+                self.ttft.observe(ttft)
+            if itl is not None and n > 0:
+                self.itl.observe(itl / n, n)
+
+    def finished(self, reason: str) -> None:
+        with self.lock:
+            self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
+
+    def render(self, gauges: dict[str, tuple[str, float]]) -> str:
+        """The exposition text; ``gauges`` maps a name to (help, value)."""
+        lines = []
+
+        def metric(name: str, kind: str, help_: str, body: list[str]) -> None:
+            lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *body])
+
+        for name, (help_, value) in gauges.items():
+            metric(name, "gauge", help_, [f"{name} {value}"])
+        with self.lock:
+            metric("kiln_prompt_tokens_total", "counter", "Prompt tokens processed.",
+                   [f"kiln_prompt_tokens_total {self.prompt_tokens}"])
+            metric("kiln_generation_tokens_total", "counter", "Tokens generated.",
+                   [f"kiln_generation_tokens_total {self.generation_tokens}"])
+            metric("kiln_request_success_total", "counter", "Finished sequences by finish reason.",
+                   [f'kiln_request_success_total{{finish_reason="{r}"}} {n}'
+                    for r, n in sorted(self.requests_finished.items())])
+            metric("kiln_time_to_first_token_seconds", "histogram", "Time from arrival to the first token.",
+                   self.ttft.lines("kiln_time_to_first_token_seconds"))
+            metric("kiln_inter_token_latency_seconds", "histogram", "Time between generated tokens.",
+                   self.itl.lines("kiln_inter_token_latency_seconds"))
+        return "\n".join(lines) + "\n"
