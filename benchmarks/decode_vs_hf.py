@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from hf_peer import add_peer_args, check_peer_args, load_hf_peer
+
 
 def kiln_round(llm, prompt_ids: list[int], n: int) -> tuple[float, float]:
     from kiln import SamplingParams
@@ -60,37 +62,22 @@ def hf_round(model, prompt_ids: list[int], n: int) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine_dir", required=True, help="kiln engine to measure")
-    p.add_argument("--hf_gguf", help="GGUF file Hugging Face loads as the peer")
-    p.add_argument("--hf_dir", help="Hugging Face model directory as the peer (instead of --hf_gguf)")
+    add_peer_args(p)
     p.add_argument("--prompt", default="Give me three tips for writing clear code.", help="user message")
     p.add_argument("--max_new_tokens", type=int, default=128, help="tokens to decode per round (default 128)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per engine; medians reported (default 3)")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both")
     p.add_argument("--output_json", help="also write the figures here")
     args = p.parse_args(argv)
-    if not (args.hf_gguf or args.hf_dir):
-        p.error("give --hf_gguf or --hf_dir")
-    torch.set_num_threads(args.threads)
-
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    check_peer_args(p, args)
 
     from kiln import LLM
     from kiln.tokenizer import chat_prompt_ids
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     llm = LLM(args.engine_dir, progress=False)
     prompt_ids = chat_prompt_ids(llm.tokenizer, [{"role": "user", "content": args.prompt}])
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[llm.engine.config.dtype]
     started = time.perf_counter()
-    if args.hf_gguf:
-        gguf = Path(args.hf_gguf)
-        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=dtype)
+    hf = load_hf_peer(args, llm.engine.config.dtype)
     hf_load = time.perf_counter() - started
-    hf.eval()
 
     kiln_runs, hf_runs = [], []
     kiln_round(llm, prompt_ids, 8)  # warm-up: page in weights, first-call set-up

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from hf_peer import add_peer_args, check_peer_args, load_hf_peer
+
 
 def percentiles(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
@@ -131,8 +133,7 @@ def run_hf(model, requests, batch_size: int, pad_id: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine_dir", required=True, help="kiln engine to serve")
-    p.add_argument("--hf_gguf", help="GGUF file HF loads as the peer")
-    p.add_argument("--hf_dir", help="HF model directory as the peer (instead of --hf_gguf)")
+    add_peer_args(p)
     p.add_argument("--num_requests", type=int, default=64, help="ShareGPT requests to replay (default 64)")
     p.add_argument("--max_prompt_len", type=int, default=512, help="skip prompts longer than this (default 512)")
     p.add_argument("--max_output_len", type=int, default=128, help="cap on each reply length (default 128)")
@@ -141,21 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max_batch_size", type=int, default=64, help="kiln's concurrent sequences (default 64)")
     p.add_argument("--hf_batch_size", type=int, default=64, help="HF static batch size (default 64)")
     p.add_argument("--seed", type=int, default=0, help="arrival-time seed")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both")
     p.add_argument("--output_json", help="also write the figures here")
     args = p.parse_args(argv)
-    if not (args.hf_gguf or args.hf_dir):
-        p.error("give --hf_gguf or --hf_dir")
-    torch.set_num_threads(args.threads)
-
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    check_peer_args(p, args)
 
     from kiln.runtime.engine import Engine
     from kiln.tokenizer import load_tokenizer
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     tokenizer = load_tokenizer(args.engine_dir)
     requests = load_requests(tokenizer, args.num_requests, args.max_prompt_len, args.max_output_len)
     dtype = Engine(args.engine_dir).config.dtype
@@ -164,12 +157,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{total_out} output tokens; {dtype}, {args.threads} threads", file=sys.stderr)
 
     kiln = run_kiln(args.engine_dir, requests, args.request_rate, args.seed, args.max_batch_size)
-    torch_dtype = getattr(torch, dtype)
-    if args.hf_gguf:
-        gguf = Path(args.hf_gguf)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch_dtype).eval()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch_dtype).eval()
+    model = load_hf_peer(args, dtype)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     hf = run_hf(model, requests, args.hf_batch_size, pad)
 
