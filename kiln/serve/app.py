@@ -30,7 +30,8 @@ from kiln.outputs import TextTracker
 from kiln.runtime.executor import Executor, ExecutorConfig, OutputConfig, Request, Response
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.serve.metrics import Metrics
-from kiln.serve.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList)
+from kiln.serve.protocol import (ApiError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                 CompletionResponse, ErrorResponse, ModelCard, ModelList)
 from kiln.tokenizer import end_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -331,25 +332,37 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {name!r}", "model",
                            code="model_not_found")
 
+    # Documented in the OpenAPI schema, so clients (and schema fuzzers) know every answer.
+    errors = {code: {"model": ErrorResponse, "description": text} for code, text in (
+        (400, "invalid request (the error names the field)"), (401, "invalid or missing API key"),
+        (404, "unknown model"), (503, "the request queue is full"))}
+    event_stream = {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                    "description": "the response, or with stream=true server-sent events ending in [DONE]"}
+
     @app.get("/health")
-    async def health():
+    async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}})
     async def metrics():
         e = engine()
         return PlainTextResponse(e.metrics.render(e.gauges()), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    @app.get("/v1/models", dependencies=[Depends(check_key)], response_model=ModelList,
+             responses={401: errors[401]})
     async def models():
         return ModelList(data=[ModelCard(id=name)])
 
-    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/completions", dependencies=[Depends(check_key)], response_model=CompletionResponse,
+              responses={200: event_stream, **errors})
     async def create_completion(body: CompletionRequest, request: HttpRequest):
         check_model(body.model)
         return await completions.serve(engine(), body, request)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)], response_model=ChatCompletionResponse,
+              responses={200: event_stream, **errors})
     async def create_chat_completion(body: ChatCompletionRequest, request: HttpRequest):
         check_model(body.model)
         return await chat.serve(engine(), body, request)
