@@ -5,7 +5,8 @@ correct for any mix of prompt chunks and generation tokens. Generation tokens (o
 each) of all sequences are batched into one padded call; prompt chunks run one call each.
 
 KV cache of one layer: ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads,
-head_size]``.
+head_size]``. Blocks are zeroed when allocated, so reading a whole block under a mask never
+meets stale NaN/inf values past the sequence's end.
 """
 from __future__ import annotations
 
@@ -25,14 +26,15 @@ class TorchPagedAttention:
         bs = md.block_size
         st = md.backend_state
         if decode:
-            max_len = max(md.seq_lens[i] for i in decode)
-            slots = torch.zeros(len(decode), max_len, dtype=torch.int64)
-            for row, i in enumerate(decode):
-                slots[row, : md.seq_lens[i]] = _seq_slots(md.block_tables[i], md.seq_lens[i], bs)
+            # Whole blocks are gathered (contiguous copies, much cheaper than token slots);
+            # padding repeats a row's first block and everything past seq_len is masked.
+            max_blocks = max(-(-md.seq_lens[i] // bs) for i in decode)
+            tables = torch.tensor([(md.block_tables[i][: -(-md.seq_lens[i] // bs)] + [md.block_tables[i][0]] * max_blocks)
+                                   [:max_blocks] for i in decode], dtype=torch.int64)
             lens = torch.tensor([md.seq_lens[i] for i in decode])
             st["decode_tokens"] = torch.tensor([md.query_start_loc[i] for i in decode])
-            st["decode_slots"] = slots  # [num_decode, max_len]
-            st["decode_mask"] = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :]
+            st["decode_blocks"] = tables  # [num_decode, max_blocks]
+            st["decode_mask"] = (torch.arange(max_blocks * bs)[None, :] < lens[:, None])[:, None, None, :]
         st["chunks"] = []
         for i in chunks:
             q_len, s_len = md.query_lens[i], md.seq_lens[i]
@@ -58,9 +60,10 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         st = md.backend_state
         if "decode_tokens" in st:
-            idx = st["decode_tokens"]
-            kd = flat_k[st["decode_slots"]].transpose(1, 2)  # [n, kv_heads, max_len, head]
-            vd = flat_v[st["decode_slots"]].transpose(1, 2)
+            idx, tables = st["decode_tokens"], st["decode_blocks"]
+            n = tables.shape[0]
+            kd = k_cache[tables].view(n, -1, num_kv_heads, head).transpose(1, 2)  # [n, kv_heads, max_len, head]
+            vd = v_cache[tables].view(n, -1, num_kv_heads, head).transpose(1, 2)
             qd = q[idx].unsqueeze(2)  # [n, heads, 1, head]
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=st["decode_mask"], scale=scale,
                                                enable_gqa=gqa)

@@ -45,8 +45,19 @@ class ModelRunner:
             k[dst] = k[src]
             v[dst] = v[src]
 
+    def clear_blocks(self, blocks: list[int]) -> None:
+        """Zero newly allocated blocks: attention reads whole blocks under a mask, and the
+        unwritten tail of a block must not hold stale NaN/inf bit patterns."""
+        if not blocks:
+            return
+        index = torch.tensor(blocks)
+        for k, v in self.kv_caches:
+            k.index_fill_(0, index, 0)
+            v.index_fill_(0, index, 0)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self.clear_blocks(out.new_blocks)
         self.copy_blocks(out.block_copies)
         input_ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
         last_token, sampled_seqs, context_rows = [], [], []

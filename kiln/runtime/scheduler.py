@@ -42,6 +42,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy before the step
+    new_blocks: list[int] = field(default_factory=list)  # freshly allocated: cleared before the step
 
     @property
     def num_tokens(self) -> int:
@@ -181,7 +182,9 @@ class Scheduler:
             self.pool.free([seq.block_ids[first]])
             seq.block_ids[first] = new
         if missing > 0:
-            seq.block_ids.extend(self.pool.allocate(missing))
+            blocks = self.pool.allocate(missing)
+            seq.block_ids.extend(blocks)
+            out.new_blocks.extend(blocks)
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
