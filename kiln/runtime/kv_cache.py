@@ -8,17 +8,12 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
                       dtype: torch.dtype, device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``num_layers`` pairs of ``[num_blocks, block_size, num_kv_heads, head_size]`` tensors.
 
-    Left uninitialised, so the OS commits memory only as blocks are first written. Block 0
-    is zeroed: padded attention reads slot 0 under a mask, and masked garbage could be NaN.
+    Left uninitialised, so the OS commits memory only as blocks are first written; the
+    runner zeroes each block when the scheduler hands it out (``ModelRunner.clear_blocks``).
     """
     shape = (num_blocks, block_size, num_kv_heads, head_size)
-    caches = []
-    for _ in range(num_layers):
-        k, v = torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
-        k[0].zero_()
-        v[0].zero_()
-        caches.append((k, v))
-    return caches
+    return [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
 
 
 def available_memory_bytes() -> int:
