@@ -74,7 +74,7 @@ class Request:
 
 class EngineCore:
     def __init__(self, engine: Engine, *, max_num_seqs: int | None = None, max_num_tokens: int | None = None,
-                 num_blocks: int | None = None, attention_backend: str = "torch",
+                 num_blocks: int | None = None, attention_backend: str = "auto",
                  capacity_policy: str = "MAX_UTILIZATION", memory_fraction: float = KV_CACHE_MEMORY_FRACTION,
                  enable_prefix_caching: bool = False):
         build = engine.build_config

@@ -53,6 +53,7 @@ class ExecutorConfig:
     capacity_policy: str = "MAX_UTILIZATION"  # or "GUARANTEED_NO_EVICT"
     max_queue_size: int = 1024  # requests waiting to be admitted; beyond it enqueue fails
     iteration_stats_max: int = 1000  # how many iterations' stats to keep
+    attention_backend: str = "auto"  # "native" (C decode kernel), "torch" (reference) or auto
 
 
 @dataclass
@@ -146,7 +147,7 @@ class Executor:
         self.core = EngineCore(self.engine, max_num_seqs=self.config.max_batch_size,
                                max_num_tokens=self.config.max_num_tokens, num_blocks=num_blocks,
                                capacity_policy=self.config.capacity_policy,
-                               memory_fraction=kv.free_memory_fraction, enable_prefix_caching=kv.enable_block_reuse)
+                               attention_backend=self.config.attention_backend, memory_fraction=kv.free_memory_fraction, enable_prefix_caching=kv.enable_block_reuse)
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
         self._incoming: collections.deque[_Tracked] = collections.deque()

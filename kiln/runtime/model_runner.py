@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.models.base import torch_dtype
-from kiln.runtime.attention import BACKENDS
+from kiln.runtime.attention import BACKENDS, select_backend
 from kiln.runtime.engine import Engine
 from kiln.runtime.kv_cache import allocate_kv_cache
 from kiln.runtime.logits_processors import TokenHistory, process_logits
@@ -19,7 +19,7 @@ from kiln.runtime.sequence import Sequence
 class ModelRunner:
     """Owns the KV cache of one engine and executes steps on it."""
 
-    def __init__(self, engine: Engine, num_blocks: int, attention_backend: str = "torch"):
+    def __init__(self, engine: Engine, num_blocks: int, attention_backend: str = "auto"):
         self.engine = engine
         self.model = engine.model
         self.block_size = engine.build_config.tokens_per_block
@@ -28,7 +28,7 @@ class ModelRunner:
         attention = next(iter(self.model.transformer.layers.values())).attention
         self.kv_caches = allocate_kv_cache(len(self.model.transformer.layers), num_blocks, self.block_size,
                                            attention.num_kv_heads, attention.head_size, torch_dtype(config.dtype))
-        self.backend = BACKENDS[attention_backend]()
+        self.backend = BACKENDS[select_backend(attention_backend, torch_dtype(config.dtype))]()
         self.history = TokenHistory(engine.build_config.max_seq_len)
 
     def release(self, seq: Sequence) -> None:

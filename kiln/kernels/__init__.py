@@ -1,0 +1,128 @@
+"""Native CPU kernels, compiled on first use with the machine's C compiler.
+
+The sources are plain C (no PyTorch headers), so a build takes about a second; the shared
+library is cached under ``$KILN_CACHE_DIR/kernels/<key>/`` where the key covers the source,
+the compiler, its flags and the CPU's feature flags (the build uses ``-march=native``).
+Calls go through ctypes with raw tensor pointers; ctypes releases the GIL during the call.
+
+Without a compiler (or with ``KILN_NATIVE_KERNELS=0``) ``native_library()`` returns None
+and callers use their PyTorch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from kiln.engine_cache import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("paged_attention.c",)
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-Wall"]
+
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+_DECODE_ARGTYPES = [_PTR] * 7 + [_I64] * 6 + [ctypes.c_float, ctypes.c_int]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(compiler: str, out: Path) -> None:
+    here = Path(__file__).parent
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_lib = Path(tmp) / out.name
+        cmd = [compiler, *FLAGS, *(str(here / s) for s in SOURCES), "-o", str(tmp_lib), "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr}")
+        os.replace(tmp_lib, out)  # atomic: a concurrent build can only replace it with the same bytes
+
+
+@lru_cache(maxsize=1)
+def native_library() -> ctypes.CDLL | None:
+    """The compiled kernel library, built if needed; None if native kernels are unavailable."""
+    if os.environ.get("KILN_NATIVE_KERNELS", "1") == "0" or sys.platform != "linux":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C compiler found: using the PyTorch attention path")
+        return None
+    here = Path(__file__).parent
+    key = hashlib.sha256()
+    for part in (*[(here / s).read_bytes() for s in SOURCES], compiler.encode(), " ".join(FLAGS).encode(),
+                 _cpu_flags().encode(), torch.__version__.encode()):
+        key.update(part)
+    lib_path = default_cache_dir() / "kernels" / key.hexdigest()[:16] / "libkiln_kernels.so"
+    try:
+        if not lib_path.exists():
+            _build(compiler, lib_path)
+        torch.get_num_threads()  # torch's libgomp is loaded first, so the kernels share its pool
+        lib = ctypes.CDLL(str(lib_path))
+    except (OSError, RuntimeError) as e:
+        log.warning("native kernels unavailable (%s): using the PyTorch attention path", e)
+        return None
+    for name in ("kiln_paged_decode_attention_f32", "kiln_paged_decode_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = _DECODE_ARGTYPES
+        fn.restype = ctypes.c_int
+    return lib
+
+
+_DECODE_KERNELS = {torch.float32: "kiln_paged_decode_attention_f32", torch.bfloat16: "kiln_paged_decode_attention_bf16"}
+
+
+def supports_decode_attention(dtype: torch.dtype) -> bool:
+    """Whether ``paged_decode_attention`` has a native kernel for this dtype here."""
+    return dtype in _DECODE_KERNELS and native_library() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_index: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
+                           scale: float) -> None:
+    """Attention of one query token per sequence over its paged K/V, written into ``out``.
+
+    ``q``/``out``: ``[num_tokens, num_heads, head_size]``; row ``token_index[i]`` belongs to
+    sequence ``i``, whose cache holds ``seq_lens[i]`` tokens in blocks ``block_tables[i]``.
+    ``k_cache``/``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_size]``.
+    """
+    lib = native_library()
+    if lib is None or q.dtype not in _DECODE_KERNELS:
+        raise RuntimeError(f"no native decode attention kernel for {q.dtype}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t.dtype != q.dtype or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name}: expected a contiguous CPU {q.dtype} tensor")
+    for name, t in (("token_index", token_index), ("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous int64 tensor")
+    num_seqs = block_tables.shape[0]
+    _, block_size, num_kv_heads, head_size = k_cache.shape
+    rc = getattr(lib, _DECODE_KERNELS[q.dtype])(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), token_index.data_ptr(), block_tables.data_ptr(),
+        seq_lens.data_ptr(), out.data_ptr(), num_seqs, q.shape[1], num_kv_heads, head_size, block_size,
+        block_tables.shape[1], scale, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"paged_decode_attention: {q.shape[1]} query heads do not group onto {num_kv_heads} KV heads")

@@ -1,0 +1,130 @@
+/* Decode attention straight from the paged KV cache (one query token per sequence).
+ *
+ * The PyTorch reference backend copies every sequence's K/V blocks into a padded tensor
+ * before each layer's attention; on a CPU that copy costs as much as the attention itself.
+ * Here each (sequence, KV head) pair walks its block table and reads K/V in place, with a
+ * block-wise online softmax, so the cache is read exactly once per layer.
+ *
+ * Layouts (row-major, contiguous):
+ *   q, out        [num_tokens, num_heads, head_size]   rows picked by token_index
+ *   k/v cache     [num_blocks, block_size, num_kv_heads, head_size]
+ *   block_tables  [num_seqs, max_blocks] int64
+ *   seq_lens      [num_seqs] int64  (tokens in the cache, the new one included)
+ * Query heads are grouped onto KV heads as in GQA: head h reads KV head h / (H / KVH).
+ *
+ * Built by kiln/kernels/__init__.py with -O3 -march=native -ffast-math -fopenmp; OpenMP resolves to the
+ * libgomp torch has already loaded, so both share one thread pool.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef uint16_t bf16_t;
+
+static inline float bf16_load(bf16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline bf16_t bf16_store(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((v.u >> 16) | 0x40u); /* quiet NaN */
+    v.u += 0x7fffu + ((v.u >> 16) & 1u); /* round to nearest even */
+    return (bf16_t)(v.u >> 16);
+}
+
+static inline float f32_load(float x) { return x; }
+static inline float f32_store(float x) { return x; }
+
+/* One (sequence, KV head) pair: its `group` query heads against `len` cached tokens.
+ * Inlined with a constant head size where possible, so the d-loops unroll and q/acc stay in
+ * vector registers across the token loops. */
+#define DEFINE_DECODE_KERNEL(NAME, T, LOAD, STORE)                                                  \
+static inline __attribute__((always_inline)) void NAME##_one(                                     \
+        const T *q, const T *k_cache, const T *v_cache, const int64_t *table, int64_t len,        \
+        T *out, int64_t group, int64_t token_stride, int64_t kvh, int64_t block_size,             \
+        float scale, const int64_t D) {                                                           \
+    float qf[group * D], acc[group * D], scores[group * block_size], run_max[group], run_sum[group]; \
+    for (int64_t g = 0; g < group; ++g) {                                                          \
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = LOAD(q[g * D + d]) * scale;               \
+        run_max[g] = -1e30f; /* finite (built with -ffast-math); exp(-1e30 - m) is 0 */           \
+        run_sum[g] = 0.f;                                                                          \
+    }                                                                                              \
+    memset(acc, 0, sizeof(acc));                                                                   \
+    const int64_t nblocks = (len + block_size - 1) / block_size;                                   \
+    for (int64_t b = 0; b < nblocks; ++b) {                                                        \
+        const int64_t ntok = len - b * block_size < block_size ? len - b * block_size : block_size; \
+        const T *kb = k_cache + table[b] * block_size * token_stride + kvh * D;                   \
+        const T *vb = v_cache + table[b] * block_size * token_stride + kvh * D;                   \
+        for (int64_t g = 0; g < group; ++g) {                                                      \
+            const float *qg = qf + g * D;                                                          \
+            float *sg = scores + g * block_size;                                                   \
+            float m = run_max[g];                                                                  \
+            for (int64_t t = 0; t < ntok; ++t) {                                                   \
+                const T *kt = kb + t * token_stride;                                               \
+                float dot = 0.f;                                                                   \
+                _Pragma("omp simd reduction(+:dot)")                                               \
+                for (int64_t d = 0; d < D; ++d) dot += qg[d] * LOAD(kt[d]);                        \
+                sg[t] = dot;                                                                       \
+                m = dot > m ? dot : m;                                                             \
+            }                                                                                      \
+            const float rescale = expf(run_max[g] - m);                                            \
+            float sum = 0.f;                                                                       \
+            _Pragma("omp simd reduction(+:sum)")                                                   \
+            for (int64_t t = 0; t < ntok; ++t) { sg[t] = expf(sg[t] - m); sum += sg[t]; }          \
+            run_max[g] = m;                                                                        \
+            run_sum[g] = run_sum[g] * rescale + sum;                                               \
+            float *ag = acc + g * D;                                                               \
+            float a[D];                                                                            \
+            for (int64_t d = 0; d < D; ++d) a[d] = ag[d] * rescale;                                \
+            for (int64_t t = 0; t < ntok; ++t) {                                                   \
+                const T *vt = vb + t * token_stride;                                               \
+                const float p = sg[t];                                                             \
+                _Pragma("omp simd")                                                                \
+                for (int64_t d = 0; d < D; ++d) a[d] += p * LOAD(vt[d]);                           \
+            }                                                                                      \
+            for (int64_t d = 0; d < D; ++d) ag[d] = a[d];                                          \
+        }                                                                                          \
+    }                                                                                              \
+    for (int64_t g = 0; g < group; ++g) {                                                          \
+        const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;                               \
+        for (int64_t d = 0; d < D; ++d) out[g * D + d] = STORE(acc[g * D + d] * inv);              \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *token_index,              \
+         const int64_t *block_tables, const int64_t *seq_lens, T *out, int64_t num_seqs,          \
+         int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,          \
+         int64_t max_blocks, float scale, int num_threads) {                                       \
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_size <= 0 || block_size <= 0)  \
+        return 1;                                                                                  \
+    const int64_t group = num_heads / num_kv_heads;                                                \
+    const int64_t token_stride = num_kv_heads * head_size;                                         \
+    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")          \
+    for (int64_t s = 0; s < num_seqs; ++s) {                                                       \
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {                                         \
+            const int64_t offset = (token_index[s] * num_heads + kvh * group) * head_size;         \
+            const int64_t *table = block_tables + s * max_blocks;                                  \
+            switch (head_size) {                                                                   \
+            case 64:                                                                               \
+                NAME##_one(q + offset, k_cache, v_cache, table, seq_lens[s], out + offset, group,  \
+                           token_stride, kvh, block_size, scale, 64);                              \
+                break;                                                                             \
+            case 128:                                                                              \
+                NAME##_one(q + offset, k_cache, v_cache, table, seq_lens[s], out + offset, group,  \
+                           token_stride, kvh, block_size, scale, 128);                             \
+                break;                                                                             \
+            default:                                                                               \
+                NAME##_one(q + offset, k_cache, v_cache, table, seq_lens[s], out + offset, group,  \
+                           token_stride, kvh, block_size, scale, head_size);                       \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    return 0;                                                                                      \
+}
+
+DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_f32, float, f32_load, f32_store)
+DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_bf16, bf16_t, bf16_load, bf16_store)
