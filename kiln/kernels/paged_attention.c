@@ -2,8 +2,8 @@
  *
  * The PyTorch reference backend copies every sequence's K/V blocks into a padded tensor
  * before each layer's attention; on a CPU that copy costs as much as the attention itself.
- * Here each (sequence, KV head) pair walks its block table and reads K/V in place, with a
- * block-wise online softmax, so the cache is read exactly once per layer.
+ * Here each sequence walks its block table and reads K/V in place, with a block-wise online
+ * softmax, so the cache is read once per layer.
  *
  * Layouts (row-major, contiguous):
  *   q, out        [num_tokens, num_heads, head_size]   rows picked by token_index
@@ -103,7 +103,9 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *token_in
         return 1;                                                                                  \
     const int64_t group = num_heads / num_kv_heads;                                                \
     const int64_t token_stride = num_kv_heads * head_size;                                         \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")          \
+    /* One thread per sequence: its KV heads run back to back, so the cache lines of a token   \
+     * row (all KV heads) come from memory once and are reused from L2. */                     \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                      \
     for (int64_t s = 0; s < num_seqs; ++s) {                                                       \
         for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {                                         \
             const int64_t offset = (token_index[s] * num_heads + kvh * group) * head_size;         \
