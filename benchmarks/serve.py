@@ -39,7 +39,13 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
 
 
-def load_requests(tokenizer, n: int, max_prompt: int, max_output: int) -> list[tuple[list[int], int]]:
+def load_requests(tokenizer, n: int, max_prompt: int, max_total: int,
+                  max_output: int | None = None) -> list[tuple[list[int], int]]:
+    """The first ``n`` ShareGPT first turns that fit: (chat-templated prompt ids, reply length).
+
+    As in vLLM's ShareGPT benchmark, a conversation is skipped (not truncated) when its prompt
+    exceeds ``max_prompt`` or prompt + reply exceeds ``max_total``, so lengths stay the data's.
+    """
     from kiln.data.sharegpt import first_turns
     from kiln.tokenizer import chat_prompt_ids
 
@@ -47,19 +53,21 @@ def load_requests(tokenizer, n: int, max_prompt: int, max_output: int) -> list[t
     for prompt, reply in first_turns():
         ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
         out_len = len(tokenizer(reply, add_special_tokens=False)["input_ids"])
-        if len(ids) > max_prompt or out_len < 4:
+        if len(ids) > max_prompt or out_len < 4 or len(ids) + out_len > max_total:
             continue
-        requests.append((ids, min(out_len, max_output)))
+        requests.append((ids, out_len if max_output is None else min(out_len, max_output)))
         if len(requests) == n:
             return requests
     return requests
 
 
-def run_kiln(engine_dir: str, requests, rate: float, seed: int, max_batch_size: int) -> dict:
+def run_kiln(engine_dir: str, requests, rate: float, seed: int, max_batch_size: int,
+             max_num_tokens: int | None = None) -> dict:
     from kiln.runtime.executor import Executor, ExecutorConfig, Request
     from kiln.runtime.sampling_params import SamplingParams
 
-    executor = Executor(engine_dir, ExecutorConfig(max_batch_size=max_batch_size))
+    executor = Executor(engine_dir, ExecutorConfig(max_batch_size=max_batch_size,
+                                                  max_num_tokens=max_num_tokens))
     rng = random.Random(seed)
     try:
         warm = executor.enqueue_request(Request(input_token_ids=requests[0][0], max_tokens=2))

@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
     g.add_argument("--max_batch_size", type=int,
                    help="most sequences generated at once (default: the engine's build limit)")
     g.add_argument("--max_num_tokens", type=int,
-                   help="most tokens computed per step, prompt chunks included (default: the engine's)")
+                   help="most tokens computed per step, prompt chunks included (default: 1024, or the "
+                        "engine's limit if lower; smaller keeps streams smoother while prompts prefill)")
     g.add_argument("--kv_cache_max_tokens", type=int,
                    help="size the KV cache for this many tokens (default: a fraction of free memory)")
     g.add_argument("--enable_prefix_caching", action="store_true",

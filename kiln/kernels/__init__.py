@@ -28,7 +28,10 @@ from kiln.engine_cache import default_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.c",)
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-Wall"]
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall"]
+# Linked in a separate step without -ffast-math: linking with it adds crtfastmath.o, whose
+# constructor turns on flush-to-zero for the whole process (torch's numerics included).
+LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -55,10 +58,13 @@ def _build(compiler: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_lib = Path(tmp) / out.name
-        cmd = [compiler, *FLAGS, *(str(here / s) for s in SOURCES), "-o", str(tmp_lib), "-lm"]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr}")
+        objects = [str(Path(tmp) / f"{Path(s).stem}.o") for s in SOURCES]
+        commands = [[compiler, *COMPILE_FLAGS, "-c", str(here / s), "-o", o] for s, o in zip(SOURCES, objects)]
+        commands.append([compiler, *LINK_FLAGS, *objects, "-o", str(tmp_lib), "-lm"])
+        for cmd in commands:
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr}")
         os.replace(tmp_lib, out)  # atomic: a concurrent build can only replace it with the same bytes
 
 
@@ -73,7 +79,7 @@ def native_library() -> ctypes.CDLL | None:
         return None
     here = Path(__file__).parent
     key = hashlib.sha256()
-    for part in (*[(here / s).read_bytes() for s in SOURCES], compiler.encode(), " ".join(FLAGS).encode(),
+    for part in (*[(here / s).read_bytes() for s in SOURCES], compiler.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
                  _cpu_flags().encode(), torch.__version__.encode()):
         key.update(part)
     lib_path = default_cache_dir() / "kernels" / key.hexdigest()[:16] / "libkiln_kernels.so"

@@ -12,7 +12,8 @@
  *   seq_lens      [num_seqs] int64  (tokens in the cache, the new one included)
  * Query heads are grouped onto KV heads as in GQA: head h reads KV head h / (H / KVH).
  *
- * Built by kiln/kernels/__init__.py with -O3 -march=native -ffast-math -fopenmp; OpenMP resolves to the
+ * Built by kiln/kernels/__init__.py with -O3 -march=native -ffast-math -fopenmp (linked without
+ * -ffast-math, which would set flush-to-zero process-wide); OpenMP resolves to the
  * libgomp torch has already loaded, so both share one thread pool.
  */
 #include <float.h>

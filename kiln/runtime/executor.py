@@ -45,10 +45,16 @@ class KvCacheConfig:
     enable_block_reuse: bool = False  # prefix caching: reuse the KV blocks of a shared prompt prefix
 
 
+SERVING_MAX_NUM_TOKENS = 1024
+
+
 @dataclass
 class ExecutorConfig:
     max_batch_size: int | None = None  # default: the engine's
-    max_num_tokens: int | None = None  # per step; default: the engine's
+    # Tokens per step. Serving defaults to 1,024 (or the engine's limit, if lower): a step
+    # of that many prompt tokens takes ~1 s on two cores, so running requests keep streaming
+    # while long prompts prefill in chunks, and early requests get their first token sooner.
+    max_num_tokens: int | None = None
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
     capacity_policy: str = "MAX_UTILIZATION"  # or "GUARANTEED_NO_EVICT"
     max_queue_size: int = 1024  # requests waiting to be admitted; beyond it enqueue fails
@@ -145,7 +151,8 @@ class Executor:
         elif not 0 < kv.free_memory_fraction <= 1:
             raise ConfigError(f"kv_cache_config.free_memory_fraction must be in (0, 1], got {kv.free_memory_fraction}")
         self.core = EngineCore(self.engine, max_num_seqs=self.config.max_batch_size,
-                               max_num_tokens=self.config.max_num_tokens, num_blocks=num_blocks,
+                               max_num_tokens=self.config.max_num_tokens or SERVING_MAX_NUM_TOKENS,
+                               num_blocks=num_blocks,
                                capacity_policy=self.config.capacity_policy,
                                attention_backend=self.config.attention_backend, memory_fraction=kv.free_memory_fraction, enable_prefix_caching=kv.enable_block_reuse)
         self._ids = itertools.count(1)

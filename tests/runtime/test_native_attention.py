@@ -83,6 +83,16 @@ def test_rejects_bad_arguments():
         paged_decode_attention(q[:, :3].contiguous(), kc, vc, rows, tables, lens, torch.empty(q.shape[0], 3, 8), 1.0)
 
 
+def test_loading_the_library_keeps_subnormal_floats():
+    # -ffast-math at link time would add crtfastmath.o, flushing subnormals process-wide.
+    from kiln.kernels import native_library
+
+    assert native_library() is not None
+    tiny = torch.tensor(1e-40, dtype=torch.float32)  # subnormal in float32
+    assert (tiny * 1.0).item() != 0.0
+    assert 2.2250738585072014e-308 / 2 > 0.0
+
+
 def test_backend_selection():
     assert select_backend("auto", torch.float32) == "native"
     assert select_backend("auto", torch.float16) == "torch"  # no fp16 kernel: reference path
