@@ -144,10 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     add_peer_args(p)
     p.add_argument("--num_requests", type=int, default=64, help="ShareGPT requests to replay (default 64)")
     p.add_argument("--max_prompt_len", type=int, default=512, help="skip prompts longer than this (default 512)")
-    p.add_argument("--max_output_len", type=int, default=128, help="cap on each reply length (default 128)")
+    p.add_argument("--max_total_len", type=int,
+                   help="skip conversations whose prompt + reply is longer (default: the engine's max_seq_len)")
+    p.add_argument("--max_output_len", type=int,
+                   help="cap each reply length (default: none, the data's own lengths)")
     p.add_argument("--request_rate", type=float, default=float("inf"),
                    help="Poisson arrivals per second for kiln (default inf: all at once)")
     p.add_argument("--max_batch_size", type=int, default=64, help="kiln's concurrent sequences (default 64)")
+    p.add_argument("--max_num_tokens", type=int, help="kiln's tokens per step (default: the executor's)")
     p.add_argument("--hf_batch_size", type=int, default=64, help="HF static batch size (default 64)")
     p.add_argument("--seed", type=int, default=0, help="arrival-time seed")
     p.add_argument("--output_json", help="also write the figures here")
@@ -158,13 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     from kiln.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.engine_dir)
-    requests = load_requests(tokenizer, args.num_requests, args.max_prompt_len, args.max_output_len)
-    dtype = Engine(args.engine_dir).config.dtype
+    engine = Engine(args.engine_dir)
+    dtype = engine.config.dtype
+    requests = load_requests(tokenizer, args.num_requests, args.max_prompt_len,
+                             args.max_total_len or engine.build_config.max_seq_len, args.max_output_len)
+    del engine
     total_out = sum(n for _, n in requests)
     print(f"{len(requests)} ShareGPT requests: {sum(len(q) for q, _ in requests)} prompt tokens, "
           f"{total_out} output tokens; {dtype}, {args.threads} threads", file=sys.stderr)
 
-    kiln = run_kiln(args.engine_dir, requests, args.request_rate, args.seed, args.max_batch_size)
+    kiln = run_kiln(args.engine_dir, requests, args.request_rate, args.seed, args.max_batch_size,
+                    args.max_num_tokens)
     model = load_hf_peer(args, dtype)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     hf = run_hf(model, requests, args.hf_batch_size, pad)

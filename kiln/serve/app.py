@@ -37,6 +37,7 @@ from kiln.tokenizer import end_ids, load_tokenizer
 logger = logging.getLogger(__name__)
 
 FINISH = {"end_id": "stop", "stop_words": "stop", "length": "length", "cancelled": "abort", "timeout": "abort"}
+DISCONNECT_CHECK_S = 0.5  # how often a waiting request checks whether its client hung up
 
 
 @dataclass
@@ -198,12 +199,19 @@ class ServingEngine:
         self.metrics.in_flight += 1
         try:
             remaining = len(choices)
+            next_check = time.monotonic() + DISCONNECT_CHECK_S
             while remaining:
                 try:
-                    response = await asyncio.wait_for(queue.get(), timeout=0.5)
+                    response = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_CHECK_S)
                 except asyncio.TimeoutError:
-                    if http_request is not None and await http_request.is_disconnected():
+                    response = None
+                # Checked on a clock, not only when idle: a non-streaming answer keeps the
+                # queue busy and would otherwise be generated to the end for nobody.
+                if http_request is not None and time.monotonic() >= next_check:
+                    next_check = time.monotonic() + DISCONNECT_CHECK_S
+                    if await http_request.is_disconnected():
                         return
+                if response is None:
                     continue
                 choice = by_rid[response.request_id]
                 if choice.finished:

@@ -102,6 +102,10 @@ def _logprobs(engine: ServingEngine, token_ids: list[int], logprobs: list[float]
 async def serve(engine: ServingEngine, body: CompletionRequest, http_request: HttpRequest):
     if body.echo:
         raise ApiError(400, "echo is not supported", "echo")
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError(400, "best_of is not supported (only best_of equal to n)", "best_of")
+    if body.suffix:
+        raise ApiError(400, "suffix is not supported", "suffix")
     prompts = [engine.encode(p) for p in _prompts(body)]
     for ids in prompts:
         engine.check_prompt(ids, "prompt")

@@ -21,7 +21,7 @@ def now() -> int:
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields (user, suffix...) are ignored
+    model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields (user, ...) are ignored
 
 
 class StreamOptions(_Lenient):
@@ -54,7 +54,9 @@ class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # accepted so that a request asking for it gets a clear 400
+    best_of: int | None = None  # only best_of == n (or unset) is served; see completions.serve
+    suffix: str | None = None  # likewise: insertion is not supported
 
 
 class ChatMessage(_Lenient):

@@ -221,6 +221,14 @@ def test_bad_field_is_400_naming_it(client, field, value):
     assert e.value.type == "invalid_request_error"
 
 
+@pytest.mark.parametrize("field,value", [("echo", True), ("best_of", 3), ("suffix", "}")])
+def test_unsupported_completion_field_is_400_naming_it(client, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, **{field: value})
+    assert e.value.param == field and "not supported" in e.value.message
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=2, best_of=2).usage
+
+
 def test_wrong_type_is_400(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens="many")
@@ -311,7 +319,8 @@ def test_concurrent_streams(server, client):
     assert pool.num_free == pool.num_blocks
 
 
-def test_client_disconnect_cancels(server):
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_cancels(server, stream):
     engine = server.app.state.engine
     pool = engine.executor.core.pool
     cancelled = []
@@ -322,11 +331,17 @@ def test_client_disconnect_cancels(server):
     try:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
         body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_SEQ_LEN - 16, "temperature": 0,
-                           "ignore_eos": True, "stream": True})
+                           "ignore_eos": True, "stream": stream})
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        assert response.status == 200
-        assert response.readline().startswith(b"data: ")
+        if stream:
+            response = conn.getresponse()
+            assert response.status == 200
+            assert response.readline().startswith(b"data: ")
+        else:  # hang up while the whole answer is still being generated
+            deadline = time.monotonic() + 10
+            while pool.num_free == pool.num_blocks:
+                assert time.monotonic() < deadline, "the request never started"
+                time.sleep(0.01)
         conn.sock.shutdown(socket.SHUT_RDWR)
         conn.close()
         deadline = time.monotonic() + 10
