@@ -28,17 +28,19 @@ demo: install
 		--max_batch_size 8 --max_seq_len 2048
 	$(KILN) run --engine_dir $(DEMO_DIR)/smollm2-engine --chat --streaming --max_output_len 96 \
 		--input_text "$(DEMO_PROMPT)"
-	$(PY) benchmarks/decode_vs_hf.py --engine_dir $(DEMO_DIR)/smollm2-engine --hf_gguf $(SMOLLM2) \
-		--prompt "$(DEMO_PROMPT)"
+	$(KILN) bench latency --engine_dir $(DEMO_DIR)/smollm2-engine --hf_gguf $(SMOLLM2) --prefill_len 256
 
 test: install
 	$(PY) -m pytest --durations=15
 
-# Serving benchmark: ShareGPT requests through kiln's executor vs HF static batches (minutes).
+# Batch throughput (8/32/64 prompts), then the serving benchmark: ShareGPT requests through
+# kiln's executor vs HF static batches (about 20 minutes, most of it HF).
 bench: demo
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(KILN) build --checkpoint_dir $(DEMO_DIR)/smollm2-checkpoint --output_dir $(DEMO_DIR)/smollm2-engine-b64 \
 		--max_batch_size 64 --max_seq_len 1024 --max_input_len 768
+	$(KILN) bench throughput --engine_dir $(DEMO_DIR)/smollm2-engine-b64 --hf_gguf $(SMOLLM2) \
+		--output_json benchmarks/results.jsonl
 	$(PY) benchmarks/serve.py --engine_dir $(DEMO_DIR)/smollm2-engine-b64 --hf_gguf $(SMOLLM2) --num_requests 64
 
 clean:

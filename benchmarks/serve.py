@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hf_peer import add_peer_args, check_peer_args, load_hf_peer
+from kiln.bench.peer import hf_generate, load_hf_peer
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -104,44 +104,23 @@ def run_kiln(engine_dir: str, requests, rate: float, seed: int, max_batch_size: 
     return {"elapsed_s": elapsed, "ttft_s": [first_at[r] - sent_at[r] for r in ids], "itl_s": gaps}
 
 
-class _FirstTokenClock:
-    """A logits processor that notes when generation asks for its first token."""
-
-    def __init__(self):
-        self.first = None
-
-    def __call__(self, input_ids, scores):
-        if self.first is None:
-            self.first = time.perf_counter()
-        return scores
-
-
 def run_hf(model, requests, batch_size: int, pad_id: int) -> dict:
-    from transformers import LogitsProcessorList
-
     start = time.perf_counter()
     ttft = []
     for b in tqdm(range(0, len(requests), batch_size), desc="HF", leave=False):
         batch = requests[b:b + batch_size]
-        width = max(len(p) for p, _ in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, (prompt, _) in enumerate(batch):  # left padding, as generate expects
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
-        clock = _FirstTokenClock()
-        steps = max(n for _, n in batch)
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                           pad_token_id=pad_id, logits_processor=LogitsProcessorList([clock]))
-        ttft.extend([clock.first - start] * len(batch))  # all requests arrived at the start
+        waited = time.perf_counter() - start  # all requests arrived at the start
+        first, _ = hf_generate(model, [p for p, _ in batch], max(n for _, n in batch), pad_id)
+        ttft.extend([waited + first] * len(batch))
     return {"elapsed_s": time.perf_counter() - start, "ttft_s": ttft}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine_dir", required=True, help="kiln engine to serve")
-    add_peer_args(p)
+    p.add_argument("--hf_gguf", help="GGUF file that Hugging Face loads as the peer")
+    p.add_argument("--hf_dir", help="Hugging Face model directory as the peer (instead of --hf_gguf)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both")
     p.add_argument("--num_requests", type=int, default=64, help="ShareGPT requests to replay (default 64)")
     p.add_argument("--max_prompt_len", type=int, default=512, help="skip prompts longer than this (default 512)")
     p.add_argument("--max_total_len", type=int,
@@ -156,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="arrival-time seed")
     p.add_argument("--output_json", help="also write the figures here")
     args = p.parse_args(argv)
-    check_peer_args(p, args)
+    if not (args.hf_gguf or args.hf_dir):
+        p.error("give --hf_gguf or --hf_dir")
+    torch.set_num_threads(args.threads)
 
     from kiln.runtime.engine import Engine
     from kiln.tokenizer import load_tokenizer
@@ -173,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     kiln = run_kiln(args.engine_dir, requests, args.request_rate, args.seed, args.max_batch_size,
                     args.max_num_tokens)
-    model = load_hf_peer(args, dtype)
+    model, _ = load_hf_peer(dtype, gguf=args.hf_gguf, model_dir=args.hf_dir)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     hf = run_hf(model, requests, args.hf_batch_size, pad)
 

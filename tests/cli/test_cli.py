@@ -130,19 +130,24 @@ def test_dashed_aliases_and_prompt_over_max_input_len(work, tmp_path):
     assert_one_line_error(result, "run", "max_input_len 4")
 
 
-def all_parsers():
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict))
-    return [([], parser)] + [([name], p) for name, p in sub.choices.items()]
+def all_parsers(parser=None, prefix=()):
+    """(command words, parser) of kiln and every (nested) subcommand."""
+    parser = parser or build_parser()
+    found = [(list(prefix), parser)]
+    for action in parser._actions:
+        if action.choices and isinstance(action.choices, dict):
+            for name, sub in action.choices.items():
+                found += all_parsers(sub, (*prefix, name))
+    return found
 
 
-@pytest.mark.parametrize("command", ["", "convert", "build", "run"])
+@pytest.mark.parametrize("command", ["", "convert", "build", "run", "bench latency", "bench throughput"])
 def test_help_exits_zero_and_lists_every_flag(command, capsys):
     """--help of kiln and of each command exits 0 and mentions every flag (and its dashed alias)."""
     parsers = dict((" ".join(args), p) for args, p in all_parsers())
     flags = [s for a in parsers[command]._actions for s in a.option_strings if s.startswith("--")]
     with pytest.raises(SystemExit) as exit_:
-        build_parser().parse_args(([command] if command else []) + ["--help"])
+        build_parser().parse_args(command.split() + ["--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     assert "--help" in flags and len(flags) > 1
@@ -156,3 +161,30 @@ def test_console_script_help():
     result = subprocess.run([str(Path(sys.executable).parent / "kiln"), "--help"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0 and all(c in result.stdout for c in ("convert", "build", "run"))
+
+
+def test_bench_latency_and_throughput_record_kiln_beside_hf(work):
+    """kiln bench measures kiln and the HF peer in one run and appends one JSON line per run."""
+    out = work / "bench.jsonl"
+    common = ["--engine_dir", work / "engine", "--hf_dir", work / "hf", "--prompt_len", 8, "--new_tokens", 4,
+              "--output_json", out]
+    latency = kiln("bench", "latency", *common, "--prefill_len", 16, "--rounds", 1)
+    assert latency.returncode == 0, latency.stderr
+    assert "decode tok/s" in latency.stdout and "host overhead" in latency.stdout
+    throughput = kiln("bench", "throughput", *common, "--batch_sizes", 2, 3)
+    assert throughput.returncode == 0, throughput.stderr
+    lat, thr = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lat["kind"] == "latency" and thr["kind"] == "throughput"
+    for side in ("kiln", "hf"):
+        assert lat[side]["decode_tok_s"] > 0 and lat[side]["prefill_tok_s"] > 0 and lat[side]["ttft_s"] > 0
+    assert lat["kiln"]["peak_rss_mb"] > 0 and 0 < lat["kiln"]["bandwidth_fraction"] < 5
+    assert lat["kiln"]["weight_bytes"] > 0 and lat["kiln_over_hf"]["decode_tok_s"] > 0
+    assert lat["machine"]["read_gbs"] > 0 and lat["command"].startswith("kiln bench latency")
+    assert [b["batch"] for b in thr["batches"]] == [2, 3]
+    for row in thr["batches"]:
+        assert row["kiln"]["output_tok_s"] > 0 and row["hf"]["output_tok_s"] > 0 and row["kiln_over_hf"] > 0
+
+
+def test_bench_rejects_batches_beyond_the_engine(work):
+    result = kiln("bench", "throughput", "--engine_dir", work / "engine", "--batch_sizes", 4096, "--new_tokens", 2)
+    assert_one_line_error(result, "bench", "4096", "max_batch_size")

@@ -1,0 +1,1 @@
+"""Benchmarks that ship with kiln (``kiln bench``): kiln beside Hugging Face transformers."""

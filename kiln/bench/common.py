@@ -1,0 +1,86 @@
+"""Pieces shared by the benchmarks: prompts, a forward-pass timer, weight bytes, records."""
+from __future__ import annotations
+
+import datetime
+import json
+import random
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+def random_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """``count`` prompts of ``length`` random token ids (ids below 100 avoided: special tokens)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+class ForwardTimer:
+    """Times every forward pass of a module (hooks, so the model code is untouched)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.durations: list[float] = []
+        self.ends: list[float] = []
+        self._started = 0.0
+        self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+
+    def _pre(self, module, args):
+        self._started = time.perf_counter()
+
+    def _post(self, module, args, output):
+        now = time.perf_counter()
+        self.durations.append(now - self._started)
+        self.ends.append(now)
+
+    def reset(self) -> None:
+        self.durations.clear()
+        self.ends.clear()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter once, except an untied input
+    embedding (a lookup reads one row)."""
+    seen, total = set(), 0
+    embedding = getattr(getattr(model, "transformer", None), "vocab_embedding", None)
+    lm_head = getattr(model, "lm_head", None)
+    skip = None
+    if embedding is not None and lm_head is not None and embedding.weight.data_ptr() != lm_head.weight.data_ptr():
+        skip = embedding.weight.data_ptr()
+    for p in model.parameters():
+        if p.data_ptr() in seen or p.data_ptr() == skip:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def new_record(kind: str, **fields) -> dict:
+    return {"kind": kind, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "kiln_commit": _git_commit(), **fields}
+
+
+def append_record(path: str | Path, record: dict) -> None:
+    """Append one JSON line (results accumulate across runs)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a and b else None

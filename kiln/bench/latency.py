@@ -1,0 +1,113 @@
+"""``kiln bench latency``: one request at a time, kiln beside Hugging Face transformers.
+
+Figures (medians over rounds that alternate kiln and HF, so machine noise hits both):
+engine load and load-to-first-token, prefill tok/s (a ``prefill_len`` prompt), time to
+first token and batch-1 decode tok/s (a ``prompt_len`` prompt, ``new_tokens`` greedy tokens,
+end token ignored), kiln's host overhead per decode step (the step's time outside the model
+forward: scheduling, metadata, sampling, detokenization), achieved bandwidth (weight bytes x
+decode tok/s / read bandwidth measured in this run) and peak RSS.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+from tqdm import tqdm
+
+from kiln.bench.common import ForwardTimer, new_record, random_prompts, ratio, weight_bytes_per_token
+from kiln.bench.machine import machine_facts, peak_rss_mb
+from kiln.bench.peer import hf_generate, load_hf_peer
+
+
+def _kiln_stream(llm, prompt: list[int], new_tokens: int, timer: ForwardTimer) -> dict:
+    from kiln import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    timer.reset()
+    started = time.perf_counter()
+    first = None
+    for _ in llm.stream(prompt, params):
+        if first is None:
+            first = time.perf_counter()
+    decode_s = time.perf_counter() - first
+    steps = new_tokens - 1
+    # The first forward is the prompt; the rest are decode steps.
+    outside = (decode_s - sum(timer.durations[1:])) / steps if steps else float("nan")
+    return {"ttft_s": first - started, "decode_tok_s": steps / decode_s if steps else float("nan"),
+            "host_overhead_ms": 1000 * outside}
+
+
+def _hf_round(model, prompt: list[int], new_tokens: int) -> dict:
+    first, total = hf_generate(model, [prompt], new_tokens)
+    return {"ttft_s": first, "decode_tok_s": (new_tokens - 1) / (total - first)}
+
+
+def run_latency(engine_dir: str, *, hf_gguf: str | None = None, hf_dir: str | None = None, prompt_len: int = 32,
+                prefill_len: int = 512, new_tokens: int = 128, rounds: int = 3, seed: int = 0,
+                progress: bool = True) -> dict:
+    from kiln import LLM
+
+    machine = machine_facts()
+    started = time.perf_counter()
+    llm = LLM(engine_dir, progress=False)
+    constructed = time.perf_counter() - started
+    load_s = llm.engine.load_seconds
+    vocab = llm.engine.config.vocab_size
+    prompt, long_prompt = random_prompts(1, prompt_len, vocab, seed)[0], random_prompts(1, prefill_len, vocab, seed)[0]
+    timer = ForwardTimer(llm.core.runner.model)
+    kiln_load_to_first = constructed + _kiln_stream(llm, prompt, 2, timer)["ttft_s"]  # a cold start
+    hf = None
+    if hf_gguf or hf_dir:
+        hf, hf_load_s = load_hf_peer(llm.engine.config.dtype, gguf=hf_gguf, model_dir=hf_dir)
+        hf_load_to_first = hf_load_s + hf_generate(hf, [prompt], 2)[0]
+    kiln_runs, hf_runs, kiln_prefill, hf_prefill = [], [], [], []
+    for _ in tqdm(range(rounds), desc="latency rounds", disable=not progress):
+        kiln_runs.append(_kiln_stream(llm, prompt, new_tokens, timer))
+        kiln_prefill.append(prefill_len / _kiln_stream(llm, long_prompt, 1, timer)["ttft_s"])
+        if hf is not None:
+            hf_runs.append(_hf_round(hf, prompt, new_tokens))
+            hf_prefill.append(prefill_len / hf_generate(hf, [long_prompt], 1)[0])
+    timer.remove()
+
+    def med(runs, key):
+        return round(statistics.median(r[key] for r in runs), 4) if runs else None
+
+    weight_bytes = weight_bytes_per_token(llm.core.runner.model)
+    kiln = {"engine_load_s": round(load_s, 3), "load_to_first_token_s": round(kiln_load_to_first, 3),
+            "prefill_tok_s": round(statistics.median(kiln_prefill), 1), "ttft_s": med(kiln_runs, "ttft_s"),
+            "decode_tok_s": med(kiln_runs, "decode_tok_s"), "host_overhead_ms": med(kiln_runs, "host_overhead_ms"),
+            "weight_bytes": weight_bytes, "peak_rss_mb": round(peak_rss_mb())}
+    kiln["bandwidth_fraction"] = round(weight_bytes * kiln["decode_tok_s"] / (machine["read_gbs"] * 1e9), 3)
+    record = new_record("latency", engine=str(engine_dir), dtype=llm.engine.config.dtype, prompt_len=prompt_len,
+                        prefill_len=prefill_len, new_tokens=new_tokens, rounds=rounds, machine=machine, kiln=kiln)
+    if hf is not None:
+        record["hf"] = {"load_s": round(hf_load_s, 3), "load_to_first_token_s": round(hf_load_to_first, 3),
+                        "prefill_tok_s": round(statistics.median(hf_prefill), 1), "ttft_s": med(hf_runs, "ttft_s"),
+                        "decode_tok_s": med(hf_runs, "decode_tok_s")}
+        record["kiln_over_hf"] = {k: ratio(kiln[k], record["hf"][k]) for k in ("prefill_tok_s", "decode_tok_s")}
+        record["kiln_over_hf"]["ttft_speedup"] = ratio(record["hf"]["ttft_s"], kiln["ttft_s"])
+        record["kiln_over_hf"]["load_to_first_token_speedup"] = ratio(hf_load_to_first, kiln_load_to_first)
+        del hf
+        gc.collect()
+    return record
+
+
+def format_latency(record: dict) -> str:
+    k, h = record["kiln"], record.get("hf") or {}
+    m = record["machine"]
+    lines = [f"latency: {record['dtype']}, {m['threads']} threads, {record['prompt_len']}-token prompt, "
+             f"{record['new_tokens']} new tokens, prefill {record['prefill_len']} tokens, median of {record['rounds']}",
+             f"machine: read {m['read_gbs']} GB/s, matmul {m['matmul_gflops_fp32']} GFLOP/s fp32, "
+             f"{m['matmul_gflops_bf16']} bf16",
+             f"  {'':22} {'kiln':>10} {'HF':>10} {'kiln/HF':>8}"]
+    rows = [("decode tok/s", "decode_tok_s", False), ("prefill tok/s", "prefill_tok_s", False),
+            ("time to first token s", "ttft_s", True), ("load to first token s", "load_to_first_token_s", True)]
+    for label, key, lower_better in rows:
+        kv, hv = k.get(key), h.get(key)
+        r = ratio(hv, kv) if lower_better else ratio(kv, hv)
+        lines.append(f"  {label:22} {kv:>10} {hv if hv is not None else '-':>10} {r if r else '-':>8}")
+    lines.append(f"  kiln engine load {k['engine_load_s']} s (HF from_pretrained {h.get('load_s', '-')} s); "
+                 f"host overhead {k['host_overhead_ms']:.2f} ms/step; weights {k['weight_bytes'] / 1e6:.0f} MB "
+                 f"read at {k['bandwidth_fraction'] * 100:.0f}% of measured bandwidth; peak RSS {k['peak_rss_mb']} MB")
+    return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""What this machine can do, measured in the same run as the figures it explains."""
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+
+import torch
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: page in, spin up threads
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
+    """Memory read bandwidth: a float32 sum over a buffer far larger than the caches."""
+    x = torch.ones(megabytes * (1 << 20) // 4)
+    return x.numel() * 4 / _median_seconds(lambda: x.sum(), repeats) / 1e9
+
+
+def matmul_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
+    """Square ``n``-sized matmul throughput in ``dtype``."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n ** 3 / _median_seconds(lambda: a @ b, repeats) / 1e9
+
+
+def peak_rss_mb() -> float:
+    """The process's peak resident set so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def machine_facts() -> dict:
+    return {"threads": torch.get_num_threads(), "torch": torch.__version__,
+            "read_gbs": round(read_bandwidth_gbs(), 1),
+            "matmul_gflops_fp32": round(matmul_gflops(torch.float32)),
+            "matmul_gflops_bf16": round(matmul_gflops(torch.bfloat16))}
