@@ -76,20 +76,20 @@ class TorchPagedAttention:
         flat_v = v_cache.view(-1, num_kv_heads, head)
         flat_k.index_copy_(0, md.slot_mapping, k)
         flat_v.index_copy_(0, md.slot_mapping, v)
-        gqa = q.shape[1] != num_kv_heads
         out = torch.empty(q.shape, dtype=q.dtype)
         st = md.backend_state
         if "decode_tokens" in st:
             self._decode(q, kv_cache, st, out, scale)
+        group = q.shape[1] // num_kv_heads
         for start, end, slots, mask in st["chunks"]:
-            qc = q[start:end].transpose(0, 1)  # [heads, q_len, head]
-            if slots is None:
-                kc, vc = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
-                o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
-            else:
-                kc, vc = flat_k[slots].transpose(0, 1), flat_v[slots].transpose(0, 1)
-                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
-            out[start:end] = o.transpose(0, 1)
+            kc, vc = (k[start:end], v[start:end]) if slots is None else (flat_k[slots], flat_v[slots])
+            if group > 1:
+                # PyTorch's CPU flash-attention kernel takes neither enable_gqa nor 3-D inputs (both
+                # fall back to the math path, 4-15x slower): expand KV heads and add a batch dim.
+                kc, vc = kc.repeat_interleave(group, dim=1), vc.repeat_interleave(group, dim=1)
+            qc, kc, vc = (t.transpose(0, 1).unsqueeze(0) for t in (q[start:end], kc, vc))  # [1, heads, len, head]
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=mask is None, scale=scale)
+            out[start:end] = o[0].transpose(0, 1)
         return out
 
 
