@@ -27,7 +27,7 @@ from kiln.engine_cache import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "gemv.c")
+SOURCES = ("paged_attention.c",)
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall"]
 # Linked in a separate step without -ffast-math: linking with it adds crtfastmath.o, whose
 # constructor turns on flush-to-zero for the whole process (torch's numerics included).
@@ -95,9 +95,6 @@ def native_library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = _DECODE_ARGTYPES
         fn.restype = ctypes.c_int
-    lib.kiln_gemv_bf16.argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
-    lib.kiln_gemv_bf16.restype = ctypes.c_int
-    lib.kiln_gemv_max_rows.restype = ctypes.c_int
     return lib
 
 
@@ -136,29 +133,3 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if rc != 0:
         raise ValueError(f"paged_decode_attention: {q.shape[1]} query heads do not group onto {num_kv_heads} KV heads")
 
-
-@lru_cache(maxsize=1)
-def gemv_max_rows() -> int:
-    """Most rows of activations ``gemv_bf16`` takes (0 without the native library)."""
-    lib = native_library()
-    return lib.kiln_gemv_max_rows() if lib is not None else 0
-
-
-def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a few rows of bfloat16 ``x`` (``[m, k]``, m up to
-    ``gemv_max_rows()``) and a bfloat16 ``weight`` ``[n, k]``: a bandwidth-bound kernel that
-    streams each weight row once."""
-    lib = native_library()
-    m, k = x.shape
-    n = weight.shape[0]
-    if lib is None or not 0 < m <= gemv_max_rows():
-        raise ValueError(f"gemv_bf16: {m} rows is outside the kernel's 1..{gemv_max_rows()}")
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is not None and (t.dtype != torch.bfloat16 or not t.is_contiguous()):
-            raise ValueError(f"gemv_bf16: {name} must be a contiguous bfloat16 tensor")
-    if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
-        raise ValueError(f"gemv_bf16: shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} do not match")
-    y = torch.empty(m, n, dtype=torch.bfloat16)
-    lib.kiln_gemv_bf16(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
-                       y.data_ptr(), m, n, k, torch.get_num_threads())
-    return y

@@ -18,17 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln import distributed
-from kiln.kernels import gemv_bf16, gemv_max_rows
 
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; a few rows of bfloat16 activations (batch-1/-few decode) go to the native
-    GEMV instead, which reads the weights at about twice the bandwidth oneDNN's bf16 path does."""
-    if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2
-            and x.shape[0] <= gemv_max_rows() and x.device.type == "cpu" and weight.is_contiguous()
-            and (bias is None or bias.is_contiguous())):
-        return gemv_bf16(x.contiguous(), weight, bias)
-    return F.linear(x, weight, bias)
+# oneDNN's bf16 matmul re-lays-out a plain weight on every call; a weight packed once into its
+# blocked format runs 1.4-2x faster at every batch size here, with identical results (no
+# gain for fp32, so fp32 stays on F.linear).
+_PACK_BF16 = torch.backends.mkldnn.is_available()
 
 
 @dataclass(frozen=True)
@@ -76,7 +70,18 @@ class Linear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T (+ bias)``; bf16 CPU weights through a oneDNN copy packed on first use."""
+        w = self.weight
+        if not (_PACK_BF16 and w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and w.device.type == "cpu"):
+            return F.linear(x, w, bias)
+        key = (w.data_ptr(), tuple(w.shape))  # weights are assigned at load time, so repack if they change
+        if getattr(self, "_packed_key", None) != key:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+            self._packed_key = key
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [None], "")
 
     # -- weight loading -----------------------------------------------------------------
 
@@ -115,7 +120,7 @@ class ColumnLinear(Linear):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         return distributed.all_gather(y, self.tp_size, dim=-1) if self.gather_output else y
 
     def postprocess(self, key: str, weights: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
@@ -141,8 +146,8 @@ class RowLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias)
-        y = distributed.all_reduce(linear(x, self.weight), self.tp_size)
+            return self.matmul(x, self.bias)
+        y = distributed.all_reduce(self.matmul(x, None), self.tp_size)
         return y if self.bias is None else y + self.bias
 
 

@@ -1,4 +1,4 @@
-"""A bfloat16 engine (native GEMV and decode attention on the hot path) against HF in float32.
+"""A bfloat16 engine (packed oneDNN weights, native decode attention) against HF in float32.
 
 bf16 rounding changes logits by ~1e-2, so exact token equality with float32 is not the
 contract; what is: every greedy token kiln picks is HF's argmax or within bf16 noise of it,
@@ -33,7 +33,7 @@ def test_engine_is_bf16_and_prompt_logits_match(bf16_case):
     assert (ours - ref).abs().max().item() <= 0.03 * scale
 
 
-@pytest.mark.parametrize("batch", [1, 3, 6])  # 1 and 3 rows use the native GEMV, 6 oneDNN
+@pytest.mark.parametrize("batch", [1, 3, 6])
 def test_greedy_decode_follows_hf_argmax_within_bf16_noise(bf16_case, batch):
     hf, engine = bf16_case
     assert Engine(engine).config.dtype == "bfloat16"
@@ -48,3 +48,20 @@ def test_greedy_decode_follows_hf_argmax_within_bf16_noise(bf16_case, batch):
             step = logits[pos]
             chosen = full[pos + 1]
             assert step.max() - step[chosen] <= 0.03 * scale, (pos, chosen, step.argmax().item())
+
+
+def test_bf16_linear_uses_a_packed_weight_equal_to_f_linear():
+    from torch import nn
+
+    from kiln.layers.linear import ColumnLinear
+
+    layer = ColumnLinear(40, 48, bias=True, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 7, 65):
+        layer.weight = nn.Parameter(torch.randn(48, 40, generator=g).to(torch.bfloat16), requires_grad=False)
+        layer.bias = nn.Parameter(torch.randn(48, generator=g).to(torch.bfloat16), requires_grad=False)
+        x = torch.randn(rows, 40, generator=g).to(torch.bfloat16)
+        expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        assert torch.equal(layer(x), expected)  # a new weight is packed anew, not served stale
+        if torch.backends.mkldnn.is_available():
+            assert layer._packed_key == (layer.weight.data_ptr(), (48, 40))

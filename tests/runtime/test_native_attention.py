@@ -1,5 +1,4 @@
-"""Native kernels (kiln.kernels): paged decode attention against dense PyTorch attention, the bf16
-GEMV against F.linear."""
+"""The native paged decode-attention kernel (kiln.kernels) against dense PyTorch attention."""
 from __future__ import annotations
 
 import pytest
@@ -103,42 +102,3 @@ def test_backend_selection():
     with pytest.raises(ValueError, match="attention_backend"):
         select_backend("native", torch.float16)
 
-
-@pytest.mark.parametrize("rows", [1, 2, 4])
-@pytest.mark.parametrize("n,k", [(7, 5), (64, 576), (33, 100)])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_gemv_matches_linear(rows, n, k, with_bias):
-    from kiln.kernels import gemv_bf16
-
-    g = torch.Generator().manual_seed(rows * 1000 + n + k)
-    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    bias = torch.randn(n, generator=g).to(torch.bfloat16) if with_bias else None
-    expected = x.float() @ w.float().t() + (bias.float() if with_bias else 0)
-    got = gemv_bf16(x, w, bias)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    # bf16 output: one rounding of an fp32-accumulated dot product.
-    torch.testing.assert_close(got.float(), expected, atol=2e-2 * k ** 0.5, rtol=1e-2)
-
-
-def test_gemv_rejects_what_it_cannot_do():
-    from kiln.kernels import gemv_bf16, gemv_max_rows
-
-    w = torch.zeros(4, 8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="rows"):
-        gemv_bf16(torch.zeros(gemv_max_rows() + 1, 8, dtype=torch.bfloat16), w)
-    with pytest.raises(ValueError, match="x must be"):
-        gemv_bf16(torch.zeros(1, 8), w)
-    with pytest.raises(ValueError, match="do not match"):
-        gemv_bf16(torch.zeros(1, 6, dtype=torch.bfloat16), w)
-
-
-def test_linear_layer_dispatch_agrees_with_torch():
-    from kiln.layers.linear import linear
-
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(48, 40, generator=g).to(torch.bfloat16)
-    for rows in (1, 3, 9):  # native GEMV below the cut-off, oneDNN above
-        x = torch.randn(rows, 40, generator=g).to(torch.bfloat16)
-        torch.testing.assert_close(linear(x, w).float(), torch.nn.functional.linear(x, w).float(),
-                                   atol=0.1, rtol=2e-2)
