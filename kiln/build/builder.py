@@ -42,16 +42,47 @@ def resolve_build_config(config: PretrainedConfig, **options: int | None) -> Bui
     return BuildConfig(**given)
 
 
+ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), so bf16 matmuls run
+    at several times the fp32 rate instead of being emulated."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_engine_dtype(requested: str | None, checkpoint_dtype: str) -> str:
+    """The engine's compute dtype: ``requested``, or for ``auto``/None bfloat16 when the checkpoint
+    is float32/bfloat16 and the CPU has native bf16, else the checkpoint's dtype."""
+    if requested in (None, "auto"):
+        if checkpoint_dtype in ("float32", "bfloat16") and cpu_has_native_bf16():
+            return "bfloat16"
+        return checkpoint_dtype
+    if requested not in ENGINE_DTYPES:
+        raise BuildError(f"dtype {requested!r} is not one of auto, {', '.join(ENGINE_DTYPES)}")
+    return requested
+
+
 def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_config: BuildConfig | None = None,
-                 progress: bool = True) -> Path:
+                 progress: bool = True, dtype: str | None = None) -> Path:
     """Validate ``checkpoint_dir`` and write an engine to ``output_dir``.
 
-    Without ``build_config`` the limits come from :func:`resolve_build_config`.
+    Without ``build_config`` the limits come from :func:`resolve_build_config`. ``dtype``
+    casts the floating-point weights (the engine computes in it); None keeps the checkpoint's
+    (use :func:`resolve_engine_dtype` for the machine's best).
     """
     checkpoint_dir = Path(checkpoint_dir)
     config = read_config(checkpoint_dir)
     build_config = build_config or resolve_build_config(config)
     validate_limits(config, build_config)
+    if dtype is not None and dtype not in ENGINE_DTYPES:
+        raise BuildError(f"dtype {dtype!r} is not one of {', '.join(ENGINE_DTYPES)}")
+    cast = getattr(torch, dtype) if dtype and dtype != config.dtype else None
     model_cls = get_model_class(config.architecture, source=str(checkpoint_dir / "config.json"))
     raw = read_config_dict(checkpoint_dir)
     with atomic_output_dir(output_dir) as tmp:
@@ -62,11 +93,14 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_confi
             with torch.device("meta"):
                 engine_model = model_cls(model.config, engine_layout=True)
             weights = model.engine_weights(model.checkpoint_weights())
+            if cast is not None:
+                weights = {k: w.to(cast) if w.is_floating_point() else w for k, w in weights.items()}
             expected = {name for name, _ in engine_model.named_parameters()}
             if set(weights) != expected:
                 raise BuildError(f"engine layout mismatch for rank {rank}: missing {sorted(expected - set(weights))}, "
                                  f"extra {sorted(set(weights) - expected)}")
             write_rank_weights(tmp, rank, weights)
-        write_config(tmp, {**raw, "build_config": build_config.to_dict()})
+        dtype_field = {"dtype": dtype} if cast is not None else {}
+        write_config(tmp, {**raw, **dtype_field, "build_config": build_config.to_dict()})
         copy_tokenizer_files(checkpoint_dir, tmp)
     return Path(output_dir)

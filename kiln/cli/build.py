@@ -10,6 +10,9 @@ def add_parser(sub) -> None:
                                    "weights in the runtime's layout plus config.json with a build_config section.")
     p.add_argument("--checkpoint_dir", required=True, help="the kiln checkpoint (from kiln convert)")
     p.add_argument("--output_dir", required=True, help="where to write the engine (replaced atomically)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="compute dtype of the engine; auto (default) is bfloat16 for a float32/bfloat16 "
+                        "checkpoint on a CPU with native bf16 (AVX512-BF16 or AMX), else the checkpoint's")
     p.add_argument("--max_batch_size", type=int, help="most sequences in one step (default 64)")
     p.add_argument("--max_input_len", type=int,
                    help="longest prompt in tokens (default 2048, capped at max_seq_len)")
@@ -25,14 +28,17 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from kiln.build import build_engine, resolve_build_config
+    from kiln.build.builder import resolve_engine_dtype
     from kiln.checkpoint.format import read_config
 
     started = time.perf_counter()
+    config = read_config(args.checkpoint_dir)
+    dtype = resolve_engine_dtype(args.dtype, config.dtype)
     build_config = resolve_build_config(
-        read_config(args.checkpoint_dir), max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
+        config, max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
         max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens, tokens_per_block=args.tokens_per_block,
         max_beam_width=args.max_beam_width, gather_all_token_logits=args.gather_all_token_logits)
-    out = build_engine(args.checkpoint_dir, args.output_dir, build_config)
+    out = build_engine(args.checkpoint_dir, args.output_dir, build_config, dtype=dtype)
     limits = ", ".join(f"{k}={v}" for k, v in build_config.to_dict().items())
-    print(f"built engine {out} ({limits}) in {time.perf_counter() - started:.1f}s")
+    print(f"built engine {out} ({dtype}; {limits}) in {time.perf_counter() - started:.1f}s")
     return 0

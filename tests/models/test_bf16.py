@@ -65,3 +65,36 @@ def test_bf16_linear_uses_a_packed_weight_equal_to_f_linear():
         assert torch.equal(layer(x), expected)  # a new weight is packed anew, not served stale
         if torch.backends.mkldnn.is_available():
             assert layer._packed_key == (layer.weight.data_ptr(), (48, 40))
+
+
+def test_build_casts_an_fp32_checkpoint_to_bf16(tmp_path, bf16_case):
+    from safetensors import safe_open
+
+    from kiln.build import build_engine
+    from kiln.checkpoint.format import read_config
+
+    hf, _ = bf16_case
+    hf.save_pretrained(tmp_path / "hf")
+    fp32_engine = convert_and_build(tmp_path / "hf", tmp_path / "w")
+    assert read_config(fp32_engine).dtype == "float32"
+    engine = build_engine(tmp_path / "w" / "checkpoint", tmp_path / "bf16-engine", progress=False, dtype="bfloat16")
+    assert read_config(engine).dtype == "bfloat16"
+    with safe_open(str(engine / "rank0.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    ids = [5, 9, 23, 7, 61, 2]
+    torch.testing.assert_close(kiln_prompt_logits(engine, ids), kiln_prompt_logits(fp32_engine, ids),
+                               atol=0.05, rtol=0.05)
+
+
+def test_auto_dtype_follows_the_cpu(monkeypatch):
+    from kiln.build import builder
+    from kiln.errors import BuildError
+
+    monkeypatch.setattr(builder, "cpu_has_native_bf16", lambda: True)
+    assert builder.resolve_engine_dtype("auto", "float32") == "bfloat16"
+    assert builder.resolve_engine_dtype(None, "float16") == "float16"  # fp16 checkpoints stay fp16
+    assert builder.resolve_engine_dtype("float32", "float32") == "float32"
+    monkeypatch.setattr(builder, "cpu_has_native_bf16", lambda: False)
+    assert builder.resolve_engine_dtype("auto", "float32") == "float32"
+    with pytest.raises(BuildError, match="dtype 'int8'"):
+        builder.resolve_engine_dtype("int8", "float32")
