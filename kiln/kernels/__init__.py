@@ -27,7 +27,7 @@ from kiln.engine_cache import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c",)
+SOURCES = ("paged_attention.c", "elementwise.c")
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall"]
 # Linked in a separate step without -ffast-math: linking with it adds crtfastmath.o, whose
 # constructor turns on flush-to-zero for the whole process (torch's numerics included).
@@ -95,7 +95,56 @@ def native_library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = _DECODE_ARGTYPES
         fn.restype = ctypes.c_int
+    for suffix in _SUFFIX.values():
+        getattr(lib, f"kiln_rmsnorm_{suffix}").argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float,
+                                                            ctypes.c_int]
+        getattr(lib, f"kiln_silu_mul_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _I64, ctypes.c_int]
+        getattr(lib, f"kiln_rotary_{suffix}").argtypes = [_PTR, _I64, _PTR, _PTR] + [_I64] * 4 + [ctypes.c_int]
+        for kind in ("rmsnorm", "silu_mul", "rotary"):
+            getattr(lib, f"kiln_{kind}_{suffix}").restype = None
     return lib
+
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def elementwise_supported(x: torch.Tensor) -> bool:
+    """Whether the fused elementwise kernels take ``x``: a CPU fp32/bf16 tensor whose rows
+    (last dim) are contiguous, with the native library built."""
+    return (x.dtype in _SUFFIX and x.device.type == "cpu" and x.stride(-1) == 1 and x.dim() == 2
+            and native_library() is not None)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` per row of 2-D ``x`` (see ``elementwise_supported``)."""
+    rows, dim = x.shape
+    out = torch.empty(rows, dim, dtype=x.dtype)
+    getattr(native_library(), f"kiln_rmsnorm_{_SUFFIX[x.dtype]}")(
+        x.data_ptr(), x.stride(0), weight.contiguous().data_ptr(), out.data_ptr(), rows, dim, eps,
+        torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` where each row of 2-D ``gate_up`` is ``[gate | up]``."""
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    getattr(native_library(), f"kiln_silu_mul_{_SUFFIX[gate_up.dtype]}")(
+        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """Rotate ``x`` ``[tokens, heads, head_size]`` in place (rotate_half pairing) by fp32
+    ``cos``/``sin`` ``[tokens, rotary_dim]``; heads of a token must be contiguous."""
+    tokens, heads, head_size = x.shape
+    if x.stride(2) != 1 or x.stride(1) != head_size or cos.dtype != torch.float32:
+        raise ValueError("rotary_: x needs contiguous heads and cos/sin must be float32")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    getattr(native_library(), f"kiln_rotary_{_SUFFIX[x.dtype]}")(
+        x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_size, rotary_dim,
+        torch.get_num_threads())
+    return x
 
 
 _DECODE_KERNELS = {torch.float32: "kiln_paged_decode_attention_f32", torch.bfloat16: "kiln_paged_decode_attention_bf16"}

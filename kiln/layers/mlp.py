@@ -7,8 +7,10 @@ In an engine the gated MLP's ``fc`` and ``gate`` are fused into one ``fused_fc``
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from kiln import kernels
 from kiln.layers.activation import get_activation
 from kiln.layers.linear import ColumnLinear, RowLinear
 
@@ -44,7 +46,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            fc, gate = self.fused_fc(x).chunk(2, dim=-1)
+            both = self.fused_fc(x)
+            if self.act is F.silu and kernels.elementwise_supported(both):
+                return self.proj(kernels.silu_mul(both))  # one native pass instead of three ops
+            fc, gate = both.chunk(2, dim=-1)
         else:
             fc, gate = self.fc(x), self.gate(x)
         return self.proj(self.act(fc) * gate)

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln import kernels
+
 
 class RmsNorm(nn.Module):
     """``x / rms(x) * weight`` (LLaMA)."""
@@ -15,6 +17,8 @@ class RmsNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype and kernels.elementwise_supported(x):
+            return kernels.rmsnorm(x, self.weight, self.eps)  # one native pass, same rounding as below
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in float32, round to the model dtype, then scale (as Hugging Face does).

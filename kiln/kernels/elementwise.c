@@ -1,0 +1,90 @@
+/* Per-layer elementwise work fused into one pass each: RMSNorm, SiLU(gate) * up, and rotary.
+ *
+ * Each is a handful of PyTorch ops in eager mode (RMSNorm in bf16: upcast, norm, downcast,
+ * scale), and at decode time the dispatch of those small ops costs more than their
+ * arithmetic. Rounding follows the eager reference: values are computed in fp32 and stored
+ * in the tensor's dtype; bf16 RMSNorm rounds the normalised value before scaling (as Hugging
+ * Face does). Rows may be strided (views into a fused projection); the last dim is contiguous.
+ * Rows are split over threads only when there are 16 or more (waking a thread costs more
+ * than a decode step's few rows).
+ */
+#include <math.h>
+#include <stdint.h>
+
+typedef uint16_t bf16_t;
+
+static inline float bf16_load(bf16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline bf16_t bf16_store(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((v.u >> 16) | 0x40u); /* quiet NaN */
+    v.u += 0x7fffu + ((v.u >> 16) & 1u); /* round to nearest even */
+    return (bf16_t)(v.u >> 16);
+}
+
+static inline float f32_load(float x) { return x; }
+static inline float f32_store(float x) { return x; }
+static inline float f32_round(float x) { return x; }
+static inline float bf16_round(float x) { return bf16_load(bf16_store(x)); }
+
+#define DEFINE_ELEMENTWISE(SUFFIX, T, LOAD, STORE, ROUND)                                          \
+/* out[r] = rmsnorm(x[r]) * weight */                                                              \
+void kiln_rmsnorm_##SUFFIX(const T *x, int64_t x_stride, const T *weight, T *out, int64_t rows,    \
+                          int64_t dim, float eps, int num_threads) {                               \
+    _Pragma("omp parallel for if(rows >= 16) num_threads(num_threads)")                                   \
+    for (int64_t r = 0; r < rows; ++r) {                                                           \
+        const T *xr = x + r * x_stride;                                                            \
+        float sq = 0.f;                                                                            \
+        _Pragma("omp simd reduction(+:sq)")                                                        \
+        for (int64_t i = 0; i < dim; ++i) { const float v = LOAD(xr[i]); sq += v * v; }            \
+        const float inv = 1.f / sqrtf(sq / (float)dim + eps);                                      \
+        T *o = out + r * dim;                                                                      \
+        _Pragma("omp simd")                                                                        \
+        for (int64_t i = 0; i < dim; ++i) o[i] = STORE(ROUND(LOAD(xr[i]) * inv) * LOAD(weight[i])); \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+/* out[r] = silu(gu[r, :inter]) * gu[r, inter:] */                                                 \
+void kiln_silu_mul_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_t rows, int64_t inter,   \
+                           int num_threads) {                                                      \
+    _Pragma("omp parallel for if(rows >= 16) num_threads(num_threads)")                                   \
+    for (int64_t r = 0; r < rows; ++r) {                                                           \
+        const T *g = gu + r * gu_stride, *u = g + inter;                                           \
+        T *o = out + r * inter;                                                                    \
+        _Pragma("omp simd")                                                                        \
+        for (int64_t i = 0; i < inter; ++i) {                                                      \
+            const float a = LOAD(g[i]);                                                            \
+            o[i] = STORE(ROUND(a / (1.f + expf(-a))) * LOAD(u[i]));                                \
+        }                                                                                          \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+/* In place on x [tokens, heads, head_size] (token stride given, heads contiguous): the first  \
+ * rot_dim dims of every head rotate by cos/sin [tokens, rot_dim] (their two halves repeat),   \
+ * pairing dim i with i + rot_dim / 2 (Hugging Face's rotate_half). */                            \
+void kiln_rotary_##SUFFIX(T *x, int64_t token_stride, const float *cos, const float *sin,           \
+                         int64_t tokens, int64_t heads, int64_t head_size, int64_t rot_dim,       \
+                         int num_threads) {                                                        \
+    const int64_t half = rot_dim / 2;                                                              \
+    _Pragma("omp parallel for if(tokens >= 16) num_threads(num_threads)")                                 \
+    for (int64_t t = 0; t < tokens; ++t) {                                                         \
+        const float *c = cos + t * rot_dim, *s = sin + t * rot_dim;                                \
+        for (int64_t h = 0; h < heads; ++h) {                                                      \
+            T *v = x + t * token_stride + h * head_size;                                           \
+            _Pragma("omp simd")                                                                    \
+            for (int64_t i = 0; i < half; ++i) {                                                   \
+                const float a = LOAD(v[i]), b = LOAD(v[i + half]);                                 \
+                v[i] = STORE(a * c[i] - b * s[i]);                                                 \
+                v[i + half] = STORE(b * c[i + half] + a * s[i + half]);                            \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+}
+
+DEFINE_ELEMENTWISE(f32, float, f32_load, f32_store, f32_round)
+DEFINE_ELEMENTWISE(bf16, bf16_t, bf16_load, bf16_store, bf16_round)
