@@ -35,7 +35,7 @@ LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-_DECODE_ARGTYPES = [_PTR] * 7 + [_I64] * 6 + [ctypes.c_float, ctypes.c_int]
+_DECODE_ARGTYPES = [_PTR, _I64] + [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, ctypes.c_int]
 
 
 def _cpu_flags() -> str:
@@ -79,7 +79,7 @@ def native_library() -> ctypes.CDLL | None:
         return None
     here = Path(__file__).parent
     key = hashlib.sha256()
-    for part in (*[(here / s).read_bytes() for s in SOURCES], compiler.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
+    for part in (*[p.read_bytes() for p in sorted(here.glob("*.[ch]"))], compiler.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
                  _cpu_flags().encode(), torch.__version__.encode()):
         key.update(part)
     lib_path = default_cache_dir() / "kernels" / key.hexdigest()[:16] / "libkiln_kernels.so"
@@ -160,23 +160,26 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float) -> None:
     """Attention of one query token per sequence over its paged K/V, written into ``out``.
 
-    ``q``/``out``: ``[num_tokens, num_heads, head_size]``; row ``token_index[i]`` belongs to
+    ``q``/``out``: ``[num_tokens, num_heads, head_size]`` (``q``'s tokens may be strided, e.g. a
+    view into the fused qkv output); row ``token_index[i]`` belongs to
     sequence ``i``, whose cache holds ``seq_lens[i]`` tokens in blocks ``block_tables[i]``.
     ``k_cache``/``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_size]``.
     """
     lib = native_library()
     if lib is None or q.dtype not in _DECODE_KERNELS:
         raise RuntimeError(f"no native decode attention kernel for {q.dtype}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         if t.dtype != q.dtype or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"{name}: expected a contiguous CPU {q.dtype} tensor")
+    if q.device.type != "cpu" or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        raise ValueError("q: expected a CPU tensor whose heads are contiguous within a token")
     for name, t in (("token_index", token_index), ("block_tables", block_tables), ("seq_lens", seq_lens)):
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous int64 tensor")
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_size = k_cache.shape
     rc = getattr(lib, _DECODE_KERNELS[q.dtype])(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), token_index.data_ptr(), block_tables.data_ptr(),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), token_index.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), num_seqs, q.shape[1], num_kv_heads, head_size, block_size,
         block_tables.shape[1], scale, torch.get_num_threads())
     if rc != 0:

@@ -116,7 +116,7 @@ class NativePagedAttention(TorchPagedAttention):
 
     def _decode(self, q: torch.Tensor, kv_cache, st: dict, out: torch.Tensor, scale: float) -> None:
         k_cache, v_cache = kv_cache
-        paged_decode_attention(q.contiguous(), k_cache, v_cache, st["decode_tokens"], st["decode_blocks"],
+        paged_decode_attention(q, k_cache, v_cache, st["decode_tokens"], st["decode_blocks"],
                                st["decode_lens"], out, scale)
 
 

@@ -47,7 +47,7 @@ def _reference(q, rows, dense, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(4, 4, 16), (9, 3, 64), (8, 1, 32), (6, 2, 80)])
-@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("block_size", [1, 4, 16, 64])
 def test_matches_dense_attention(dtype, num_heads, num_kv_heads, head_size, block_size):
     seq_lens = [1, block_size, block_size + 1, 37, 3 * block_size, 70]
     q, kc, vc, rows, tables, lens, dense = _paged_case(seq_lens, num_heads, num_kv_heads, head_size, block_size,
@@ -61,6 +61,16 @@ def test_matches_dense_attention(dtype, num_heads, num_kv_heads, head_size, bloc
     untouched = torch.ones(q.shape[0], dtype=torch.bool)
     untouched[rows] = False
     assert torch.isnan(out[untouched]).all()  # rows of other tokens are left alone
+
+
+def test_reads_q_from_a_strided_qkv_view():
+    q, kc, vc, rows, tables, lens, dense = _paged_case([9, 30], 6, 2, 16, 4, torch.float32, seed=2)
+    qkv = torch.cat([q.reshape(q.shape[0], -1), torch.randn(q.shape[0], 64)], dim=1)  # [tokens, q | k | v]
+    q_view = qkv[:, :96].view(q.shape[0], 6, 16)
+    assert not q_view.is_contiguous()
+    out = torch.empty_like(q)
+    paged_decode_attention(q_view, kc, vc, rows, tables, lens, out, 0.25)
+    torch.testing.assert_close(out[rows], _reference(q, rows, dense, 0.25), atol=1e-5, rtol=1e-5)
 
 
 def test_large_logits_stay_finite():
