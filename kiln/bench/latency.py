@@ -101,12 +101,14 @@ def format_latency(record: dict) -> str:
              f"machine: read {m['read_gbs']} GB/s, matmul {m['matmul_gflops_fp32']} GFLOP/s fp32, "
              f"{m['matmul_gflops_bf16']} bf16",
              f"  {'':22} {'kiln':>10} {'HF':>10} {'kiln/HF':>8}"]
-    rows = [("decode tok/s", "decode_tok_s", False), ("prefill tok/s", "prefill_tok_s", False),
-            ("time to first token s", "ttft_s", True), ("load to first token s", "load_to_first_token_s", True)]
-    for label, key, lower_better in rows:
+    rows = [("decode tok/s", "decode_tok_s", False, "{:.1f}"), ("prefill tok/s", "prefill_tok_s", False, "{:.0f}"),
+            ("time to first token s", "ttft_s", True, "{:.3f}"),
+            ("load to first token s", "load_to_first_token_s", True, "{:.2f}")]
+    for label, key, lower_better, fmt in rows:
         kv, hv = k.get(key), h.get(key)
         r = ratio(hv, kv) if lower_better else ratio(kv, hv)
-        lines.append(f"  {label:22} {kv:>10} {hv if hv is not None else '-':>10} {r if r else '-':>8}")
+        hs = fmt.format(hv) if hv is not None else "-"
+        lines.append(f"  {label:22} {fmt.format(kv):>10} {hs:>10} {f'{r:.2f}x' if r else '-':>8}")
     lines.append(f"  kiln engine load {k['engine_load_s']} s (HF from_pretrained {h.get('load_s', '-')} s); "
                  f"host overhead {k['host_overhead_ms']:.2f} ms/step; weights {k['weight_bytes'] / 1e6:.0f} MB "
                  f"read at {k['bandwidth_fraction'] * 100:.0f}% of measured bandwidth; peak RSS {k['peak_rss_mb']} MB")
