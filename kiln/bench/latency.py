@@ -4,7 +4,7 @@ Figures (medians over rounds that alternate kiln and HF, so machine noise hits b
 engine load and load-to-first-token, prefill tok/s (a ``prefill_len`` prompt), time to
 first token and batch-1 decode tok/s (a ``prompt_len`` prompt, ``new_tokens`` greedy tokens,
 end token ignored), kiln's host overhead per decode step (the step's time outside the model
-forward: scheduling, metadata, sampling, detokenization), achieved bandwidth (weight bytes x
+forward and LM head: scheduling, metadata, sampling, detokenization), achieved bandwidth (weight bytes x
 decode tok/s / read bandwidth measured in this run) and peak RSS.
 """
 from __future__ import annotations
@@ -20,11 +20,12 @@ from kiln.bench.machine import machine_facts, peak_rss_mb
 from kiln.bench.peer import hf_generate, load_hf_peer
 
 
-def _kiln_stream(llm, prompt: list[int], new_tokens: int, timer: ForwardTimer) -> dict:
+def _kiln_stream(llm, prompt: list[int], new_tokens: int, timers: list[ForwardTimer]) -> dict:
     from kiln import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    timer.reset()
+    for timer in timers:
+        timer.reset()
     started = time.perf_counter()
     first = None
     for _ in llm.stream(prompt, params):
@@ -32,8 +33,9 @@ def _kiln_stream(llm, prompt: list[int], new_tokens: int, timer: ForwardTimer) -
             first = time.perf_counter()
     decode_s = time.perf_counter() - first
     steps = new_tokens - 1
-    # The first forward is the prompt; the rest are decode steps.
-    outside = (decode_s - sum(timer.durations[1:])) / steps if steps else float("nan")
+    # The first call of each timed module is the prompt's; the rest are decode steps.
+    model_s = sum(sum(timer.durations[1:]) for timer in timers)
+    outside = (decode_s - model_s) / steps if steps else float("nan")
     return {"ttft_s": first - started, "decode_tok_s": steps / decode_s if steps else float("nan"),
             "host_overhead_ms": 1000 * outside}
 
@@ -55,20 +57,23 @@ def run_latency(engine_dir: str, *, hf_gguf: str | None = None, hf_dir: str | No
     load_s = llm.engine.load_seconds
     vocab = llm.engine.config.vocab_size
     prompt, long_prompt = random_prompts(1, prompt_len, vocab, seed)[0], random_prompts(1, prefill_len, vocab, seed)[0]
-    timer = ForwardTimer(llm.core.runner.model)
-    kiln_load_to_first = constructed + _kiln_stream(llm, prompt, 2, timer)["ttft_s"]  # a cold start
+    model = llm.core.runner.model
+    # The model forward and the LM head (logits of the sampled rows, computed after it).
+    timers = [ForwardTimer(model), ForwardTimer(model.lm_head)]
+    kiln_load_to_first = constructed + _kiln_stream(llm, prompt, 2, timers)["ttft_s"]  # a cold start
     hf = None
     if hf_gguf or hf_dir:
         hf, hf_load_s = load_hf_peer(llm.engine.config.dtype, gguf=hf_gguf, model_dir=hf_dir)
         hf_load_to_first = hf_load_s + hf_generate(hf, [prompt], 2)[0]
     kiln_runs, hf_runs, kiln_prefill, hf_prefill = [], [], [], []
     for _ in tqdm(range(rounds), desc="latency rounds", disable=not progress):
-        kiln_runs.append(_kiln_stream(llm, prompt, new_tokens, timer))
-        kiln_prefill.append(prefill_len / _kiln_stream(llm, long_prompt, 1, timer)["ttft_s"])
+        kiln_runs.append(_kiln_stream(llm, prompt, new_tokens, timers))
+        kiln_prefill.append(prefill_len / _kiln_stream(llm, long_prompt, 1, timers)["ttft_s"])
         if hf is not None:
             hf_runs.append(_hf_round(hf, prompt, new_tokens))
             hf_prefill.append(prefill_len / hf_generate(hf, [long_prompt], 1)[0])
-    timer.remove()
+    for t in timers:
+        t.remove()
 
     def med(runs, key):
         return round(statistics.median(r[key] for r in runs), 4) if runs else None
