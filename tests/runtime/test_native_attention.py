@@ -63,6 +63,21 @@ def test_matches_dense_attention(dtype, num_heads, num_kv_heads, head_size, bloc
     assert torch.isnan(out[untouched]).all()  # rows of other tokens are left alone
 
 
+@pytest.mark.parametrize("num_seqs", [1, 3, 12])  # few sequences split their context; many do not
+@pytest.mark.parametrize("threads", [1, 2])
+def test_context_splits_merge_exactly(num_seqs, threads):
+    lens = [17 + 23 * i for i in range(num_seqs)]
+    q, kc, vc, rows, tables, sl, dense = _paged_case(lens, 9, 3, 64, 4, torch.float32, seed=num_seqs)
+    out = torch.empty_like(q)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        paged_decode_attention(q, kc, vc, rows, tables, sl, out, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out[rows], _reference(q, rows, dense, 0.125), atol=1e-5, rtol=1e-5)
+
+
 def test_reads_q_from_a_strided_qkv_view():
     q, kc, vc, rows, tables, lens, dense = _paged_case([9, 30], 6, 2, 16, 4, torch.float32, seed=2)
     qkv = torch.cat([q.reshape(q.shape[0], -1), torch.randn(q.shape[0], 64)], dim=1)  # [tokens, q | k | v]
