@@ -70,11 +70,83 @@ static inline __attribute__((always_inline)) int64_t scores16_##SUFFIX(         
     return t;                                                                                      \
 }
 DEFINE_SCORES16(f32, float)
+#if defined(__AVX512BF16__)
+/* bf16 K against q rounded to bf16 (exact: q came from bf16), with AVX512-BF16 dot products
+ * (fp32 accumulation): no K conversion at all. */
+static inline __attribute__((always_inline)) int64_t scores16_bf16(
+        const float *q, const bf16_t *kb, int64_t token_stride, int64_t ntok, const int64_t D, float *out) {
+    if (D % 32 != 0 || D > 256) return 0;
+    __m512bh qb[8];
+    for (int64_t c = 0; c < D / 32; ++c)
+        qb[c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * c + 16), _mm512_loadu_ps(q + 32 * c));
+    int64_t t = 0;
+    for (; t + 16 <= ntok; t += 16) {
+        __m512 v[16];
+        for (int j = 0; j < 16; ++j) {
+            const bf16_t *kt = kb + (t + j) * token_stride;
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t c = 0; c < D / 32; ++c)
+                acc = _mm512_dpbf16_ps(acc, qb[c], (__m512bh)_mm512_loadu_si512(kt + 32 * c));
+            v[j] = acc;
+        }
+        _mm512_storeu_ps(out + t, reduce16(v));
+    }
+    return t;
+}
+#else
 DEFINE_SCORES16(bf16, bf16_t)
+#endif
 #else
 #define scores16_f32(q, kb, stride, ntok, D, out) ((int64_t)0)
 #define scores16_bf16(q, kb, stride, ntok, D, out) ((int64_t)0)
 #endif
+
+/* acc = acc * rescale + sum_t p[t] V[t] with AVX512-BF16 dot products over token pairs:
+ * V rows t and t+1 interleaved (unpack) meet the pair (p[t], p[t+1]) rounded to bf16, so
+ * nothing is converted to fp32. The unpack leaves each 32-dim chunk's sums in a permuted
+ * order [0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31]; acc stays in that order for
+ * the whole range (rescaling does not care) and pv_unpermute restores it at the end.
+ * Returns 0 where it does not apply (the caller's loop runs); called with p == NULL it only
+ * says whether it applies, so the caller knows to unpermute. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+static inline __attribute__((always_inline)) int pv_bf16(const float *p, const bf16_t *vb, int64_t token_stride,
+                                                          int64_t ntok, const int64_t D, float rescale, float *acc) {
+    if (D % 32 != 0 || D > 128) return 0;
+    if (p == NULL) return 1;
+    __m512 a[8];
+    const __m512 r = _mm512_set1_ps(rescale);
+    for (int64_t c = 0; c < D / 16; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), r);
+    for (int64_t t = 0; t < ntok; t += 2) {
+        const bf16_t *v0 = vb + t * token_stride;
+        const int has_next = t + 1 < ntok;  /* past the last token: a zero row, weight 0 */
+        union { uint32_t u; bf16_t h[2]; } pair = {0};
+        pair.h[0] = bf16_store(p[t]);
+        pair.h[1] = has_next ? bf16_store(p[t + 1]) : 0;
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair.u);
+        for (int64_t c = 0; c < D / 32; ++c) {
+            const __m512i x = _mm512_loadu_si512(v0 + 32 * c);
+            const __m512i y = has_next ? _mm512_loadu_si512(v0 + token_stride + 32 * c) : _mm512_setzero_si512();
+            a[2 * c] = _mm512_dpbf16_ps(a[2 * c], (__m512bh)_mm512_unpacklo_epi16(x, y), pp);
+            a[2 * c + 1] = _mm512_dpbf16_ps(a[2 * c + 1], (__m512bh)_mm512_unpackhi_epi16(x, y), pp);
+        }
+    }
+    for (int64_t c = 0; c < D / 16; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+    return 1;
+}
+
+static inline void pv_unpermute(float *acc, int64_t D) {
+    for (int64_t c = 0; c < D / 32; ++c) {
+        const __m512 lo = _mm512_loadu_ps(acc + 32 * c), hi = _mm512_loadu_ps(acc + 32 * c + 16);
+        const __m512 first = _mm512_shuffle_f32x4(lo, hi, 0x44), second = _mm512_shuffle_f32x4(lo, hi, 0xEE);
+        _mm512_storeu_ps(acc + 32 * c, _mm512_shuffle_f32x4(first, first, 0xD8));
+        _mm512_storeu_ps(acc + 32 * c + 16, _mm512_shuffle_f32x4(second, second, 0xD8));
+    }
+}
+#else
+#define pv_bf16(p, vb, stride, ntok, D, rescale, acc) 0
+static inline void pv_unpermute(float *acc, int64_t D) { (void)acc; (void)D; }
+#endif
+#define no_vec_pv(p, vb, stride, ntok, D, rescale, acc) 0
 
 /* A per-thread buffer that grows as needed and is kept: allocating (and page-faulting) it
  * on every call would cost more than the merge it serves. */
@@ -95,7 +167,7 @@ static void *scratch(size_t bytes) {
  * exp-weighted sum of values. Ranges of one sequence merge exactly (see merge_parts).
  * Inlined with a constant head size where possible, so the d-loops unroll and q/acc stay in
  * vector registers across the token loops. */
-#define DEFINE_DECODE_KERNEL(NAME, T, LOAD, STORE, VEC_SCORES)                                     \
+#define DEFINE_DECODE_KERNEL(NAME, T, LOAD, STORE, VEC_SCORES, VEC_PV)                                     \
 static inline __attribute__((always_inline)) void NAME##_part(                                    \
         const T *q, const T *k_cache, const T *v_cache, const int64_t *table, int64_t len,        \
         int64_t b_begin, int64_t b_end, int64_t group, int64_t token_stride, int64_t kvh,         \
@@ -103,7 +175,8 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
         float *acc) {                                                                             \
     float qf[group * D], scores[group * block_size];                                               \
     for (int64_t g = 0; g < group; ++g) {                                                          \
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = LOAD(q[g * D + d]) * scale;               \
+        /* Unscaled, so a bf16 q converts back to bf16 exactly for bf16 dot products. */         \
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = LOAD(q[g * D + d]);                        \
         run_max[g] = -1e30f; /* finite (built with -ffast-math); exp(-1e30 - m) is 0 */           \
         run_sum[g] = 0.f;                                                                          \
     }                                                                                              \
@@ -124,7 +197,7 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
                 for (int64_t d = 0; d < D; ++d) dot += qg[d] * LOAD(kt[d]);                        \
                 sg[t] = dot;                                                                       \
             }                                                                                      \
-            for (int64_t i = 0; i < ntok; ++i) m = sg[i] > m ? sg[i] : m;                          \
+            for (int64_t i = 0; i < ntok; ++i) { sg[i] *= scale; m = sg[i] > m ? sg[i] : m; }      \
             const float rescale = expf(run_max[g] - m);                                            \
             float sum = 0.f;                                                                       \
             _Pragma("omp simd reduction(+:sum)")                                                   \
@@ -132,6 +205,7 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
             run_max[g] = m;                                                                        \
             run_sum[g] = run_sum[g] * rescale + sum;                                               \
             float *ag = acc + g * D;                                                               \
+            if (VEC_PV(sg, vb, token_stride, ntok, D, rescale, ag)) continue;                      \
             float a[D];                                                                            \
             for (int64_t d = 0; d < D; ++d) a[d] = ag[d] * rescale;                                \
             for (int64_t i = 0; i < ntok; ++i) {                                                   \
@@ -143,6 +217,8 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
             for (int64_t d = 0; d < D; ++d) ag[d] = a[d];                                          \
         }                                                                                          \
     }                                                                                              \
+    if (VEC_PV(NULL, NULL, 0, 0, D, 0.f, NULL))                                                    \
+        for (int64_t g = 0; g < group; ++g) pv_unpermute(acc + g * D, D);                          \
 }                                                                                                  \
                                                                                                    \
 /* NAME##_part with the head size as a compile-time constant for the common sizes. */            \
@@ -235,5 +311,5 @@ static void merge_parts(const float *parts, int64_t splits, int64_t num_seqs, in
     }
 }
 
-DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_f32, float, f32_load, f32_store, scores16_f32)
-DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_bf16, bf16_t, bf16_load, bf16_store, scores16_bf16)
+DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_f32, float, f32_load, f32_store, scores16_f32, no_vec_pv)
+DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_bf16, bf16_t, bf16_load, bf16_store, scores16_bf16, pv_bf16)
