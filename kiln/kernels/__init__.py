@@ -27,7 +27,7 @@ from kiln.engine_cache import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "elementwise.c")
+SOURCES = ("paged_attention.c", "elementwise.c", "gemv.c")
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall"]
 # Linked in a separate step without -ffast-math: linking with it adds crtfastmath.o, whose
 # constructor turns on flush-to-zero for the whole process (torch's numerics included).
@@ -102,6 +102,8 @@ def native_library() -> ctypes.CDLL | None:
         getattr(lib, f"kiln_rotary_{suffix}").argtypes = [_PTR, _I64, _PTR, _PTR] + [_I64] * 4 + [ctypes.c_int]
         for kind in ("rmsnorm", "silu_mul", "rotary"):
             getattr(lib, f"kiln_{kind}_{suffix}").restype = None
+    lib.kiln_gemv_bf16.argtypes = [_PTR] * 4 + [_I64] * 2 + [ctypes.c_int]
+    lib.kiln_gemv_bf16.restype = None
     return lib
 
 
@@ -185,3 +187,24 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if rc != 0:
         raise ValueError(f"paged_decode_attention: {q.shape[1]} query heads do not group onto {num_kv_heads} KV heads")
 
+
+
+def gemv_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``gemv_bf16`` takes these: one row of bf16 activations, a contiguous bf16 weight."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1
+            and x.device.type == "cpu" and weight.is_contiguous() and (bias is None or bias.is_contiguous())
+            and native_library() is not None)
+
+
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for one row of bfloat16 ``x`` ``[1, k]`` and a bfloat16
+    ``weight`` ``[n, k]`` (see ``gemv_supported``): batch-1 decode's matrix-vector products."""
+    if not gemv_supported(x, weight, bias) or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"gemv_bf16: needs one bf16 row [1, k] and a contiguous bf16 weight [n, k]; got x "
+                         f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    n = weight.shape[0]
+    y = torch.empty(1, n, dtype=torch.bfloat16)
+    native_library().kiln_gemv_bf16(x.contiguous().data_ptr(), weight.data_ptr(),
+                                    bias.data_ptr() if bias is not None else None, y.data_ptr(), n, x.shape[1],
+                                    torch.get_num_threads())
+    return y

@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln import distributed
+from kiln import distributed, kernels
 
 # oneDNN's bf16 matmul re-lays-out a plain weight on every call; a weight packed once into its
 # blocked format runs 1.4-2x faster at every batch size here, with identical results (no
-# gain for fp32, so fp32 stays on F.linear).
+# gain for fp32, so fp32 stays on F.linear). A single row (batch-1 decode) goes to the native
+# GEMV instead.
 _PACK_BF16 = torch.backends.mkldnn.is_available()
 
 
@@ -77,6 +78,8 @@ class Linear(nn.Module):
         w = self.weight
         if not (_PACK_BF16 and w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and w.device.type == "cpu"):
             return F.linear(x, w, bias)
+        if kernels.gemv_supported(x, w, bias):  # batch-1 decode: 13-17% faster end to end here
+            return kernels.gemv_bf16(x, w, bias)
         key = (w.data_ptr(), tuple(w.shape))  # weights are assigned at load time, so repack if they change
         if getattr(self, "_packed_key", None) != key:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
