@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from kiln.kernels import paged_decode_attention, supports_decode_attention
 from kiln.runtime.attention import select_backend
 
-pytestmark = pytest.mark.skipif(not supports_decode_attention(torch.float32), reason="native kernels unavailable (no C compiler, or KILN_NATIVE_KERNELS=0)")
+pytestmark = pytest.mark.skipif(not supports_decode_attention(torch.float32),
+                                reason="native kernels unavailable (no C compiler, or KILN_NATIVE_KERNELS=0)")
 
 
 def _paged_case(seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0):
