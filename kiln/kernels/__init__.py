@@ -79,7 +79,8 @@ def native_library() -> ctypes.CDLL | None:
         return None
     here = Path(__file__).parent
     key = hashlib.sha256()
-    for part in (*[p.read_bytes() for p in sorted(here.glob("*.[ch]"))], compiler.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
+    sources = [p.read_bytes() for p in sorted(here.glob("*.[ch]"))]
+    for part in (*sources, compiler.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
                  _cpu_flags().encode(), torch.__version__.encode()):
         key.update(part)
     lib_path = default_cache_dir() / "kernels" / key.hexdigest()[:16] / "libkiln_kernels.so"
@@ -181,7 +182,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_size = k_cache.shape
     rc = getattr(lib, _DECODE_KERNELS[q.dtype])(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), token_index.data_ptr(), block_tables.data_ptr(),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), token_index.data_ptr(),
+        block_tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), num_seqs, q.shape[1], num_kv_heads, head_size, block_size,
         block_tables.shape[1], scale, torch.get_num_threads())
     if rc != 0:

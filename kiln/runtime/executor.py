@@ -154,7 +154,8 @@ class Executor:
                                max_num_tokens=self.config.max_num_tokens or SERVING_MAX_NUM_TOKENS,
                                num_blocks=num_blocks,
                                capacity_policy=self.config.capacity_policy,
-                               attention_backend=self.config.attention_backend, memory_fraction=kv.free_memory_fraction, enable_prefix_caching=kv.enable_block_reuse)
+                               attention_backend=self.config.attention_backend,
+                               memory_fraction=kv.free_memory_fraction, enable_prefix_caching=kv.enable_block_reuse)
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
         self._incoming: collections.deque[_Tracked] = collections.deque()
