@@ -75,7 +75,7 @@ def native_library() -> ctypes.CDLL | None:
         return None
     compiler = _compiler()
     if compiler is None:
-        log.warning("no C compiler found: using the PyTorch attention path")
+        log.warning("no C compiler found: using the PyTorch paths")
         return None
     here = Path(__file__).parent
     key = hashlib.sha256()
@@ -90,7 +90,7 @@ def native_library() -> ctypes.CDLL | None:
         torch.get_num_threads()  # torch's libgomp is loaded first, so the kernels share its pool
         lib = ctypes.CDLL(str(lib_path))
     except (OSError, RuntimeError) as e:
-        log.warning("native kernels unavailable (%s): using the PyTorch attention path", e)
+        log.warning("native kernels unavailable (%s): using the PyTorch paths", e)
         return None
     for name in ("kiln_paged_decode_attention_f32", "kiln_paged_decode_attention_bf16"):
         fn = getattr(lib, name)
