@@ -1,7 +1,13 @@
 """Native CPU kernels, compiled on first use with the machine's C compiler.
 
-The sources are plain C (no PyTorch headers), so a build takes about a second; the shared
-library is cached under ``$KILN_CACHE_DIR/kernels/<key>/`` where the key covers the source,
+* ``paged_decode_attention`` (paged_attention.c): one query token per sequence against its
+  K/V read in place from the paged cache;
+* ``rmsnorm``, ``silu_mul``, ``rotary_`` (elementwise.c): a layer's elementwise work, one
+  pass each;
+* ``gemv_bf16`` (gemv.c): one-row bf16 linears (batch-1 decode).
+
+The sources are plain C (no PyTorch headers), so a build takes a few seconds; the shared
+library is cached under ``$KILN_CACHE_DIR/kernels/<key>/`` where the key covers the sources,
 the compiler, its flags and the CPU's feature flags (the build uses ``-march=native``).
 Calls go through ctypes with raw tensor pointers; ctypes releases the GIL during the call.
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.errors import ConfigError
 from kiln.kernels import paged_decode_attention, supports_decode_attention
 from kiln.runtime.metadata import AttentionMetadata
 
@@ -128,7 +129,7 @@ def select_backend(name: str, dtype: torch.dtype) -> str:
     if name == "auto":
         return NativePagedAttention.name if supports_decode_attention(dtype) else TorchPagedAttention.name
     if name not in BACKENDS:
-        raise ValueError(f"attention_backend: unknown backend {name!r}; choose auto, {', '.join(BACKENDS)}")
+        raise ConfigError(f"attention_backend: unknown backend {name!r}; choose auto, {', '.join(BACKENDS)}")
     if name == NativePagedAttention.name and not supports_decode_attention(dtype):
-        raise ValueError(f"attention_backend: the native kernel is unavailable for {dtype} on this machine")
+        raise ConfigError(f"attention_backend: the native kernel is unavailable for {dtype} on this machine")
     return name

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kiln.errors import ConfigError
 from kiln.kernels import paged_decode_attention, supports_decode_attention
 from kiln.runtime.attention import select_backend
 
@@ -123,8 +124,8 @@ def test_backend_selection():
     assert select_backend("auto", torch.float32) == "native"
     assert select_backend("auto", torch.float16) == "torch"  # no fp16 kernel: reference path
     assert select_backend("torch", torch.float32) == "torch"
-    with pytest.raises(ValueError, match="attention_backend"):
+    with pytest.raises(ConfigError, match="attention_backend"):
         select_backend("flash", torch.float32)
-    with pytest.raises(ValueError, match="attention_backend"):
+    with pytest.raises(ConfigError, match="attention_backend"):
         select_backend("native", torch.float16)
 
