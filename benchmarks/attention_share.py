@@ -9,12 +9,12 @@ wrapping the backend's decode method. Reports the step time, the attention time 
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 
 import torch
 
+from kiln.bench.common import random_prompts
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.sampling_params import SamplingParams
@@ -22,10 +22,9 @@ from kiln.runtime.sampling_params import SamplingParams
 
 def measure(engine: Engine, backend: str, context: int, batch: int, steps: int) -> tuple[float, float]:
     core = EngineCore(engine, max_num_seqs=batch, attention_backend=backend)
-    rng = random.Random(0)
     params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
-    for _ in range(batch):
-        core.add_request([rng.randrange(100, 40000) for _ in range(context - 8)], params, None)
+    for prompt in random_prompts(batch, context - 8, engine.config.vocab_size):
+        core.add_request(prompt, params, None)
     while any(len(s.output_token_ids) < 2 for r in core._requests.values() for s in r.seqs):
         core.step()  # prefill (in chunks) until every sequence decodes
     backend_obj = core.runner.backend

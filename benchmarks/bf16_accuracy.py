@@ -36,18 +36,13 @@ def agreement(reference: list[list[int]], other: list[list[int]], new_tokens: in
 
 
 def hf_greedy(gguf: str, dtype: str, prompts: list[list[int]], new_tokens: int, batch: int = 16) -> list[list[int]]:
-    from kiln.bench.peer import load_hf_peer
+    from kiln.bench.peer import left_padded, load_hf_peer
 
     model, _ = load_hf_peer(dtype, gguf=gguf)
     out = []
     for i in range(0, len(prompts), batch):
-        chunk = prompts[i:i + batch]
-        width = max(len(p) for p in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, p in enumerate(chunk):
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
+        ids, mask = left_padded(prompts[i:i + batch])
+        width = ids.shape[1]
         with torch.inference_mode():
             gen = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                                  eos_token_id=None, pad_token_id=0)

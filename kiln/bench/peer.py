@@ -38,17 +38,23 @@ class _FirstTokenClock:
         return scores
 
 
-def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int = 0) -> tuple[float, float]:
-    """Greedy ``generate`` of exactly ``new_tokens`` for a static, left-padded batch.
-
-    Returns (seconds to the first generated token, total seconds).
-    """
+def left_padded(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask) of a static batch, left-padded as ``generate`` expects."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt):] = torch.tensor(prompt)
         mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int = 0) -> tuple[float, float]:
+    """Greedy ``generate`` of exactly ``new_tokens`` for a static, left-padded batch.
+
+    Returns (seconds to the first generated token, total seconds).
+    """
+    ids, mask = left_padded(prompts, pad_id)
     from transformers import LogitsProcessorList
 
     clock = _FirstTokenClock()

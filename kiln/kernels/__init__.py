@@ -166,17 +166,34 @@ def supports_decode_attention(dtype: torch.dtype) -> bool:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_index: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
-                           scale: float) -> None:
+                           scale: float, *, check: bool = True) -> None:
     """Attention of one query token per sequence over its paged K/V, written into ``out``.
 
     ``q``/``out``: ``[num_tokens, num_heads, head_size]`` (``q``'s tokens may be strided, e.g. a
     view into the fused qkv output); row ``token_index[i]`` belongs to
     sequence ``i``, whose cache holds ``seq_lens[i]`` tokens in blocks ``block_tables[i]``.
     ``k_cache``/``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_size]``.
+    ``check=False`` skips the argument checks (the attention backend, on its hot path, builds
+    every argument itself).
     """
     lib = native_library()
     if lib is None or q.dtype not in _DECODE_KERNELS:
         raise RuntimeError(f"no native decode attention kernel for {q.dtype}")
+    if check:
+        _check_decode_arguments(q, k_cache, v_cache, token_index, block_tables, seq_lens, out)
+    num_seqs = block_tables.shape[0]
+    _, block_size, num_kv_heads, head_size = k_cache.shape
+    rc = getattr(lib, _DECODE_KERNELS[q.dtype])(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), token_index.data_ptr(),
+        block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), num_seqs, q.shape[1], num_kv_heads,
+        head_size, block_size, block_tables.shape[1], scale, torch.get_num_threads())
+    if rc == 1:
+        raise ValueError(f"paged_decode_attention: {q.shape[1]} query heads do not group onto {num_kv_heads} KV heads")
+    if rc == 2:
+        raise MemoryError("paged_decode_attention: no memory for the context-split scratch buffer")
+
+
+def _check_decode_arguments(q, k_cache, v_cache, token_index, block_tables, seq_lens, out) -> None:
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         if t.dtype != q.dtype or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"{name}: expected a contiguous CPU {q.dtype} tensor")
@@ -185,16 +202,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     for name, t in (("token_index", token_index), ("block_tables", block_tables), ("seq_lens", seq_lens)):
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous int64 tensor")
-    num_seqs = block_tables.shape[0]
-    _, block_size, num_kv_heads, head_size = k_cache.shape
-    rc = getattr(lib, _DECODE_KERNELS[q.dtype])(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), token_index.data_ptr(),
-        block_tables.data_ptr(),
-        seq_lens.data_ptr(), out.data_ptr(), num_seqs, q.shape[1], num_kv_heads, head_size, block_size,
-        block_tables.shape[1], scale, torch.get_num_threads())
-    if rc != 0:
-        raise ValueError(f"paged_decode_attention: {q.shape[1]} query heads do not group onto {num_kv_heads} KV heads")
-
 
 
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -204,10 +211,12 @@ def gemv_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             and native_library() is not None)
 
 
-def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+              check: bool = True) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for one row of bfloat16 ``x`` ``[1, k]`` and a bfloat16
-    ``weight`` ``[n, k]`` (see ``gemv_supported``): batch-1 decode's matrix-vector products."""
-    if not gemv_supported(x, weight, bias) or weight.shape[1] != x.shape[1]:
+    ``weight`` ``[n, k]`` (see ``gemv_supported``): batch-1 decode's matrix-vector products.
+    ``check=False`` is for a caller that has just asked ``gemv_supported``."""
+    if check and (not gemv_supported(x, weight, bias) or weight.shape[1] != x.shape[1]):
         raise ValueError(f"gemv_bf16: needs one bf16 row [1, k] and a contiguous bf16 weight [n, k]; got x "
                          f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     n = weight.shape[0]

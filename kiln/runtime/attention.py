@@ -53,7 +53,6 @@ class TorchPagedAttention:
         lens = torch.tensor([md.seq_lens[i] for i in decode])
         st["decode_tokens"] = torch.tensor([md.query_start_loc[i] for i in decode])
         st["decode_blocks"] = tables  # [num_decode, max_blocks]
-        st["decode_lens"] = lens
         st["decode_mask"] = (torch.arange(max_blocks * bs)[None, :] < lens[:, None])[:, None, None, :]
 
     def _decode(self, q: torch.Tensor, kv_cache, st: dict, out: torch.Tensor, scale: float) -> None:
@@ -118,7 +117,7 @@ class NativePagedAttention(TorchPagedAttention):
     def _decode(self, q: torch.Tensor, kv_cache, st: dict, out: torch.Tensor, scale: float) -> None:
         k_cache, v_cache = kv_cache
         paged_decode_attention(q, k_cache, v_cache, st["decode_tokens"], st["decode_blocks"],
-                               st["decode_lens"], out, scale)
+                               st["decode_lens"], out, scale, check=False)
 
 
 BACKENDS = {TorchPagedAttention.name: TorchPagedAttention, NativePagedAttention.name: NativePagedAttention}

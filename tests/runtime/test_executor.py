@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from kiln.errors import KilnError
-from kiln.kernels import supports_decode_attention
 from kiln.runtime import SamplingConfig
 from kiln.runtime.engine import Engine
 from kiln.runtime.executor import Executor, ExecutorConfig, KvCacheConfig, OutputConfig, Request
@@ -144,7 +143,6 @@ def test_inflight_batching_matches_requests_run_alone(make_executor, sampled):
     assert_pool_free(ex)
 
 
-@pytest.mark.skipif(not supports_decode_attention(torch.float32), reason="native kernels unavailable")
 def test_native_and_reference_attention_agree(make_executor):
     """The native decode kernel and the PyTorch reference give the same greedy tokens."""
     requests = mixed_requests(12, seed=5, sampled=False)

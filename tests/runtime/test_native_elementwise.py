@@ -10,8 +10,6 @@ from kiln import kernels
 from kiln.layers.normalization import RmsNorm
 from kiln.layers.rotary import RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(kernels.native_library() is None,
-                                reason="native kernels unavailable (no C compiler, or KILN_NATIVE_KERNELS=0)")
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 
