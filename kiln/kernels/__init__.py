@@ -4,7 +4,9 @@
   K/V read in place from the paged cache;
 * ``rmsnorm``, ``silu_mul``, ``rotary_`` (elementwise.c): a layer's elementwise work, one
   pass each;
-* ``gemv_bf16`` (gemv.c): one-row bf16 linears (batch-1 decode).
+* ``gemv`` (gemv.c): one-row fp32/bf16 linears (batch-1 decode);
+* ``decode_step`` (decode_step.c): every layer of a LLaMA-shaped stack for one token, in one
+  call (batch-1 decode without per-layer Python).
 
 The sources are plain C (no PyTorch headers), so a build takes a few seconds; the shared
 library is cached under ``$KILN_CACHE_DIR/kernels/<key>/`` where the key covers the sources,
@@ -33,7 +35,7 @@ from kiln.engine_cache import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "elementwise.c", "gemv.c")
+SOURCES = tuple(sorted(p.name for p in Path(__file__).parent.glob("*.c")))  # what the cache key hashes
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall"]
 # Linked in a separate step without -ffast-math: linking with it adds crtfastmath.o, whose
 # constructor turns on flush-to-zero for the whole process (torch's numerics included).
@@ -109,8 +111,14 @@ def native_library() -> ctypes.CDLL | None:
         getattr(lib, f"kiln_rotary_{suffix}").argtypes = [_PTR, _I64, _PTR, _PTR] + [_I64] * 4 + [ctypes.c_int]
         for kind in ("rmsnorm", "silu_mul", "rotary"):
             getattr(lib, f"kiln_{kind}_{suffix}").restype = None
-    lib.kiln_gemv_bf16.argtypes = [_PTR] * 4 + [_I64] * 2 + [ctypes.c_int]
-    lib.kiln_gemv_bf16.restype = None
+    for suffix in _SUFFIX.values():
+        getattr(lib, f"kiln_gemv_{suffix}").argtypes = [_PTR] * 4 + [_I64] * 2 + [ctypes.c_int]
+        getattr(lib, f"kiln_gemv_{suffix}").restype = None
+        getattr(lib, f"kiln_decode_step_{suffix}").argtypes = [
+            _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, ctypes.c_int]
+        getattr(lib, f"kiln_decode_step_{suffix}").restype = ctypes.c_int
+    lib.kiln_decode_step_scratch.argtypes = [_PTR]
+    lib.kiln_decode_step_scratch.restype = _I64
     return lib
 
 
@@ -205,23 +213,61 @@ def _check_decode_arguments(q, k_cache, v_cache, token_index, block_tables, seq_
 
 
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether ``gemv_bf16`` takes these: one row of bf16 activations, a contiguous bf16 weight."""
-    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1
-            and x.device.type == "cpu" and weight.is_contiguous() and (bias is None or bias.is_contiguous())
-            and native_library() is not None)
+    """Whether ``gemv`` takes these: one row of fp32/bf16 activations, a contiguous weight of
+    the same dtype."""
+    return (x.dtype in _SUFFIX and weight.dtype == x.dtype and x.dim() == 2 and x.shape[0] == 1
+            and x.device.type == "cpu" and weight.is_contiguous()
+            and (bias is None or (bias.is_contiguous() and bias.dtype == x.dtype)) and native_library() is not None)
 
 
-def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-              check: bool = True) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for one row of bfloat16 ``x`` ``[1, k]`` and a bfloat16
-    ``weight`` ``[n, k]`` (see ``gemv_supported``): batch-1 decode's matrix-vector products.
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         check: bool = True) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for one row ``x`` ``[1, k]`` and a ``weight`` ``[n, k]``,
+    both fp32 or both bf16 (see ``gemv_supported``): batch-1 decode's matrix-vector products.
     ``check=False`` is for a caller that has just asked ``gemv_supported``."""
     if check and (not gemv_supported(x, weight, bias) or weight.shape[1] != x.shape[1]):
-        raise ValueError(f"gemv_bf16: needs one bf16 row [1, k] and a contiguous bf16 weight [n, k]; got x "
-                         f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+        raise ValueError(f"gemv: needs one fp32/bf16 row [1, k] and a contiguous weight [n, k] of its dtype; got "
+                         f"x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     n = weight.shape[0]
-    y = torch.empty(1, n, dtype=torch.bfloat16)
-    native_library().kiln_gemv_bf16(x.contiguous().data_ptr(), weight.data_ptr(),
-                                    bias.data_ptr() if bias is not None else None, y.data_ptr(), n, x.shape[1],
-                                    torch.get_num_threads())
+    y = torch.empty(1, n, dtype=x.dtype)
+    getattr(native_library(), f"kiln_gemv_{_SUFFIX[x.dtype]}")(
+        x.contiguous().data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
+        n, x.shape[1], torch.get_num_threads())
     return y
+
+
+class DecoderLayerWeights(ctypes.Structure):
+    """One layer's tensors for ``decode_step`` (raw pointers; a bias may be NULL)."""
+    _fields_ = [(name, _PTR) for name in (
+        "input_norm", "qkv", "qkv_bias", "dense", "dense_bias", "post_norm", "fused_fc", "fused_fc_bias",
+        "proj", "proj_bias", "k_cache", "v_cache")]
+
+
+class DecoderDims(ctypes.Structure):
+    """The shapes ``decode_step`` needs (per rank; ``rot_dim`` 0 means no rotary)."""
+    _fields_ = [(name, _I64) for name in (
+        "hidden", "heads", "kv_heads", "head_size", "rot_dim", "inter", "block_size", "max_blocks")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+def decode_step_scratch_size(dims: DecoderDims) -> int:
+    """Elements of model dtype ``decode_step`` needs as scratch."""
+    return native_library().kiln_decode_step_scratch(ctypes.byref(dims))
+
+
+def decode_step(hidden: torch.Tensor, layers: ctypes.Array, dims: DecoderDims, cos: torch.Tensor, sin: torch.Tensor,
+                slot: int, block_table: torch.Tensor, seq_len: int, scratch: torch.Tensor) -> None:
+    """Run every layer of a LLaMA-shaped stack on one token's ``hidden`` ``[1, hidden]`` (in place).
+
+    ``layers``: a ``DecoderLayerWeights`` array, each pointing at contiguous tensors of
+    ``hidden``'s dtype, its KV cache ``[num_blocks, block_size, kv_heads, head_size]`` among
+    them; the token's K/V go to cache ``slot`` and attention reads ``seq_len`` tokens through
+    ``block_table`` (int64, ``dims.max_blocks`` entries). ``cos``/``sin``: float32
+    ``[1, dims.rot_dim]``. The caller has checked every pointer (see
+    ``kiln.models.native_decode``): nothing is checked here.
+    """
+    rc = getattr(native_library(), f"kiln_decode_step_{_SUFFIX[hidden.dtype]}")(
+        hidden.data_ptr(), layers, len(layers), ctypes.byref(dims), cos.data_ptr(), sin.data_ptr(), slot,
+        block_table.data_ptr(), seq_len, scratch.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"decode_step: attention kernel failed with code {rc}")

@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "dtypes.h"
+#include "kernels.h"
 static inline float f32_round(float x) { return x; }
 static inline float bf16_round(float x) { return bf16_load(bf16_store(x)); }
 

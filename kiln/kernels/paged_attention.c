@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "dtypes.h"
+#include "kernels.h"
 
 /* Scores q . k for as many whole groups of 16 tokens as the block has; returns how many
  * tokens it scored (the caller finishes the rest). A dot product per token ends in a

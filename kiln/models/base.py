@@ -28,6 +28,7 @@ from kiln.layers.linear import ColumnLinear
 from kiln.layers.mlp import MLP, GatedMLP
 from kiln.layers.normalization import LayerNorm, RmsNorm
 from kiln.layers.rotary import RotaryEmbedding
+from kiln.models.native_decode import native_decode_for
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -143,6 +144,9 @@ class DecoderModelForCausalLM(nn.Module):
         hidden = t.vocab_embedding(input_ids)
         if hasattr(t, "position_embedding"):
             hidden = hidden + t.position_embedding(positions)
+        native = native_decode_for(self, kv_caches, metadata)
+        if native is not None:  # one token: every layer in one native call
+            return t.ln_f(native(hidden, positions, metadata))
         for cache, layer in zip(kv_caches, t.layers.values()):
             hidden = layer(hidden, positions, metadata, cache)
         return t.ln_f(hidden)

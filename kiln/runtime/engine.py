@@ -12,6 +12,7 @@ from kiln.checkpoint.format import read_config_dict
 from kiln.config import BuildConfig, PretrainedConfig
 from kiln.errors import ConfigError, KilnError
 from kiln.models import get_model_class
+from kiln.runtime import host_memory
 
 
 class Engine:
@@ -32,6 +33,7 @@ class Engine:
         model_cls = get_model_class(self.config.architecture, source=str(self.engine_dir / "config.json"))
         self.model = model_cls.from_checkpoint(self.engine_dir, rank, engine_layout=True)
         self.model.eval()
+        host_memory.move_parameters_to_huge_pages(self.model)
         self.load_seconds = time.perf_counter() - started
 
     @property

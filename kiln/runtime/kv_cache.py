@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.runtime import host_memory
+
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                       dtype: torch.dtype, device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -10,10 +12,11 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
 
     Left uninitialised, so the OS commits memory only as blocks are first written; the
     runner zeroes each block when the scheduler hands it out (``ModelRunner.clear_blocks``).
+    On the CPU the tensors are views of one huge-page allocation (see ``host_memory``).
     """
     shape = (num_blocks, block_size, num_kv_heads, head_size)
-    return [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)]
+    whole = host_memory.empty((num_layers, 2, *shape), dtype, device)
+    return [(whole[i, 0], whole[i, 1]) for i in range(num_layers)]
 
 
 def available_memory_bytes() -> int:

@@ -71,14 +71,16 @@ def test_rotary_rejects_non_contiguous_heads():
 
 @pytest.mark.parametrize("n,k", [(7, 5), (64, 576), (33, 100), (130, 64)])  # tails of 4 rows and 32 dims
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gemv_matches_linear(n, k, with_bias):
-    x = _randn(1, k, dtype=torch.bfloat16, seed=n)
-    w = _randn(n, k, dtype=torch.bfloat16, seed=k)
-    bias = _randn(n, dtype=torch.bfloat16, seed=3) if with_bias else None
-    expected = x.float() @ w.float().t() + (bias.float() if with_bias else 0)
-    got = kernels.gemv_bf16(x, w, bias)
-    assert got.dtype == torch.bfloat16 and got.shape == (1, n)
-    torch.testing.assert_close(got.float(), expected, atol=2e-2 * k ** 0.5, rtol=1e-2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_matches_linear(n, k, with_bias, dtype):
+    x = _randn(1, k, dtype=dtype, seed=n)
+    w = _randn(n, k, dtype=dtype, seed=k)
+    bias = _randn(n, dtype=dtype, seed=3) if with_bias else None
+    expected = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
+    got = kernels.gemv(x, w, bias)
+    assert got.dtype == dtype and got.shape == (1, n)
+    tol = dict(atol=2e-2 * k ** 0.5, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-5 * k ** 0.5, rtol=1e-5)
+    torch.testing.assert_close(got.double(), expected, **tol)
 
 
 def test_gemv_is_used_for_one_row_only_and_rejects_the_rest():
@@ -87,10 +89,10 @@ def test_gemv_is_used_for_one_row_only_and_rejects_the_rest():
     w = _randn(48, 40, dtype=torch.bfloat16)
     assert kernels.gemv_supported(_randn(1, 40, dtype=torch.bfloat16), w, None)
     assert not kernels.gemv_supported(_randn(2, 40, dtype=torch.bfloat16), w, None)
-    assert not kernels.gemv_supported(_randn(1, 40, dtype=torch.float32), w, None)
-    with pytest.raises(ValueError, match="gemv_bf16"):
-        kernels.gemv_bf16(_randn(2, 40, dtype=torch.bfloat16), w)
+    assert not kernels.gemv_supported(_randn(1, 40, dtype=torch.float32), w, None)  # mixed dtypes
+    with pytest.raises(ValueError, match="gemv"):
+        kernels.gemv(_randn(2, 40, dtype=torch.bfloat16), w)
     layer = ColumnLinear(40, 48, bias=False, dtype=torch.bfloat16)
     layer.weight = torch.nn.Parameter(w, requires_grad=False)
     x = _randn(1, 40, dtype=torch.bfloat16, seed=9)
-    torch.testing.assert_close(layer(x), kernels.gemv_bf16(x, w), atol=0, rtol=0)
+    torch.testing.assert_close(layer(x), kernels.gemv(x, w), atol=0, rtol=0)

@@ -1,0 +1,30 @@
+/* The kernels one kernel file calls in another (the fused decode step calls them all). */
+#ifndef KILN_KERNELS_H
+#define KILN_KERNELS_H
+
+#include <stdint.h>
+
+#include "dtypes.h"
+
+#define DECLARE_KERNELS(SUFFIX, T)                                                                 \
+void kiln_rmsnorm_##SUFFIX(const T *x, int64_t x_stride, const T *weight, T *out, int64_t rows,    \
+                          int64_t dim, float eps, int num_threads);                                \
+void kiln_silu_mul_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_t rows, int64_t inter,   \
+                           int num_threads);                                                       \
+void kiln_rotary_##SUFFIX(T *x, int64_t token_stride, const float *cos, const float *sin,           \
+                         int64_t tokens, int64_t heads, int64_t head_size, int64_t rot_dim,       \
+                         int num_threads);                                                         \
+void kiln_gemv_##SUFFIX(const T *x, const T *w, const T *bias, T *y, int64_t n, int64_t k,          \
+                       int num_threads);                                                           \
+int kiln_paged_decode_attention_##SUFFIX(const T *q, int64_t q_stride, const T *k_cache,          \
+                                        const T *v_cache, const int64_t *token_index,             \
+                                        const int64_t *block_tables, const int64_t *seq_lens,     \
+                                        T *out, int64_t num_seqs, int64_t num_heads,              \
+                                        int64_t num_kv_heads, int64_t head_size,                  \
+                                        int64_t block_size, int64_t max_blocks, float scale,      \
+                                        int num_threads);
+
+DECLARE_KERNELS(f32, float)
+DECLARE_KERNELS(bf16, bf16_t)
+
+#endif

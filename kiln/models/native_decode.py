@@ -1,0 +1,114 @@
+"""Batch-1 decode through one native call for LLaMA-shaped models.
+
+Decoding one token layer by layer from Python costs ~15 Python calls per layer; on a small
+model that is a third of the step. ``NativeDecodeStep`` hands every layer to
+``kiln.kernels.decode_step``, which runs the same kernels in the same order (so the result
+is the same, bit for bit). It applies to a model only when every layer is exactly the
+shape that kernel computes: RMSNorm before attention and MLP, a fused qkv projection with
+rotate-half rotary (or none), a fused SiLU-gated MLP, one rank, fp32 or bf16 weights; any
+other model, the PyTorch attention backend, and steps of more than one token take the
+layer-by-layer path.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from kiln import kernels
+from kiln.layers.attention import Attention
+from kiln.layers.mlp import GatedMLP
+from kiln.layers.normalization import RmsNorm
+
+
+def supports_native_decode(model) -> bool:
+    """Whether ``model``'s layers are all of the shape ``decode_step`` computes."""
+    from kiln.models.base import DecoderLayer
+
+    t = model.transformer
+    dtype = t.vocab_embedding.weight.dtype if hasattr(t, "vocab_embedding") else None
+    if (dtype not in (torch.float32, torch.bfloat16) or model.config.mapping.world_size != 1
+            or hasattr(t, "position_embedding") or kernels.native_library() is None):
+        return False
+    for layer in t.layers.values():
+        attn, mlp = layer.attention, layer.mlp
+        if not (type(layer) is DecoderLayer and type(layer.input_layernorm) is RmsNorm
+                and type(layer.post_layernorm) is RmsNorm and type(attn) is Attention
+                and type(mlp) is GatedMLP and mlp.fused and mlp.act is F.silu and attn.rotary is t.rotary):
+            return False
+        tensors = [p for p in layer.parameters()]
+        if any(p.dtype != dtype or p.device.type != "cpu" or not p.is_contiguous() for p in tensors):
+            return False
+        if layer.input_layernorm.eps != layer.post_layernorm.eps:
+            return False
+    return True
+
+
+class NativeDecodeStep:
+    """``decode_step`` bound to one model and one KV cache (pointers gathered once)."""
+
+    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        t = model.transformer
+        layers = list(t.layers.values())
+        first = layers[0].attention
+        k_cache = kv_caches[0][0]
+        self.dtype = k_cache.dtype
+        self.dims = kernels.DecoderDims(
+            hidden=model.config.hidden_size, heads=first.num_heads, kv_heads=first.num_kv_heads,
+            head_size=first.head_size, rot_dim=t.rotary.rotary_dim if t.rotary is not None else 0,
+            inter=layers[0].mlp.proj.in_features, block_size=k_cache.shape[1], max_blocks=0,
+            eps=layers[0].input_layernorm.eps, scale=first.scale)
+        self.weights = (kernels.DecoderLayerWeights * len(layers))()
+        for entry, layer, (k, v) in zip(self.weights, layers, kv_caches):
+            attn, mlp = layer.attention, layer.mlp
+            for field, tensor in (("input_norm", layer.input_layernorm.weight), ("qkv", attn.qkv.weight),
+                                  ("qkv_bias", attn.qkv.bias), ("dense", attn.dense.weight),
+                                  ("dense_bias", attn.dense.bias), ("post_norm", layer.post_layernorm.weight),
+                                  ("fused_fc", mlp.fused_fc.weight), ("fused_fc_bias", mlp.fused_fc.bias),
+                                  ("proj", mlp.proj.weight), ("proj_bias", mlp.proj.bias),
+                                  ("k_cache", k), ("v_cache", v)):
+                setattr(entry, field, tensor.data_ptr() if tensor is not None else None)
+        self.rotary = t.rotary
+        self.scratch = torch.empty(kernels.decode_step_scratch_size(self.dims), dtype=self.dtype)
+        self.key = self.key_for(model, kv_caches)
+        self._no_rotary = torch.zeros(1, dtype=torch.float32)
+
+    @staticmethod
+    def key_for(model, kv_caches) -> tuple:
+        """What the gathered pointers depend on: the cache tensors and the weights' storage
+        (all weights are assigned together, at load or when moved to huge pages)."""
+        first = next(iter(model.transformer.layers.values()))
+        return id(kv_caches), kv_caches[0][0].data_ptr(), first.attention.qkv.weight.data_ptr()
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor:
+        """Every layer on the step's single token; ``hidden`` ``[1, hidden]`` is updated in place."""
+        st = metadata.backend_state
+        tables = st["decode_blocks"]
+        self.dims.max_blocks = tables.shape[1]
+        if self.rotary is not None:
+            cos, sin = metadata.rotary_cos_sin(self.rotary, positions)
+        else:
+            cos = sin = self._no_rotary
+        hidden = hidden.contiguous()
+        kernels.decode_step(hidden, self.weights, self.dims, cos, sin, int(metadata.slot_mapping[0]), tables,
+                            metadata.seq_lens[0], self.scratch)
+        return hidden
+
+
+def native_decode_for(model, kv_caches, metadata) -> NativeDecodeStep | None:
+    """The model's native decode step for this step, or None when the step or model is not one
+    it runs: one token, the native attention backend, a supported model."""
+    if metadata.num_tokens != 1 or getattr(metadata.backend, "name", None) != "native":
+        return None
+    cached = getattr(model, "_native_decode", None)
+    if cached is False:
+        return None
+    if cached is None:
+        if not supports_native_decode(model):
+            model._native_decode = False
+            return None
+    if cached is None or cached.key != NativeDecodeStep.key_for(model, kv_caches):
+        cached = NativeDecodeStep(model, kv_caches)
+        model._native_decode = cached
+    return cached

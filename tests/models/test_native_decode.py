@@ -1,0 +1,80 @@
+"""The one-call native decode step against the layer-by-layer path it replaces, and where it applies.
+
+Both run the same kernels in the same order, so their logits must be identical, not just close
+(HF agreement of batch-1 decode is covered by the model tests, which now take this path).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kiln.models.base as base
+from kiln import SamplingParams
+from kiln.models.native_decode import NativeDecodeStep, native_decode_for, supports_native_decode
+from kiln.runtime.engine import Engine
+from kiln.runtime.engine_core import EngineCore
+from tests.conftest import convert_and_build
+from tests.utils.tiny_models import make_gpt2, make_llama
+
+CASES = {  # name: (make_llama options, engine dtype)
+    "llama-fp32": (dict(num_heads=4, num_kv_heads=2), "float32"),
+    "llama-bf16-tied": (dict(num_heads=4, num_kv_heads=1, tie=True), "bfloat16"),
+    "qwen2-bias-bf16": (dict(num_heads=4, num_kv_heads=2, model_type="qwen2"), "bfloat16"),
+    "llama3-rope-fp32": (dict(num_heads=8, num_kv_heads=8, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}), "float32"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def engine_dir(request, tmp_path_factory):
+    options, dtype = CASES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    make_llama(root / "hf", hidden=64, layers=3, **options)
+    return convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4}, dtype=dtype)
+
+
+def _generate(engine: Engine, prompt: list[int], new_tokens: int, use_native: bool, monkeypatch):
+    """Greedy tokens and every step's logits of one request (batch 1: each step is one token)."""
+    with monkeypatch.context() as m:
+        if not use_native:
+            m.setattr(base, "native_decode_for", lambda *args: None)
+        core = EngineCore(engine, max_num_seqs=1, num_blocks=16)
+        request = core.add_request(prompt, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
+                                   end_id=None, return_generation_logits=True)
+        while core.has_unfinished:
+            core.step()
+        native = getattr(engine.model, "_native_decode", None)
+        engine.model._native_decode = None  # the next run gathers its own cache's pointers
+        return request.seqs[0].output_token_ids, torch.stack([s[0] for s in request.generation_logits]), native
+
+
+def test_native_step_equals_layer_by_layer(engine_dir, monkeypatch):
+    engine = Engine(engine_dir)
+    assert supports_native_decode(engine.model)
+    prompt = torch.randint(3, 256, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    tokens, logits, native = _generate(engine, prompt, 24, True, monkeypatch)
+    ref_tokens, ref_logits, unused = _generate(engine, prompt, 24, False, monkeypatch)
+    assert isinstance(native, NativeDecodeStep) and unused is None
+    assert tokens == ref_tokens
+    assert torch.equal(logits, ref_logits)
+
+
+def test_not_used_for_other_models_backends_or_steps(tmp_path, engine_dir):
+    make_gpt2(tmp_path / "gpt2")
+    gpt2 = Engine(convert_and_build(tmp_path / "gpt2", tmp_path / "kiln", {"tokens_per_block": 4}))
+    assert not supports_native_decode(gpt2.model)  # LayerNorm, learned positions, plain MLP
+
+    from kiln.runtime.attention import NativePagedAttention, TorchPagedAttention
+    from kiln.runtime.kv_cache import allocate_kv_cache
+    from kiln.runtime.metadata import AttentionMetadata
+
+    model = Engine(engine_dir).model
+    attn = next(iter(model.transformer.layers.values())).attention
+    caches = allocate_kv_cache(3, 4, 4, attn.num_kv_heads, attn.head_size, model.lm_head.weight.dtype)
+    one = AttentionMetadata.build(NativePagedAttention(), [1], [3], [[0]], 4)
+    assert isinstance(native_decode_for(model, caches, one), NativeDecodeStep)
+    reference = AttentionMetadata.build(TorchPagedAttention(), [1], [3], [[0]], 4)
+    assert native_decode_for(model, caches, reference) is None  # the reference backend stays pure PyTorch
+    two = AttentionMetadata.build(NativePagedAttention(), [1, 1], [3, 2], [[0], [1]], 4)
+    assert native_decode_for(model, caches, two) is None
