@@ -4,7 +4,7 @@
   K/V read in place from the paged cache;
 * ``rmsnorm``, ``silu_mul``, ``rotary_`` (elementwise.c): a layer's elementwise work, one
   pass each;
-* ``gemv`` (gemv.c): one-row fp32/bf16 linears (batch-1 decode);
+* ``skinny_linear`` (skinny_gemm.c): fp32/bf16 linears of a few rows (decode steps);
 * ``decode_step`` (decode_step.c): every layer of a LLaMA-shaped stack for one token, in one
   call (batch-1 decode without per-layer Python).
 
@@ -112,12 +112,18 @@ def native_library() -> ctypes.CDLL | None:
         for kind in ("rmsnorm", "silu_mul", "rotary"):
             getattr(lib, f"kiln_{kind}_{suffix}").restype = None
     for suffix in _SUFFIX.values():
-        getattr(lib, f"kiln_gemv_{suffix}").argtypes = [_PTR] * 4 + [_I64] * 2 + [ctypes.c_int]
-        getattr(lib, f"kiln_gemv_{suffix}").restype = None
+        getattr(lib, f"kiln_skinny_gemm_{suffix}").argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
+        getattr(lib, f"kiln_skinny_gemm_{suffix}").restype = None
         getattr(lib, f"kiln_decode_step_{suffix}").argtypes = [
-            _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, ctypes.c_int]
+            _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int]
         getattr(lib, f"kiln_decode_step_{suffix}").restype = ctypes.c_int
-    lib.kiln_decode_step_scratch.argtypes = [_PTR]
+    lib.kiln_decode_step_scratch.argtypes = [_PTR, _I64]
+    lib.kiln_amx_available.argtypes = []
+    lib.kiln_amx_available.restype = ctypes.c_int
+    lib.kiln_amx_pack_bf16.argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_int]
+    lib.kiln_amx_pack_bf16.restype = None
+    lib.kiln_amx_linear_bf16.argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
+    lib.kiln_amx_linear_bf16.restype = None
     lib.kiln_decode_step_scratch.restype = _I64
     return lib
 
@@ -212,35 +218,85 @@ def _check_decode_arguments(q, k_cache, v_cache, token_index, block_tables, seq_
             raise ValueError(f"{name}: expected a contiguous int64 tensor")
 
 
-def gemv_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether ``gemv`` takes these: one row of fp32/bf16 activations, a contiguous weight of
-    the same dtype."""
-    return (x.dtype in _SUFFIX and weight.dtype == x.dtype and x.dim() == 2 and x.shape[0] == 1
+SKINNY_MAX_ROWS = 16  # beyond this oneDNN/MKL matmuls win (benchmarks/README.md)
+
+
+def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``skinny_linear`` takes these: 1..``SKINNY_MAX_ROWS`` contiguous rows of fp32/bf16
+    activations and a contiguous weight (and bias) of the same dtype."""
+    return (x.dtype in _SUFFIX and weight.dtype == x.dtype and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS
             and x.device.type == "cpu" and weight.is_contiguous()
             and (bias is None or (bias.is_contiguous() and bias.dtype == x.dtype)) and native_library() is not None)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         check: bool = True) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for one row ``x`` ``[1, k]`` and a ``weight`` ``[n, k]``,
-    both fp32 or both bf16 (see ``gemv_supported``): batch-1 decode's matrix-vector products.
-    ``check=False`` is for a caller that has just asked ``gemv_supported``."""
-    if check and (not gemv_supported(x, weight, bias) or weight.shape[1] != x.shape[1]):
-        raise ValueError(f"gemv: needs one fp32/bf16 row [1, k] and a contiguous weight [n, k] of its dtype; got "
-                         f"x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
-    n = weight.shape[0]
-    y = torch.empty(1, n, dtype=x.dtype)
-    getattr(native_library(), f"kiln_gemv_{_SUFFIX[x.dtype]}")(
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  check: bool = True) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a few rows ``x`` ``[m, k]`` and a ``weight`` ``[n, k]``, both
+    fp32 or both bf16 (see ``skinny_linear_supported``): decode steps' matmuls, which read each
+    weight once. ``check=False`` is for a caller that has just asked ``skinny_linear_supported``."""
+    if check and (not skinny_linear_supported(x, weight, bias) or weight.shape[1] != x.shape[1]):
+        raise ValueError(f"skinny_linear: needs 1-{SKINNY_MAX_ROWS} fp32/bf16 rows [m, k] and a contiguous weight "
+                         f"[n, k] of their dtype; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype}")
+    m, n = x.shape[0], weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype)
+    getattr(native_library(), f"kiln_skinny_gemm_{_SUFFIX[x.dtype]}")(
         x.contiguous().data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
-        n, x.shape[1], torch.get_num_threads())
+        m, n, x.shape[1], torch.get_num_threads())
     return y
 
 
+@lru_cache(maxsize=1)
+def amx_available() -> bool:
+    """Whether AMX bf16 tiles work here (the CPU has them and Linux granted them to us);
+    ``KILN_AMX=0`` turns them off."""
+    lib = native_library()
+    if os.environ.get("KILN_AMX", "1") == "0":
+        return False
+    return lib is not None and bool(lib.kiln_amx_available())
+
+
+def amx_supported(weight: torch.Tensor) -> bool:
+    """Whether ``amx_pack`` takes this weight: bf16 ``[n, k]`` with n % 16 == 0 and k % 32 == 0."""
+    return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % 16 == 0
+            and weight.shape[1] % 32 == 0 and weight.device.type == "cpu" and amx_available())
+
+
+def amx_pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight`` ``[n, k]`` repacked into AMX tiles for ``amx_linear`` (see amx_linear.c), in
+    ``out`` (``weight.numel()`` bf16 elements, contiguous) if given."""
+    if not amx_supported(weight):
+        raise ValueError(f"amx_pack: needs AMX and a bf16 weight [n, k] with n % 16 == 0 and k % 32 == 0; "
+                         f"got {tuple(weight.shape)} {weight.dtype}")
+    weight = weight.contiguous()
+    packed = torch.empty(weight.numel(), dtype=torch.bfloat16) if out is None else out.view(-1)
+    if packed.numel() != weight.numel() or packed.dtype != torch.bfloat16 or not packed.is_contiguous():
+        raise ValueError(f"amx_pack: out must be {weight.numel()} contiguous bf16 elements")
+    native_library().kiln_amx_pack_bf16(weight.data_ptr(), packed.data_ptr(), weight.shape[0], weight.shape[1],
+                                        torch.get_num_threads())
+    return packed
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``F.linear`` of bf16 ``x`` ``[m, k]`` with a weight packed by ``amx_pack``."""
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.bfloat16)
+    native_library().kiln_amx_linear_bf16(x.contiguous().data_ptr(), packed.data_ptr(),
+                                          bias.data_ptr() if bias is not None else None, y.data_ptr(), m,
+                                          out_features, k, torch.get_num_threads())
+    return y
+
+
+class LinearWeights(ctypes.Structure):
+    """A linear layer for ``decode_step``: weight, bias (or NULL), AMX-packed copy (or NULL)."""
+    _fields_ = [("weight", _PTR), ("bias", _PTR), ("packed", _PTR)]
+
+
 class DecoderLayerWeights(ctypes.Structure):
-    """One layer's tensors for ``decode_step`` (raw pointers; a bias may be NULL)."""
-    _fields_ = [(name, _PTR) for name in (
-        "input_norm", "qkv", "qkv_bias", "dense", "dense_bias", "post_norm", "fused_fc", "fused_fc_bias",
-        "proj", "proj_bias", "k_cache", "v_cache")]
+    """One layer's tensors for ``decode_step`` (raw pointers)."""
+    _fields_ = [("input_norm", _PTR), ("post_norm", _PTR)] + [
+        (name, LinearWeights) for name in ("qkv", "dense", "fused_fc", "proj")] + [
+        ("k_cache", _PTR), ("v_cache", _PTR)]
 
 
 class DecoderDims(ctypes.Structure):
@@ -250,24 +306,28 @@ class DecoderDims(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
-def decode_step_scratch_size(dims: DecoderDims) -> int:
-    """Elements of model dtype ``decode_step`` needs as scratch."""
-    return native_library().kiln_decode_step_scratch(ctypes.byref(dims))
+def decode_step_scratch_size(dims: DecoderDims, num_tokens: int) -> int:
+    """Elements of model dtype ``decode_step`` needs as scratch for ``num_tokens`` tokens."""
+    return native_library().kiln_decode_step_scratch(ctypes.byref(dims), num_tokens)
 
 
 def decode_step(hidden: torch.Tensor, layers: ctypes.Array, dims: DecoderDims, cos: torch.Tensor, sin: torch.Tensor,
-                slot: int, block_table: torch.Tensor, seq_len: int, scratch: torch.Tensor) -> None:
-    """Run every layer of a LLaMA-shaped stack on one token's ``hidden`` ``[1, hidden]`` (in place).
+                slots: torch.Tensor, token_index: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                scratch: torch.Tensor) -> None:
+    """Run every layer of a LLaMA-shaped stack on ``hidden`` ``[m, hidden]`` (in place): one
+    token of each of ``m`` sequences.
 
     ``layers``: a ``DecoderLayerWeights`` array, each pointing at contiguous tensors of
     ``hidden``'s dtype, its KV cache ``[num_blocks, block_size, kv_heads, head_size]`` among
-    them; the token's K/V go to cache ``slot`` and attention reads ``seq_len`` tokens through
-    ``block_table`` (int64, ``dims.max_blocks`` entries). ``cos``/``sin``: float32
-    ``[1, dims.rot_dim]``. The caller has checked every pointer (see
-    ``kiln.models.native_decode``): nothing is checked here.
+    them; token ``t``'s K/V go to cache slot ``slots[t]`` and its attention reads
+    ``seq_lens[t]`` tokens through ``block_tables[t]`` (``dims.max_blocks`` entries);
+    ``token_index`` is ``arange(m)`` (all int64). ``cos``/``sin``: float32 ``[m, dims.rot_dim]``.
+    The caller has checked every pointer (see ``kiln.models.native_decode``): nothing is
+    checked here.
     """
     rc = getattr(native_library(), f"kiln_decode_step_{_SUFFIX[hidden.dtype]}")(
-        hidden.data_ptr(), layers, len(layers), ctypes.byref(dims), cos.data_ptr(), sin.data_ptr(), slot,
-        block_table.data_ptr(), seq_len, scratch.data_ptr(), torch.get_num_threads())
+        hidden.data_ptr(), hidden.shape[0], layers, len(layers), ctypes.byref(dims), cos.data_ptr(), sin.data_ptr(),
+        slots.data_ptr(), token_index.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), scratch.data_ptr(),
+        torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"decode_step: attention kernel failed with code {rc}")

@@ -14,8 +14,8 @@ void kiln_silu_mul_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_t rows
 void kiln_rotary_##SUFFIX(T *x, int64_t token_stride, const float *cos, const float *sin,           \
                          int64_t tokens, int64_t heads, int64_t head_size, int64_t rot_dim,       \
                          int num_threads);                                                         \
-void kiln_gemv_##SUFFIX(const T *x, const T *w, const T *bias, T *y, int64_t n, int64_t k,          \
-                       int num_threads);                                                           \
+void kiln_skinny_gemm_##SUFFIX(const T *x, const T *w, const T *bias, T *y, int64_t m, int64_t n,  \
+                               int64_t k, int num_threads);                                        \
 int kiln_paged_decode_attention_##SUFFIX(const T *q, int64_t q_stride, const T *k_cache,          \
                                         const T *v_cache, const int64_t *token_index,             \
                                         const int64_t *block_tables, const int64_t *seq_lens,     \
@@ -23,6 +23,11 @@ int kiln_paged_decode_attention_##SUFFIX(const T *q, int64_t q_stride, const T *
                                         int64_t num_kv_heads, int64_t head_size,                  \
                                         int64_t block_size, int64_t max_blocks, float scale,      \
                                         int num_threads);
+
+int kiln_amx_available(void);
+void kiln_amx_pack_bf16(const bf16_t *w, bf16_t *packed, int64_t n, int64_t k, int num_threads);
+void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
+                          int64_t n, int64_t k, int num_threads);
 
 DECLARE_KERNELS(f32, float)
 DECLARE_KERNELS(bf16, bf16_t)

@@ -1,13 +1,14 @@
 """Batch-1 decode through one native call for LLaMA-shaped models.
 
-Decoding one token layer by layer from Python costs ~15 Python calls per layer; on a small
-model that is a third of the step. ``NativeDecodeStep`` hands every layer to
+Decoding layer by layer from Python costs ~15 Python calls per layer; on a small model that
+is as much as the arithmetic of a few tokens. ``NativeDecodeStep`` hands every layer to
 ``kiln.kernels.decode_step``, which runs the same kernels in the same order (so the result
 is the same, bit for bit). It applies to a model only when every layer is exactly the
 shape that kernel computes: RMSNorm before attention and MLP, a fused qkv projection with
 rotate-half rotary (or none), a fused SiLU-gated MLP, one rank, fp32 or bf16 weights; any
-other model, the PyTorch attention backend, and steps of more than one token take the
-layer-by-layer path.
+other model, the PyTorch attention backend, steps with a prompt chunk and steps of more
+tokens than its matmuls are best at (``NativeDecodeStep.max_tokens``) take the layer-by-layer
+path.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from kiln import kernels
 from kiln.layers.attention import Attention
 from kiln.layers.mlp import GatedMLP
 from kiln.layers.normalization import RmsNorm
+
+UNLIMITED = 1 << 62
 
 
 def supports_native_decode(model) -> bool:
@@ -60,17 +63,26 @@ class NativeDecodeStep:
             inter=layers[0].mlp.proj.in_features, block_size=k_cache.shape[1], max_blocks=0,
             eps=layers[0].input_layernorm.eps, scale=first.scale)
         self.weights = (kernels.DecoderLayerWeights * len(layers))()
+        packed_everywhere = True
         for entry, layer, (k, v) in zip(self.weights, layers, kv_caches):
             attn, mlp = layer.attention, layer.mlp
-            for field, tensor in (("input_norm", layer.input_layernorm.weight), ("qkv", attn.qkv.weight),
-                                  ("qkv_bias", attn.qkv.bias), ("dense", attn.dense.weight),
-                                  ("dense_bias", attn.dense.bias), ("post_norm", layer.post_layernorm.weight),
-                                  ("fused_fc", mlp.fused_fc.weight), ("fused_fc_bias", mlp.fused_fc.bias),
-                                  ("proj", mlp.proj.weight), ("proj_bias", mlp.proj.bias),
-                                  ("k_cache", k), ("v_cache", v)):
-                setattr(entry, field, tensor.data_ptr() if tensor is not None else None)
+            entry.input_norm, entry.post_norm = layer.input_layernorm.weight.data_ptr(), layer.post_layernorm.weight.data_ptr()
+            entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
+            for field, linear in (("qkv", attn.qkv), ("dense", attn.dense), ("fused_fc", mlp.fused_fc),
+                                  ("proj", mlp.proj)):
+                packed = linear.amx_weight() if self.dtype == torch.bfloat16 else None
+                packed_everywhere &= packed is not None
+                setattr(entry, field, kernels.LinearWeights(
+                    linear.weight.data_ptr(), linear.bias.data_ptr() if linear.bias is not None else None,
+                    packed.data_ptr() if packed is not None else None))
+        # How many tokens a step may have: any number on AMX tiles; fp32 up to the skinny
+        # GEMM's limit (MKL wins beyond); bf16 without AMX one (oneDNN wins beyond).
+        if self.dtype == torch.bfloat16:
+            self.max_tokens = UNLIMITED if packed_everywhere else 1
+        else:
+            self.max_tokens = kernels.SKINNY_MAX_ROWS
         self.rotary = t.rotary
-        self.scratch = torch.empty(kernels.decode_step_scratch_size(self.dims), dtype=self.dtype)
+        self.scratch = torch.empty(0, dtype=self.dtype)
         self.key = self.key_for(model, kv_caches)
         self._no_rotary = torch.zeros(1, dtype=torch.float32)
 
@@ -82,7 +94,8 @@ class NativeDecodeStep:
         return id(kv_caches), kv_caches[0][0].data_ptr(), first.attention.qkv.weight.data_ptr()
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor:
-        """Every layer on the step's single token; ``hidden`` ``[1, hidden]`` is updated in place."""
+        """Every layer on the step's tokens (one per sequence); ``hidden`` ``[m, hidden]`` is
+        updated in place."""
         st = metadata.backend_state
         tables = st["decode_blocks"]
         self.dims.max_blocks = tables.shape[1]
@@ -91,15 +104,19 @@ class NativeDecodeStep:
         else:
             cos = sin = self._no_rotary
         hidden = hidden.contiguous()
-        kernels.decode_step(hidden, self.weights, self.dims, cos, sin, int(metadata.slot_mapping[0]), tables,
-                            metadata.seq_lens[0], self.scratch)
+        needed = kernels.decode_step_scratch_size(self.dims, hidden.shape[0])
+        if self.scratch.numel() < needed:
+            self.scratch = torch.empty(needed, dtype=self.dtype)
+        kernels.decode_step(hidden, self.weights, self.dims, cos, sin, metadata.slot_mapping, st["decode_tokens"],
+                            tables, st["decode_lens"], self.scratch)
         return hidden
 
 
 def native_decode_for(model, kv_caches, metadata) -> NativeDecodeStep | None:
     """The model's native decode step for this step, or None when the step or model is not one
-    it runs: one token, the native attention backend, a supported model."""
-    if metadata.num_tokens != 1 or getattr(metadata.backend, "name", None) != "native":
+    it runs: one token for each sequence (at most ``max_tokens`` of them), the native attention
+    backend, a supported model."""
+    if metadata.num_tokens != metadata.num_seqs or getattr(metadata.backend, "name", None) != "native":
         return None
     cached = getattr(model, "_native_decode", None)
     if cached is False:
@@ -111,4 +128,4 @@ def native_decode_for(model, kv_caches, metadata) -> NativeDecodeStep | None:
     if cached is None or cached.key != NativeDecodeStep.key_for(model, kv_caches):
         cached = NativeDecodeStep(model, kv_caches)
         model._native_decode = cached
-    return cached
+    return cached if metadata.num_tokens <= cached.max_tokens else None

@@ -6,6 +6,8 @@ parameters are assigned the memory-mapped tensors of ``rank{N}.safetensors``.
 from __future__ import annotations
 
 import time
+
+import torch
 from pathlib import Path
 
 from kiln.checkpoint.format import read_config_dict
@@ -34,8 +36,20 @@ class Engine:
         self.model = model_cls.from_checkpoint(self.engine_dir, rank, engine_layout=True)
         self.model.eval()
         host_memory.move_parameters_to_huge_pages(self.model)
+        _prepack_linear_weights(self.model)
         self.load_seconds = time.perf_counter() - started
 
     @property
     def tokenizer_dir(self) -> Path | None:
         return self.engine_dir if (self.engine_dir / "tokenizer_config.json").is_file() else None
+
+
+def _prepack_linear_weights(model) -> None:
+    """Pack every bf16 linear weight the AMX kernel takes now, into one huge-page arena: done
+    lazily, the copies would land on 4 KiB pages and in the first request's time."""
+    from kiln import kernels
+    from kiln.layers.linear import Linear
+
+    linears = [m for m in model.modules() if isinstance(m, Linear) and kernels.amx_supported(m.weight)]
+    for linear, buffer in zip(linears, host_memory.empty_many([m.weight.numel() for m in linears], torch.bfloat16)):
+        linear.amx_weight(out=buffer)

@@ -56,6 +56,21 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     return huge_page_bytes(nbytes).view(dtype).view(shape)
 
 
+def empty_many(numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Uninitialised 1-D tensors of ``numels`` elements, carved from one huge-page arena (each
+    starting on a cache line); ordinary ``torch.empty`` tensors without huge pages."""
+    if not huge_pages_available():
+        return [torch.empty(n, dtype=dtype) for n in numels]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = [-(-n * itemsize // _ALIGN) * _ALIGN for n in numels]
+    arena = huge_page_bytes(sum(sizes))
+    out, offset = [], 0
+    for n, size in zip(numels, sizes):
+        out.append(arena[offset:offset + n * itemsize].view(dtype))
+        offset += size
+    return out
+
+
 def move_parameters_to_huge_pages(model: nn.Module) -> int:
     """Copy ``model``'s CPU parameters into one huge-page arena; returns the bytes moved.
 
@@ -63,18 +78,13 @@ def move_parameters_to_huge_pages(model: nn.Module) -> int:
     """
     if not huge_pages_available():
         return 0
-    params = {id(p): p for p in model.parameters() if p.device.type == "cpu" and p.numel() > 0}
-    params = {key: p for key, p in params.items() if p.is_contiguous()}
-    offsets, total = {}, 0
-    for key, p in params.items():
-        offsets[key] = total
-        total += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
-    if total == 0:
-        return 0
-    arena = huge_page_bytes(total)
-    for key, p in params.items():
-        nbytes = p.numel() * p.element_size()
-        slot = arena[offsets[key]:offsets[key] + nbytes].view(p.dtype).view(p.shape)
-        slot.copy_(p.data)
-        p.data = slot
-    return total
+    params = {id(p): p for p in model.parameters()
+              if p.device.type == "cpu" and p.numel() > 0 and p.is_contiguous()}
+    moved = 0
+    for dtype in {p.dtype for p in params.values()}:
+        group = [p for p in params.values() if p.dtype == dtype]
+        for p, slot in zip(group, empty_many([p.numel() for p in group], dtype)):
+            slot.copy_(p.data.view(-1))
+            p.data = slot.view(p.shape)
+            moved += p.numel() * p.element_size()
+    return moved

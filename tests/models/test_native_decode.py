@@ -18,7 +18,9 @@ from tests.utils.tiny_models import make_gpt2, make_llama
 
 CASES = {  # name: (make_llama options, engine dtype)
     "llama-fp32": (dict(num_heads=4, num_kv_heads=2), "float32"),
-    "llama-bf16-tied": (dict(num_heads=4, num_kv_heads=1, tie=True), "bfloat16"),
+    # Every bf16 matmul on AMX tiles (shapes divisible by 16 x 32): steps of any number of tokens.
+    "llama-bf16-tied": (dict(num_heads=4, num_kv_heads=1, tie=True, intermediate=128), "bfloat16"),
+    # intermediate 136: the MLP's down projection cannot be tiled, so one-token steps only.
     "qwen2-bias-bf16": (dict(num_heads=4, num_kv_heads=2, model_type="qwen2"), "bfloat16"),
     "llama3-rope-fp32": (dict(num_heads=8, num_kv_heads=8, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -34,30 +36,34 @@ def engine_dir(request, tmp_path_factory):
     return convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4}, dtype=dtype)
 
 
-def _generate(engine: Engine, prompt: list[int], new_tokens: int, use_native: bool, monkeypatch):
-    """Greedy tokens and every step's logits of one request (batch 1: each step is one token)."""
+def _generate(engine: Engine, prompts: list[list[int]], new_tokens: int, use_native: bool, monkeypatch):
+    """Greedy tokens and every step's logits of each request, all running together."""
     with monkeypatch.context() as m:
         if not use_native:
             m.setattr(base, "native_decode_for", lambda *args: None)
-        core = EngineCore(engine, max_num_seqs=1, num_blocks=16)
-        request = core.add_request(prompt, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
-                                   end_id=None, return_generation_logits=True)
+        core = EngineCore(engine, max_num_seqs=len(prompts), num_blocks=16 * len(prompts))
+        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+        requests = [core.add_request(p, params, end_id=None, return_generation_logits=True) for p in prompts]
         while core.has_unfinished:
             core.step()
         native = getattr(engine.model, "_native_decode", None)
         engine.model._native_decode = None  # the next run gathers its own cache's pointers
-        return request.seqs[0].output_token_ids, torch.stack([s[0] for s in request.generation_logits]), native
+        return ([r.seqs[0].output_token_ids for r in requests],
+                [torch.stack([s[0] for s in r.generation_logits]) for r in requests], native)
 
 
-def test_native_step_equals_layer_by_layer(engine_dir, monkeypatch):
+@pytest.mark.parametrize("batch", [1, 5, 20])
+def test_native_step_equals_layer_by_layer(engine_dir, batch, monkeypatch):
     engine = Engine(engine_dir)
     assert supports_native_decode(engine.model)
-    prompt = torch.randint(3, 256, (9,), generator=torch.Generator().manual_seed(1)).tolist()
-    tokens, logits, native = _generate(engine, prompt, 24, True, monkeypatch)
-    ref_tokens, ref_logits, unused = _generate(engine, prompt, 24, False, monkeypatch)
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, 256, (9 + 4 * i,), generator=gen).tolist() for i in range(batch)]
+    tokens, logits, native = _generate(engine, prompts, 24, True, monkeypatch)
+    ref_tokens, ref_logits, unused = _generate(engine, prompts, 24, False, monkeypatch)
     assert isinstance(native, NativeDecodeStep) and unused is None
     assert tokens == ref_tokens
-    assert torch.equal(logits, ref_logits)
+    for ours, ref in zip(logits, ref_logits):
+        assert torch.equal(ours, ref)
 
 
 def test_not_used_for_other_models_backends_or_steps(tmp_path, engine_dir):
@@ -76,5 +82,9 @@ def test_not_used_for_other_models_backends_or_steps(tmp_path, engine_dir):
     assert isinstance(native_decode_for(model, caches, one), NativeDecodeStep)
     reference = AttentionMetadata.build(TorchPagedAttention(), [1], [3], [[0]], 4)
     assert native_decode_for(model, caches, reference) is None  # the reference backend stays pure PyTorch
-    two = AttentionMetadata.build(NativePagedAttention(), [1, 1], [3, 2], [[0], [1]], 4)
-    assert native_decode_for(model, caches, two) is None
+    mixed = AttentionMetadata.build(NativePagedAttention(), [1, 2], [3, 2], [[0], [1]], 4)
+    assert native_decode_for(model, caches, mixed) is None  # a prompt chunk in the step
+    many = native_decode_for(model, caches, one).max_tokens + 1
+    if many < 64:  # fp32 (and bf16 without AMX): past the skinny GEMM's rows, the library matmuls win
+        crowd = AttentionMetadata.build(NativePagedAttention(), [1] * many, [1] * many, [[0]] * many, 4)
+        assert native_decode_for(model, caches, crowd) is None

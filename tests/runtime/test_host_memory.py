@@ -34,9 +34,10 @@ def test_parameters_move_with_their_values_and_ties():
     assert model[1].weight is model[0].weight
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]) and p.dtype == before[name].dtype, name
-    ptrs = sorted(p.data_ptr() for p in model.parameters())
-    assert ptrs[0] % host_memory.HUGE_PAGE_BYTES == 0  # one arena, starting on a huge page
-    assert ptrs[-1] - ptrs[0] < moved and all(ptr % 64 == 0 for ptr in ptrs)
+    for dtype in (torch.float32, torch.bfloat16):  # one arena per dtype, starting on a huge page
+        ptrs = sorted(p.data_ptr() for p in model.parameters() if p.dtype == dtype)
+        assert ptrs[0] % host_memory.HUGE_PAGE_BYTES == 0
+        assert ptrs[-1] - ptrs[0] < moved + 64 * len(ptrs) and all(ptr % 64 == 0 for ptr in ptrs)
 
 
 def test_disabled_leaves_parameters_in_place(no_huge_pages):
@@ -45,6 +46,15 @@ def test_disabled_leaves_parameters_in_place(no_huge_pages):
     assert host_memory.move_parameters_to_huge_pages(model) == 0
     assert [p.data_ptr() for p in model.parameters()] == ptrs
     assert host_memory.empty((3, 4), torch.float32).shape == (3, 4)
+    assert [t.numel() for t in host_memory.empty_many([5, 0, 7], torch.bfloat16)] == [5, 0, 7]
+
+
+def test_empty_many_gives_separate_aligned_tensors():
+    parts = host_memory.empty_many([3, 100, 1], torch.float32)
+    for i, part in enumerate(parts):
+        part.fill_(i)
+        assert part.data_ptr() % 64 == 0
+    assert [p.tolist() for p in parts] == [[0.0] * 3, [1.0] * 100, [2.0]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

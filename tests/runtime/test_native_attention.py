@@ -133,7 +133,7 @@ def test_without_native_kernels_every_path_falls_back_to_pytorch(monkeypatch):
         select_backend("native", torch.float32)
     x = torch.zeros(1, 8, dtype=torch.bfloat16)
     assert not kernels.elementwise_supported(x)
-    assert not kernels.gemv_supported(x, torch.zeros(4, 8, dtype=torch.bfloat16), None)
+    assert not kernels.skinny_linear_supported(x, torch.zeros(4, 8, dtype=torch.bfloat16), None)
     from kiln.layers.normalization import RmsNorm
 
     norm = RmsNorm(8, 1e-6, dtype=torch.bfloat16)

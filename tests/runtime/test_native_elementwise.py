@@ -72,27 +72,53 @@ def test_rotary_rejects_non_contiguous_heads():
 @pytest.mark.parametrize("n,k", [(7, 5), (64, 576), (33, 100), (130, 64)])  # tails of 4 rows and 32 dims
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_matches_linear(n, k, with_bias, dtype):
-    x = _randn(1, k, dtype=dtype, seed=n)
+@pytest.mark.parametrize("m", [1, 3, 4, 9, 16])  # token tiles of 4, and their tails
+def test_skinny_linear_matches_linear(n, k, with_bias, dtype, m):
+    x = _randn(m, k, dtype=dtype, seed=n)
     w = _randn(n, k, dtype=dtype, seed=k)
     bias = _randn(n, dtype=dtype, seed=3) if with_bias else None
     expected = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
-    got = kernels.gemv(x, w, bias)
-    assert got.dtype == dtype and got.shape == (1, n)
+    got = kernels.skinny_linear(x, w, bias)
+    assert got.dtype == dtype and got.shape == (m, n)
     tol = dict(atol=2e-2 * k ** 0.5, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-5 * k ** 0.5, rtol=1e-5)
     torch.testing.assert_close(got.double(), expected, **tol)
 
 
-def test_gemv_is_used_for_one_row_only_and_rejects_the_rest():
+def test_skinny_linear_takes_few_rows_only_and_rejects_the_rest():
     from kiln.layers.linear import ColumnLinear
 
     w = _randn(48, 40, dtype=torch.bfloat16)
-    assert kernels.gemv_supported(_randn(1, 40, dtype=torch.bfloat16), w, None)
-    assert not kernels.gemv_supported(_randn(2, 40, dtype=torch.bfloat16), w, None)
-    assert not kernels.gemv_supported(_randn(1, 40, dtype=torch.float32), w, None)  # mixed dtypes
-    with pytest.raises(ValueError, match="gemv"):
-        kernels.gemv(_randn(2, 40, dtype=torch.bfloat16), w)
+    assert kernels.skinny_linear_supported(_randn(1, 40, dtype=torch.bfloat16), w, None)
+    assert kernels.skinny_linear_supported(_randn(kernels.SKINNY_MAX_ROWS, 40, dtype=torch.bfloat16), w, None)
+    assert not kernels.skinny_linear_supported(_randn(kernels.SKINNY_MAX_ROWS + 1, 40, dtype=torch.bfloat16), w, None)
+    assert not kernels.skinny_linear_supported(_randn(1, 40, dtype=torch.float32), w, None)  # mixed dtypes
+    with pytest.raises(ValueError, match="skinny_linear"):
+        kernels.skinny_linear(_randn(kernels.SKINNY_MAX_ROWS + 1, 40, dtype=torch.bfloat16), w)
     layer = ColumnLinear(40, 48, bias=False, dtype=torch.bfloat16)
     layer.weight = torch.nn.Parameter(w, requires_grad=False)
     x = _randn(1, 40, dtype=torch.bfloat16, seed=9)
-    torch.testing.assert_close(layer(x), kernels.gemv(x, w), atol=0, rtol=0)
+    torch.testing.assert_close(layer(x), kernels.skinny_linear(x, w), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 64), (80, 96), (64, 576)])  # 1-5 output blocks: full and tail panels
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 40])  # row blocks of 16 and their zero-padded tails
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_linear_matches_linear(n, k, m, with_bias):
+    assert kernels.amx_available()  # this machine has AMX; elsewhere the bf16 paths are oneDNN's
+    x = _randn(m, k, dtype=torch.bfloat16, seed=m)
+    w = _randn(n, k, dtype=torch.bfloat16, seed=n + k)
+    bias = _randn(n, dtype=torch.bfloat16, seed=5) if with_bias else None
+    expected = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
+    got = kernels.amx_linear(x, kernels.amx_pack(w), bias, n)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    torch.testing.assert_close(got.double(), expected, atol=2e-2 * k ** 0.5, rtol=1e-2)
+
+
+def test_amx_pack_layout_and_rejections():
+    w = torch.arange(32 * 64, dtype=torch.float32).view(32, 64).to(torch.bfloat16)
+    packed = kernels.amx_pack(w).view(2, 2, 16, 16, 2)  # [n block][k block][k pair][column][pair element]
+    assert packed[1, 1, 3, 5, 1] == w[16 + 5, 32 + 2 * 3 + 1]
+    assert not kernels.amx_supported(torch.zeros(24, 64, dtype=torch.bfloat16))  # n not a multiple of 16
+    assert not kernels.amx_supported(torch.zeros(32, 40, dtype=torch.bfloat16))  # k not a multiple of 32
+    with pytest.raises(ValueError, match="amx_pack"):
+        kernels.amx_pack(torch.zeros(32, 64, dtype=torch.float32))

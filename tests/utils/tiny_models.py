@@ -8,13 +8,13 @@ import torch
 
 def make_llama(path: Path, *, num_heads: int = 4, num_kv_heads: int = 2, hidden: int = 64, layers: int = 2,
                vocab: int = 256, tie: bool = False, rope_scaling: dict | None = None, qkv_bias: bool = False,
-               max_positions: int = 256, seed: int = 0,
+               max_positions: int = 256, seed: int = 0, intermediate: int | None = None,
                max_shard_size: str | None = None, model_type: str = "llama"):
     """Save a random Llama (or Qwen2 with ``model_type='qwen2'``) to ``path``; return the HF model."""
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2 + 8,
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or hidden * 2 + 8,
                   num_hidden_layers=layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                   max_position_embeddings=max_positions, tie_word_embeddings=tie, rms_norm_eps=1e-6,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)

@@ -1,0 +1,151 @@
+/* bf16 linear layers on AMX tiles: y = x W^T + b for any number of rows.
+ *
+ * AVX512-BF16 dot products top out near 110 GFLOP/s a core here, so a decode step of more
+ * than one token became compute-bound in the skinny GEMM; AMX's tile multiply does ~16x
+ * more per instruction. The weight is repacked once into the tile layout TDPBF16PS wants
+ * ("VNNI": pairs of consecutive k of 16 output columns side by side):
+ *
+ *   packed[nb][kb][p][c][e] = w[nb * 16 + c][kb * 32 + 2 * p + e]     (p, c < 16; e < 2)
+ *
+ * so the B tile of output block nb and k block kb is 1 KiB of contiguous memory. Each task
+ * owns a panel of up to four output blocks (four accumulator tiles) and walks every 16-row
+ * block of x through it, so the panel's weights come from memory once and from L2 after.
+ * Needs n % 16 == 0 and k % 32 == 0 (kiln_amx_supported); rows of x past m are zero-padded.
+ *
+ * Linux grants a process AMX tile state only on request (arch_prctl); kiln_amx_available
+ * makes it once and reports whether the CPU and kernel allow it.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dtypes.h"
+#include "kernels.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+int kiln_amx_available(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return state;
+}
+
+static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {  /* 0-3: accumulators, 4: x block, 5-7: weight blocks */
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* The fp32 tile sums of rows [0, rows) and columns [0, 16 * blocks) to bf16 y (+ bias). */
+static void store_rows(const float *acc, int64_t rows, int blocks, const bf16_t *bias, bf16_t *y, int64_t n) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int b = 0; b < blocks; ++b)
+            for (int c = 0; c < 16; ++c)
+                y[r * n + b * 16 + c] = bf16_store(acc[(b * 16 + r) * 16 + c] + (bias ? bf16_load(bias[b * 16 + c]) : 0.f));
+}
+
+void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
+                          int64_t n, int64_t k, int num_threads) {
+    const int64_t nblocks = n / 16, kblocks = k / 32, panels = (nblocks + 3) / 4, mblocks = (m + 15) / 16;
+    const int64_t tile_elems = 16 * 32;  /* one 1 KiB weight tile */
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        configure_tiles();
+        float acc[4 * 16 * 16];
+        bf16_t *tail = NULL;  /* the last, partial, row block of x, zero-padded to 16 rows */
+        if (m % 16) {
+            tail = calloc(16 * k, sizeof(bf16_t));
+            memcpy(tail, x + (m - m % 16) * k, sizeof(bf16_t) * (m % 16) * k);
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t panel = 0; panel < panels; ++panel) {
+            const int64_t nb0 = panel * 4;
+            const int blocks = nblocks - nb0 < 4 ? (int)(nblocks - nb0) : 4;
+            const bf16_t *w0 = packed + nb0 * kblocks * tile_elems;
+            const int64_t wstride = kblocks * tile_elems;  /* elements between output blocks */
+            for (int64_t mb = 0; mb < mblocks; ++mb) {
+                const int64_t rows = m - mb * 16 < 16 ? m - mb * 16 : 16;
+                const bf16_t *a = rows == 16 ? x + mb * 16 * k : tail;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                if (blocks == 4) {
+                    for (int64_t kb = 0; kb < kblocks; ++kb) {
+                        const bf16_t *w = w0 + kb * tile_elems;
+                        _tile_loadd(4, a + kb * 32, k * sizeof(bf16_t));
+                        _tile_loadd(5, w, 64);
+                        _tile_loadd(6, w + wstride, 64);
+                        _tile_dpbf16ps(0, 4, 5);
+                        _tile_loadd(7, w + 2 * wstride, 64);
+                        _tile_dpbf16ps(1, 4, 6);
+                        _tile_loadd(5, w + 3 * wstride, 64);
+                        _tile_dpbf16ps(2, 4, 7);
+                        _tile_dpbf16ps(3, 4, 5);
+                    }
+                } else {  /* a last panel of 1-3 blocks: one accumulator at a time */
+                    for (int b = 0; b < blocks; ++b) {
+                        _tile_zero(0);
+                        for (int64_t kb = 0; kb < kblocks; ++kb) {
+                            _tile_loadd(4, a + kb * 32, k * sizeof(bf16_t));
+                            _tile_loadd(5, w0 + b * wstride + kb * tile_elems, 64);
+                            _tile_dpbf16ps(0, 4, 5);
+                        }
+                        _tile_stored(0, acc + b * 256, 64);
+                    }
+                }
+                if (blocks == 4) {
+                    _tile_stored(0, acc, 64);
+                    _tile_stored(1, acc + 256, 64);
+                    _tile_stored(2, acc + 512, 64);
+                    _tile_stored(3, acc + 768, 64);
+                }
+                store_rows(acc, rows, blocks, bias ? bias + nb0 * 16 : NULL, y + mb * 16 * n + nb0 * 16, n);
+            }
+        }
+        free(tail);
+        _tile_release();
+    }
+}
+#else
+int kiln_amx_available(void) { return 0; }
+
+/* Never called: callers ask kiln_amx_available() first. */
+void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
+                          int64_t n, int64_t k, int num_threads) {
+    (void)x; (void)packed; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)num_threads;
+    abort();
+}
+#endif
+
+/* A tile holds, for 16 k-pairs p and 16 output columns c, the pair (w[c][2p], w[c][2p + 1]):
+ * as 32-bit units, a 16 x 16 transpose of the weight's rows. */
+void kiln_amx_pack_bf16(const bf16_t *w, bf16_t *packed, int64_t n, int64_t k, int num_threads) {
+    const int64_t kblocks = k / 32, nblocks = n / 16;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t nb = 0; nb < nblocks; ++nb)
+        for (int64_t kb = 0; kb < kblocks; ++kb) {
+            uint32_t *tile = (uint32_t *)(packed + (nb * kblocks + kb) * 512);
+            for (int c = 0; c < 16; ++c) {
+                const uint32_t *row = (const uint32_t *)(w + (nb * 16 + c) * k + kb * 32);
+                for (int p = 0; p < 16; ++p) tile[p * 16 + c] = row[p];
+            }
+        }
+}
