@@ -53,6 +53,15 @@ static void configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* The first row block streams the panel's weights from memory (later ones find them in L2):
+ * ask for the tiles PREFETCH_AHEAD k-blocks on of all four output blocks while these multiply.
+ * May point past the weight: prefetches never fault. */
+#define PREFETCH_AHEAD 2
+static inline void prefetch_tiles(const bf16_t *w, int64_t wstride) {
+    for (int b = 0; b < 4; ++b)
+        for (int line = 0; line < 16; ++line) _mm_prefetch((const char *)(w + b * wstride) + 64 * line, _MM_HINT_T0);
+}
+
 /* The fp32 tile sums of rows [0, rows) and columns [0, 16 * blocks) to bf16 y (+ bias). */
 static void store_rows(const float *acc, int64_t rows, int blocks, const bf16_t *bias, bf16_t *y, int64_t n) {
     for (int64_t r = 0; r < rows; ++r)
@@ -90,6 +99,7 @@ void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *b
                 if (blocks == 4) {
                     for (int64_t kb = 0; kb < kblocks; ++kb) {
                         const bf16_t *w = w0 + kb * tile_elems;
+                        if (mb == 0) prefetch_tiles(w + PREFETCH_AHEAD * tile_elems, wstride);
                         _tile_loadd(4, a + kb * 32, k * sizeof(bf16_t));
                         _tile_loadd(5, w, 64);
                         _tile_loadd(6, w + wstride, 64);

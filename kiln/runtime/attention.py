@@ -7,8 +7,8 @@ each) of all sequences are batched into one padded call; prompt chunks run one c
 paged cache in place instead of gathering it (``kiln.kernels``).
 
 KV cache of one layer: ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads,
-head_size]``. Blocks are zeroed when allocated, so reading a whole block under a mask never
-meets stale NaN/inf values past the sequence's end.
+head_size]``. For the reference backend, which reads whole blocks under a mask, blocks are
+zeroed when allocated, so it never meets stale NaN/inf values past a sequence's end.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from kiln.runtime.metadata import AttentionMetadata
 
 class TorchPagedAttention:
     name = "torch"
+    reads_whole_blocks = True  # decode gathers whole blocks: their unwritten tails must be zeroed
 
     def prepare(self, md: AttentionMetadata) -> None:
         """Per-step index tensors shared by every layer."""
@@ -104,6 +105,7 @@ class NativePagedAttention(TorchPagedAttention):
     """Generation tokens read K/V in place through the native kernel (``kiln.kernels``);
     prompt chunks, which are matmul-bound, keep the PyTorch path."""
     name = "native"
+    reads_whole_blocks = False  # the kernel stops at each sequence's length; chunks read their slots
 
     def _prepare_decode(self, md: AttentionMetadata, decode: list[int]) -> None:
         st = md.backend_state

@@ -11,7 +11,8 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     """``num_layers`` pairs of ``[num_blocks, block_size, num_kv_heads, head_size]`` tensors.
 
     Left uninitialised, so the OS commits memory only as blocks are first written; the
-    runner zeroes each block when the scheduler hands it out (``ModelRunner.clear_blocks``).
+    runner zeroes each block when the scheduler hands it out if the attention backend reads
+    whole blocks (``ModelRunner.clear_blocks``).
     On the CPU the tensors are views of one huge-page allocation (see ``host_memory``).
     """
     shape = (num_blocks, block_size, num_kv_heads, head_size)

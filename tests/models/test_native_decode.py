@@ -88,3 +88,29 @@ def test_not_used_for_other_models_backends_or_steps(tmp_path, engine_dir):
     if many < 64:  # fp32 (and bf16 without AMX): past the skinny GEMM's rows, the library matmuls win
         crowd = AttentionMetadata.build(NativePagedAttention(), [1] * many, [1] * many, [[0]] * many, 4)
         assert native_decode_for(model, caches, crowd) is None
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_stale_nan_in_the_cache_never_reaches_attention(engine_dir, backend):
+    # The reference backend reads whole blocks under a mask (so its blocks are zeroed when
+    # handed out); the native one reads only written slots (so they are not): either way,
+    # garbage left in the cache must not change a result.
+    engine = Engine(engine_dir)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (5 + 6 * i,), generator=gen).tolist() for i in range(3)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def run(poison: bool):
+        core = EngineCore(engine, max_num_seqs=3, num_blocks=40, attention_backend=backend)
+        if poison:
+            for k, v in core.runner.kv_caches:
+                k.fill_(float("nan"))
+                v.fill_(float("inf"))
+        requests = [core.add_request(p, params, end_id=None, return_generation_logits=True) for p in prompts]
+        while core.has_unfinished:
+            core.step()
+        engine.model._native_decode = None
+        return [torch.stack([s[0] for s in r.generation_logits]) for r in requests]
+
+    for clean, poisoned in zip(run(False), run(True)):
+        assert torch.isfinite(poisoned).all() and torch.equal(clean, poisoned)
