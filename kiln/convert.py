@@ -1,6 +1,7 @@
 """Convert an external model (Hugging Face directory or GGUF file) into a kiln checkpoint."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -8,9 +9,12 @@ from tqdm import tqdm
 
 from kiln.checkpoint.format import atomic_output_dir, copy_tokenizer_files, write_config, write_rank_weights
 from kiln.checkpoint.sources import open_source
+from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 from kiln.models import get_model_class
+from kiln.quantization import quantize_model, quantized_modules
+from kiln.quantization.weight_only import DEFAULT_EXCLUDED
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +29,15 @@ def hf_architecture(hf_config: dict, where: str) -> str:
 def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str | None = None,
                        tp_size: int = 1, pp_size: int = 1, customized_key_dict: dict | None = None,
                        use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
-                       progress: bool = True) -> Path:
+                       quantization: QuantConfig | None = None, progress: bool = True) -> Path:
     """Write ``config.json`` and ``rank{N}.safetensors`` for every rank, plus the tokenizer.
 
     With ``use_parallel_embedding`` the embedding table is split over the tensor-parallel
     ranks along ``embedding_sharding_dim`` (0: vocabulary, 1: hidden), as reference 001
-    describes; otherwise every rank holds it whole. The output appears all at once when
-    everything succeeded (nothing half-written).
+    describes; otherwise every rank holds it whole. ``quantization`` (a weight-only
+    ``quant_algo``: W8A16, W4A16) quantizes the linear layers' weights by round-to-nearest
+    (``kiln.quantization``). The output appears all at once when everything succeeded
+    (nothing half-written).
     """
     source = open_source(model_dir)
     hf = source.hf_config()
@@ -46,12 +52,26 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
                 source, dtype, world.with_rank(rank), customized_key_dict, progress=progress,
                 config_overrides={"use_parallel_embedding": use_parallel_embedding,
                                   "embedding_sharding_dim": embedding_sharding_dim})
+            if quantization is not None and quantization.quant_algo is not None:
+                model.config = _quantize(model, quantization, str(model_dir))
             write_rank_weights(tmp, rank, model.checkpoint_weights())
             config = model.config
             del model
         write_config(tmp, config.to_dict())
         _save_tokenizer(source, Path(model_dir), tmp)
     return Path(output_dir)
+
+
+def _quantize(model, quantization: QuantConfig, where: str):
+    """Quantize ``model`` in place; its config records the algorithm and every linear left in
+    float (excluded, or not tileable), so loading rebuilds the same layout."""
+    wanted = [name for name, _ in quantized_modules(model, quantization)]
+    done = set(quantize_model(model, quantization))
+    if not done:
+        raise ConfigError(f"{where}: --quant_algo {quantization.quant_algo} found no linear layer to quantize")
+    excluded = list(DEFAULT_EXCLUDED if quantization.exclude_modules is None else quantization.exclude_modules)
+    excluded += [name for name in wanted if name not in done]
+    return dataclasses.replace(model.config, quantization=dataclasses.replace(quantization, exclude_modules=excluded))
 
 
 def _save_tokenizer(source, model_dir: Path, out: Path) -> None:

@@ -11,6 +11,7 @@ from kiln.checkpoint.format import (atomic_output_dir, copy_tokenizer_files, rea
 from kiln.config import BuildConfig, PretrainedConfig
 from kiln.errors import BuildError
 from kiln.models import get_model_class
+from kiln.quantization import use_weight_only_layout
 
 
 def validate_limits(config: PretrainedConfig, build: BuildConfig) -> None:
@@ -43,6 +44,7 @@ def resolve_build_config(config: PretrainedConfig, **options: int | None) -> Bui
 
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+QUANT_FLOAT32 = (".weights_scaling_factor", ".zero")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -56,9 +58,12 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_engine_dtype(requested: str | None, checkpoint_dtype: str) -> str:
+def resolve_engine_dtype(requested: str | None, checkpoint_dtype: str, quantized: bool = False) -> str:
     """The engine's compute dtype: ``requested``, or for ``auto``/None bfloat16 when the checkpoint
-    is float32/bfloat16 and the CPU has native bf16, else the checkpoint's dtype."""
+    is float32/bfloat16 and the CPU has native bf16 (or the checkpoint is weight-only quantized,
+    whose kernels compute in bf16), else the checkpoint's dtype."""
+    if requested in (None, "auto") and quantized:
+        return "bfloat16"
     if requested in (None, "auto"):
         if checkpoint_dtype in ("float32", "bfloat16") and cpu_has_native_bf16():
             return "bfloat16"
@@ -73,8 +78,9 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_confi
     """Validate ``checkpoint_dir`` and write an engine to ``output_dir``.
 
     Without ``build_config`` the limits come from :func:`resolve_build_config`. ``dtype``
-    casts the floating-point weights (the engine computes in it); None keeps the checkpoint's
-    (use :func:`resolve_engine_dtype` for the machine's best).
+    casts the floating-point weights (the engine computes in it); None keeps the checkpoint's,
+    except that a weight-only quantized checkpoint always builds in bfloat16 (use
+    :func:`resolve_engine_dtype` for the machine's best).
     """
     checkpoint_dir = Path(checkpoint_dir)
     config = read_config(checkpoint_dir)
@@ -82,6 +88,11 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_confi
     validate_limits(config, build_config)
     if dtype is not None and dtype not in ENGINE_DTYPES:
         raise BuildError(f"dtype {dtype!r} is not one of {', '.join(ENGINE_DTYPES)}")
+    if config.quantization.quant_algo is not None and dtype is None:
+        dtype = "bfloat16"
+    if config.quantization.quant_algo is not None and dtype != "bfloat16":
+        raise BuildError(f"a {config.quantization.quant_algo} checkpoint builds into a bfloat16 engine (its kernels "
+                         f"compute in bf16); got dtype {dtype}")
     cast = getattr(torch, dtype) if dtype and dtype != config.dtype else None
     model_cls = get_model_class(config.architecture, source=str(checkpoint_dir / "config.json"))
     raw = read_config_dict(checkpoint_dir)
@@ -92,13 +103,16 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_confi
             model = model_cls.from_checkpoint(checkpoint_dir, rank)
             with torch.device("meta"):
                 engine_model = model_cls(model.config, engine_layout=True)
+                use_weight_only_layout(engine_model, model.config.quantization, tile_order=True)
             weights = model.engine_weights(model.checkpoint_weights())
-            if cast is not None:
-                weights = {k: w.to(cast) if w.is_floating_point() else w for k, w in weights.items()}
+            if cast is not None:  # quantization scales and zeros stay float32
+                weights = {k: w.to(cast) if w.is_floating_point() and not k.endswith(QUANT_FLOAT32) else w
+                           for k, w in weights.items()}
             expected = {name for name, _ in engine_model.named_parameters()}
             if set(weights) != expected:
-                raise BuildError(f"engine layout mismatch for rank {rank}: missing {sorted(expected - set(weights))}, "
-                                 f"extra {sorted(set(weights) - expected)}")
+                missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
+                raise BuildError(f"engine layout mismatch for rank {rank}: missing {missing[:8]}"
+                                 f"{'...' if len(missing) > 8 else ''}, extra {extra[:8]}{'...' if len(extra) > 8 else ''}")
             write_rank_weights(tmp, rank, weights)
         dtype_field = {"dtype": dtype} if cast is not None else {}
         write_config(tmp, {**raw, **dtype_field, "build_config": build_config.to_dict()})

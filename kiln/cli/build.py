@@ -33,7 +33,7 @@ def run(args) -> int:
 
     started = time.perf_counter()
     config = read_config(args.checkpoint_dir)
-    dtype = resolve_engine_dtype(args.dtype, config.dtype)
+    dtype = resolve_engine_dtype(args.dtype, config.dtype, quantized=config.quantization.quant_algo is not None)
     build_config = resolve_build_config(
         config, max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
         max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens, tokens_per_block=args.tokens_per_block,

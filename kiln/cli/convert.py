@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import time
 
+from kiln.quantization.weight_only import WEIGHT_ONLY_ALGOS
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("convert", help="convert a Hugging Face dir or GGUF file into a kiln checkpoint",
@@ -19,18 +21,35 @@ def add_parser(sub) -> None:
                    help="split the embedding table over the tp ranks too (default: whole on every rank)")
     p.add_argument("--embedding_sharding_dim", type=int, choices=[0, 1], default=0,
                    help="with --use_parallel_embedding: 0 splits the vocabulary, 1 the hidden size (default 0)")
+    p.add_argument("--quant_algo", choices=sorted(WEIGHT_ONLY_ALGOS), default=None,
+                   help="weight-only quantization of the linear layers, round to nearest: W8A16 (int8, a scale "
+                        "per output channel) or W4A16 (4-bit, a scale per --group_size inputs); engines built "
+                        "from it compute in bfloat16 (default: none)")
+    p.add_argument("--group_size", type=int, default=64,
+                   help="W4A16: input features sharing a scale, a multiple of 32 (default 64)")
+    p.add_argument("--has_zero_point", action="store_true",
+                   help="W4A16: asymmetric codes with a zero point per group (default: symmetric)")
+    p.add_argument("--exclude_modules", nargs="*", default=None, metavar="PATTERN",
+                   help="linear layers left unquantized: names or fnmatch patterns of a full module name or its "
+                        "last part (default: lm_head; give none to quantize every untied layer)")
     p.set_defaults(handler=run)
 
 
 def run(args) -> int:
     from kiln.checkpoint.format import read_config
+    from kiln.config import QuantConfig
     from kiln.convert import convert_checkpoint
 
     started = time.perf_counter()
+    quantization = None
+    if args.quant_algo:
+        quantization = QuantConfig(quant_algo=args.quant_algo, group_size=args.group_size,
+                                   has_zero_point=args.has_zero_point, exclude_modules=args.exclude_modules)
     out = convert_checkpoint(args.model_dir, args.output_dir, dtype=args.dtype, tp_size=args.tp_size,
                              pp_size=args.pp_size, use_parallel_embedding=args.use_parallel_embedding,
-                             embedding_sharding_dim=args.embedding_sharding_dim)
+                             embedding_sharding_dim=args.embedding_sharding_dim, quantization=quantization)
     config = read_config(out)
-    print(f"converted {config.architecture} ({config.num_hidden_layers} layers, {config.dtype}, "
+    quant = f", {config.quantization.quant_algo}" if config.quantization.quant_algo else ""
+    print(f"converted {config.architecture} ({config.num_hidden_layers} layers, {config.dtype}{quant}, "
           f"tp={config.mapping.tp_size} pp={config.mapping.pp_size}) to {out} in {time.perf_counter() - started:.1f}s")
     return 0

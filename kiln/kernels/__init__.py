@@ -124,6 +124,10 @@ def native_library() -> ctypes.CDLL | None:
     lib.kiln_amx_pack_bf16.restype = None
     lib.kiln_amx_linear_bf16.argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
     lib.kiln_amx_linear_bf16.restype = None
+    lib.kiln_quant_pack.argtypes = [_PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
+    lib.kiln_quant_pack.restype = None
+    lib.kiln_quant_linear_bf16.argtypes = [_PTR] * 4 + [_I64] * 2 + [_PTR] * 2 + [_I64] * 3 + [ctypes.c_int]
+    lib.kiln_quant_linear_bf16.restype = None
     lib.kiln_decode_step_scratch.restype = _I64
     return lib
 
@@ -287,9 +291,47 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     return y
 
 
+def quant_shape_tiles(out_features: int, in_features: int, bits: int, group_size: int) -> bool:
+    """Whether the quantized-linear kernel's tile order fits this shape: 16-column blocks,
+    32-wide k blocks, and (4-bit) groups made of whole k blocks."""
+    return (bits in (4, 8) and out_features % 16 == 0 and in_features % 32 == 0
+            and (bits == 8 or (group_size % 32 == 0 and in_features % group_size == 0)))
+
+
+def quant_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Row-major codes (int8 ``[n, k]``, or 4-bit pairs ``[n, k / 2]`` low nibble first) in the
+    kernel's tile order; same dtype and shape."""
+    n, width = codes.shape
+    k = width if bits == 8 else 2 * width
+    if native_library() is None or not quant_shape_tiles(n, k, bits, 32) or codes.element_size() != 1:
+        raise ValueError(f"quant_pack: {bits}-bit codes of shape {tuple(codes.shape)} {codes.dtype} do not tile "
+                         "(needs 1-byte codes, out_features % 16 == 0 and in_features % 32 == 0)")
+    codes = codes.contiguous()
+    out = torch.empty_like(codes)
+    native_library().kiln_quant_pack(codes.data_ptr(), out.data_ptr(), n, k, bits, torch.get_num_threads())
+    return out
+
+
+def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+                 group_size: int, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``F.linear`` of bf16 ``x`` ``[m, k]`` with a weight-only quantized weight: tile-ordered
+    ``codes`` (``quant_pack``), float32 ``scales`` ``[n]`` (8-bit) or ``[n, k / group_size]``,
+    float32 ``zeros`` like them or None (see quant_linear.c)."""
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.bfloat16)
+    native_library().kiln_quant_linear_bf16(
+        x.contiguous().data_ptr(), codes.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
+        bits, group_size, bias.data_ptr() if bias is not None else None, y.data_ptr(), m, out_features, k,
+        torch.get_num_threads())
+    return y
+
+
 class LinearWeights(ctypes.Structure):
-    """A linear layer for ``decode_step``: weight, bias (or NULL), AMX-packed copy (or NULL)."""
-    _fields_ = [("weight", _PTR), ("bias", _PTR), ("packed", _PTR)]
+    """A linear layer for ``decode_step``: weight (tile-ordered codes when ``bits`` is 8 or 4),
+    bias (or NULL), AMX-packed copy (or NULL), and for quantized weights the group size,
+    float32 scales and zeros (or NULL)."""
+    _fields_ = [("weight", _PTR), ("bias", _PTR), ("packed", _PTR), ("bits", _I64), ("group", _I64),
+                ("scales", _PTR), ("zeros", _PTR)]
 
 
 class DecoderLayerWeights(ctypes.Structure):

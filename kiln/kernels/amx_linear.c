@@ -11,6 +11,8 @@
  * owns a panel of up to four output blocks (four accumulator tiles) and walks every 16-row
  * block of x through it, so the panel's weights come from memory once and from L2 after.
  * Needs n % 16 == 0 and k % 32 == 0 (kiln_amx_supported); rows of x past m are zero-padded.
+ * A panel's tiles come from a panel function: the packed weight itself, or (quant_linear.c) a
+ * quantized weight dequantized into a per-thread scratch that stays in L2 for every row block.
  *
  * Linux grants a process AMX tile state only on request (arch_prctl); kiln_amx_available
  * makes it once and reports whether the CPU and kernel allow it.
@@ -70,10 +72,17 @@ static void store_rows(const float *acc, int64_t rows, int blocks, const bf16_t 
                 y[r * n + b * 16 + c] = bf16_store(acc[(b * 16 + r) * 16 + c] + (bias ? bf16_load(bias[b * 16 + c]) : 0.f));
 }
 
-void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
-                          int64_t n, int64_t k, int num_threads) {
+/* The panel function of a packed bf16 weight: its tiles are already in place. */
+static const bf16_t *packed_panel(const void *weight, int64_t panel, int64_t kblocks, bf16_t *scratch) {
+    (void)scratch;
+    return (const bf16_t *)weight + panel * 4 * kblocks * 512;
+}
+
+void kiln_amx_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight, const bf16_t *bias,
+                            bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads) {
     const int64_t nblocks = n / 16, kblocks = k / 32, panels = (nblocks + 3) / 4, mblocks = (m + 15) / 16;
     const int64_t tile_elems = 16 * 32;  /* one 1 KiB weight tile */
+    const int stream = get_panel == packed_panel;  /* weights straight from memory: prefetch them */
     _Pragma("omp parallel num_threads(num_threads)")
     {
         configure_tiles();
@@ -83,11 +92,12 @@ void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *b
             tail = calloc(16 * k, sizeof(bf16_t));
             memcpy(tail, x + (m - m % 16) * k, sizeof(bf16_t) * (m % 16) * k);
         }
+        bf16_t *scratch = stream ? NULL : aligned_alloc(64, sizeof(bf16_t) * 4 * kblocks * tile_elems);
         _Pragma("omp for schedule(static)")
         for (int64_t panel = 0; panel < panels; ++panel) {
             const int64_t nb0 = panel * 4;
             const int blocks = nblocks - nb0 < 4 ? (int)(nblocks - nb0) : 4;
-            const bf16_t *w0 = packed + nb0 * kblocks * tile_elems;
+            const bf16_t *w0 = get_panel(weight, panel, kblocks, scratch);
             const int64_t wstride = kblocks * tile_elems;  /* elements between output blocks */
             for (int64_t mb = 0; mb < mblocks; ++mb) {
                 const int64_t rows = m - mb * 16 < 16 ? m - mb * 16 : 16;
@@ -99,7 +109,7 @@ void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *b
                 if (blocks == 4) {
                     for (int64_t kb = 0; kb < kblocks; ++kb) {
                         const bf16_t *w = w0 + kb * tile_elems;
-                        if (mb == 0) prefetch_tiles(w + PREFETCH_AHEAD * tile_elems, wstride);
+                        if (stream && mb == 0) prefetch_tiles(w + PREFETCH_AHEAD * tile_elems, wstride);
                         _tile_loadd(4, a + kb * 32, k * sizeof(bf16_t));
                         _tile_loadd(5, w, 64);
                         _tile_loadd(6, w + wstride, 64);
@@ -130,14 +140,26 @@ void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *b
                 store_rows(acc, rows, blocks, bias ? bias + nb0 * 16 : NULL, y + mb * 16 * n + nb0 * 16, n);
             }
         }
+        free(scratch);
         free(tail);
         _tile_release();
     }
+}
+
+void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
+                          int64_t n, int64_t k, int num_threads) {
+    kiln_amx_linear_panels(x, packed_panel, packed, bias, y, m, n, k, num_threads);
 }
 #else
 int kiln_amx_available(void) { return 0; }
 
 /* Never called: callers ask kiln_amx_available() first. */
+void kiln_amx_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight, const bf16_t *bias,
+                            bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads) {
+    (void)x; (void)get_panel; (void)weight; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)num_threads;
+    abort();
+}
+
 void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
                           int64_t n, int64_t k, int num_threads) {
     (void)x; (void)packed; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)num_threads;

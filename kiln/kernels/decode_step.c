@@ -21,9 +21,13 @@
 #include "dtypes.h"
 #include "kernels.h"
 
-/* A linear's weight, bias (or NULL) and, for bf16 on AMX, its tile-packed copy (or NULL). */
+/* A linear's weight, bias (or NULL) and, for bf16 on AMX, its tile-packed copy (or NULL); a
+ * weight-only quantized one (bits 8 or 4) has tile-ordered codes as its weight, float32
+ * scales and zeros (or NULL), and its group size. */
 typedef struct {
     const void *weight, *bias, *packed;
+    int64_t bits, group;
+    const float *scales, *zeros;
 } kiln_linear;
 
 typedef struct {
@@ -46,7 +50,9 @@ int64_t kiln_decode_step_scratch(const kiln_decoder_dims *d, int64_t m) {
  * row, which the skinny GEMM streams faster (the same choice as kiln.layers.linear). */
 static void linear_bf16(const bf16_t *x, const kiln_linear *L, bf16_t *y, int64_t m, int64_t n, int64_t k,
                         int num_threads) {
-    if (L->packed && m > 1) kiln_amx_linear_bf16(x, L->packed, L->bias, y, m, n, k, num_threads);
+    if (L->bits) kiln_quant_linear_bf16(x, L->weight, L->scales, L->zeros, L->bits, L->group, L->bias, y, m, n, k,
+                                        num_threads);
+    else if (L->packed && m > 1) kiln_amx_linear_bf16(x, L->packed, L->bias, y, m, n, k, num_threads);
     else kiln_skinny_gemm_bf16(x, L->weight, L->bias, y, m, n, k, num_threads);
 }
 

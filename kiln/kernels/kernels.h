@@ -25,9 +25,19 @@ int kiln_paged_decode_attention_##SUFFIX(const T *q, int64_t q_stride, const T *
                                         int num_threads);
 
 int kiln_amx_available(void);
+/* The bf16 tiles of output panel `panel` (four 16-column blocks x kblocks k-blocks of 512
+ * elements, block-major), from `weight`, using `scratch` (that many elements) if needed. */
+typedef const bf16_t *(*kiln_panel_fn)(const void *weight, int64_t panel, int64_t kblocks, bf16_t *scratch);
+void kiln_amx_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight, const bf16_t *bias,
+                            bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads);
 void kiln_amx_pack_bf16(const bf16_t *w, bf16_t *packed, int64_t n, int64_t k, int num_threads);
 void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
                           int64_t n, int64_t k, int num_threads);
+
+void kiln_quant_pack(const uint8_t *codes, uint8_t *out, int64_t n, int64_t k, int64_t bits, int num_threads);
+void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const float *scales, const float *zeros,
+                            int64_t bits, int64_t group, const bf16_t *bias, bf16_t *y, int64_t m, int64_t n,
+                            int64_t k, int num_threads);
 
 DECLARE_KERNELS(f32, float)
 DECLARE_KERNELS(bf16, bf16_t)

@@ -72,13 +72,56 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
 
+    quant_bits: int | None = None  # 8 or 4 once use_weight_only() switched the weight to codes
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
+
+    # -- weight-only quantization (kiln.quantization.weight_only) -----------------------------
+
+    def use_weight_only(self, bits: int, group_size: int, has_zero_point: bool,
+                        tensors: dict[str, torch.Tensor] | None = None, *, tile_order: bool = False) -> None:
+        """Replace the float weight by weight-only quantized parameters: ``weight`` codes,
+        ``weights_scaling_factor`` and (4-bit with a zero point) ``zero``; the given
+        ``tensors``, or empty ones of the right shapes. ``tile_order``: the codes are in the
+        kernel's tile order (an engine's)."""
+        out_features, in_features = self.weight.shape
+        groups = in_features // group_size
+        shapes = {"weight": ((out_features, in_features), torch.int8) if bits == 8
+                  else ((out_features, in_features // 2), torch.uint8),
+                  "weights_scaling_factor": ((out_features,) if bits == 8 else (out_features, groups), torch.float32)}
+        if bits == 4 and has_zero_point:
+            shapes["zero"] = ((out_features, groups), torch.float32)
+        for name, (shape, dtype) in shapes.items():
+            tensor = tensors[name] if tensors is not None else torch.empty(shape, dtype=dtype, device=self.weight.device)
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise ValueError(f"{name}: expected {dtype} {list(shape)}, got {tensor.dtype} {list(tensor.shape)}")
+            setattr(self, name, nn.Parameter(tensor, requires_grad=False))
+        self.quant_bits, self.group_size, self.tile_order = bits, group_size, tile_order
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weight a quantized layer stands for (row-major codes only)."""
+        from kiln.quantization.weight_only import dequantize
+
+        tensors = {"weight": self.weight, "weights_scaling_factor": self.weights_scaling_factor}
+        if hasattr(self, "zero"):
+            tensors["zero"] = self.zero
+        return dequantize(tensors, self.quant_bits, self.group_size)
+
+    def _quantized_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not self.tile_order:  # a checkpoint's layout: a reference path, not a fast one
+            return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
+        y = kernels.quant_linear(x.reshape(-1, self.in_features).to(torch.bfloat16), self.weight,
+                                 self.weights_scaling_factor, getattr(self, "zero", None), self.quant_bits,
+                                 self.group_size, None if bias is None else bias.to(torch.bfloat16), self.out_features)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T (+ bias)`` through the fastest kernel here for the weight and the rows: up to
         16 fp32 rows or one bf16 row through the native skinny GEMM; more bf16 rows on AMX
         tiles (a copy of the weight packed once), or through oneDNN (weight packed once)."""
+        if self.quant_bits is not None:
+            return self._quantized_matmul(x, bias)
         w = self.weight
         if (x.dim() == 2 and x.shape[0] <= (kernels.SKINNY_MAX_ROWS if x.dtype == torch.float32 else 1)
                 and kernels.skinny_linear_supported(x, w, bias)):

@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from kiln import kernels
 from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
 from kiln.layers.attention import Attention
@@ -163,6 +164,10 @@ class DecoderModelForCausalLM(nn.Module):
             rewrite = getattr(module, "engine_weights", None)
             if rewrite is not None and module is not self:
                 weights.update(rewrite(f"{name}.", weights))
+        # Weight-only quantized codes (int8: 8-bit, uint8: 4-bit pairs) go into the kernel's tile order.
+        for key in [k for k in weights if k.endswith(".weight") and f"{k[:-6]}weights_scaling_factor" in weights]:
+            codes = weights[key]
+            weights[key] = kernels.quant_pack(codes, 8 if codes.dtype == torch.int8 else 4)
         return weights
 
     # -- construction from weights ----------------------------------------------------------
@@ -212,11 +217,13 @@ class DecoderModelForCausalLM(nn.Module):
         """Load rank ``rank`` of a kiln checkpoint (or, with ``engine_layout``, an engine)."""
         from kiln.checkpoint.format import read_config, read_rank_weights, rank_file
         from kiln.checkpoint.loader import fill_parameters
+        from kiln.quantization import use_weight_only_layout
 
         config = read_config(checkpoint_dir, rank)
         model_cls = cls if cls is not DecoderModelForCausalLM else _registered(config.architecture)
         with torch.device("meta"):
             model = model_cls(config, engine_layout=engine_layout)
+            use_weight_only_layout(model, config.quantization, tile_order=engine_layout)
         fill_parameters(model, read_rank_weights(checkpoint_dir, rank), source=str(rank_file(checkpoint_dir, rank)))
         return model
 

@@ -40,9 +40,16 @@ def supports_native_decode(model) -> bool:
                 and type(layer.post_layernorm) is RmsNorm and type(attn) is Attention
                 and type(mlp) is GatedMLP and mlp.fused and mlp.act is F.silu and attn.rotary is t.rotary):
             return False
-        tensors = [p for p in layer.parameters()]
-        if any(p.dtype != dtype or p.device.type != "cpu" or not p.is_contiguous() for p in tensors):
+        if any(p.device.type != "cpu" or not p.is_contiguous() for p in layer.parameters()):
             return False
+        for module in layer.modules():
+            quantized = getattr(module, "quant_bits", None) is not None
+            if quantized and not (module.tile_order and dtype == torch.bfloat16):
+                return False
+            floats = [p for name, p in module.named_parameters(recurse=False)
+                      if not (quantized and name in ("weight", "weights_scaling_factor", "zero"))]
+            if any(p.dtype != dtype for p in floats):
+                return False
         if layer.input_layernorm.eps != layer.post_layernorm.eps:
             return False
     return True
@@ -70,13 +77,10 @@ class NativeDecodeStep:
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
             for field, linear in (("qkv", attn.qkv), ("dense", attn.dense), ("fused_fc", mlp.fused_fc),
                                   ("proj", mlp.proj)):
-                packed = linear.amx_weight() if self.dtype == torch.bfloat16 else None
-                packed_everywhere &= packed is not None
-                setattr(entry, field, kernels.LinearWeights(
-                    linear.weight.data_ptr(), linear.bias.data_ptr() if linear.bias is not None else None,
-                    packed.data_ptr() if packed is not None else None))
-        # How many tokens a step may have: any number on AMX tiles; fp32 up to the skinny
-        # GEMM's limit (MKL wins beyond); bf16 without AMX one (oneDNN wins beyond).
+                setattr(entry, field, _linear_weights(linear))
+                packed_everywhere &= bool(linear.quant_bits or getattr(entry, field).packed)
+        # How many tokens a step may have: any number on AMX tiles or quantized weights; fp32
+        # up to the skinny GEMM's limit (MKL wins beyond); bf16 without AMX one (oneDNN wins).
         if self.dtype == torch.bfloat16:
             self.max_tokens = UNLIMITED if packed_everywhere else 1
         else:
@@ -110,6 +114,17 @@ class NativeDecodeStep:
         kernels.decode_step(hidden, self.weights, self.dims, cos, sin, metadata.slot_mapping, st["decode_tokens"],
                             tables, st["decode_lens"], self.scratch)
         return hidden
+
+
+def _linear_weights(linear) -> kernels.LinearWeights:
+    """A linear layer's pointers: its weight (codes when quantized), bias, AMX-packed copy."""
+    ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+    if linear.quant_bits:
+        return kernels.LinearWeights(ptr(linear.weight), ptr(linear.bias), None, linear.quant_bits,
+                                     linear.group_size, ptr(linear.weights_scaling_factor),
+                                     ptr(getattr(linear, "zero", None)))
+    packed = linear.amx_weight() if linear.weight.dtype == torch.bfloat16 else None
+    return kernels.LinearWeights(ptr(linear.weight), ptr(linear.bias), ptr(packed), 0, 0, None, None)
 
 
 def native_decode_for(model, kv_caches, metadata) -> NativeDecodeStep | None:

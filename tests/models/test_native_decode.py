@@ -10,18 +10,21 @@ import torch
 
 import kiln.models.base as base
 from kiln import SamplingParams
+from kiln.config import QuantConfig
 from kiln.models.native_decode import NativeDecodeStep, native_decode_for, supports_native_decode
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from tests.conftest import convert_and_build
 from tests.utils.tiny_models import make_gpt2, make_llama
 
-CASES = {  # name: (make_llama options, engine dtype)
+CASES = {  # name: (make_llama options, engine dtype or weight-only quant_algo)
     "llama-fp32": (dict(num_heads=4, num_kv_heads=2), "float32"),
     # Every bf16 matmul on AMX tiles (shapes divisible by 16 x 32): steps of any number of tokens.
     "llama-bf16-tied": (dict(num_heads=4, num_kv_heads=1, tie=True, intermediate=128), "bfloat16"),
     # intermediate 136: the MLP's down projection cannot be tiled, so one-token steps only.
     "qwen2-bias-bf16": (dict(num_heads=4, num_kv_heads=2, model_type="qwen2"), "bfloat16"),
+    # Weight-only 4-bit linears (with zero points): any number of tokens.
+    "llama-w4a16": (dict(num_heads=4, num_kv_heads=2, intermediate=128), "W4A16"),
     "llama3-rope-fp32": (dict(num_heads=8, num_kv_heads=8, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}), "float32"),
@@ -33,6 +36,9 @@ def engine_dir(request, tmp_path_factory):
     options, dtype = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)
     make_llama(root / "hf", hidden=64, layers=3, **options)
+    if dtype == "W4A16":
+        quant = QuantConfig(quant_algo="W4A16", group_size=32, has_zero_point=True)
+        return convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4}, quantization=quant)
     return convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4}, dtype=dtype)
 
 

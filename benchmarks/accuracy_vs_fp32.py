@@ -1,12 +1,15 @@
-"""How far a bfloat16 engine's greedy output strays from the float32 engine's, on real prompts.
+"""How far engines in lower precision (bf16, W8A16, W4A16) stray from the float32 engine's
+greedy output, on real prompts.
 
-Both engines decode the same chat-templated ShareGPT prompts greedily (``--new_tokens`` each,
-end token ignored). Reported: the share of prompts whose continuation is identical, the
-mean number of leading tokens that agree, and the share of all positions that agree. With
-``--hf_gguf`` the same figures for Hugging Face transformers' own bf16 against its fp32, as
-the yardstick of what bf16 rounding does to this model anyway.
+Every engine decodes the same chat-templated ShareGPT prompts greedily (``--new_tokens``
+each, end token ignored). Reported per engine against the float32 reference: the share of
+prompts whose continuation is identical, the mean number of leading tokens that agree, and
+the share of all positions that agree. With ``--hf_gguf`` the same figures for Hugging Face
+transformers' own bf16 against its fp32, as the yardstick of what bf16 rounding alone does
+to this model.
 
-    python benchmarks/bf16_accuracy.py --fp32_engine ENGINE_FP32 --bf16_engine ENGINE_BF16 [--num_prompts 64]
+    python benchmarks/accuracy_vs_fp32.py --fp32_engine ENGINE_FP32 --engine bf16=ENGINE_BF16 \
+        --engine w8a16=ENGINE_W8 [--num_prompts 64] [--hf_gguf GGUF]
 """
 from __future__ import annotations
 
@@ -53,7 +56,8 @@ def hf_greedy(gguf: str, dtype: str, prompts: list[list[int]], new_tokens: int, 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fp32_engine", required=True, help="the float32 engine (the reference)")
-    p.add_argument("--bf16_engine", required=True, help="the bfloat16 engine of the same checkpoint")
+    p.add_argument("--engine", action="append", required=True, metavar="NAME=DIR",
+                   help="an engine of the same model to compare (repeat for several)")
     p.add_argument("--num_prompts", type=int, default=64, help="ShareGPT first turns to use (default 64)")
     p.add_argument("--max_prompt_len", type=int, default=256, help="skip longer prompts (default 256)")
     p.add_argument("--new_tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
@@ -67,9 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     from kiln.tokenizer import chat_prompt_ids
 
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    engines = [("fp32", args.fp32_engine)]
+    for spec in args.engine:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            p.error(f"--engine {spec!r}: expected NAME=DIR")
+        engines.append((name, path))
     outputs = {}
     prompts: list[list[int]] = []
-    for name, engine in (("fp32", args.fp32_engine), ("bf16", args.bf16_engine)):
+    for name, engine in engines:
         llm = LLM(engine, progress=False)
         if not prompts:
             for prompt, _ in first_turns():
@@ -80,11 +90,12 @@ def main(argv: list[str] | None = None) -> int:
                     break
         outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=True)]
         del llm
-    result = {"prompts": len(prompts), "new_tokens": args.new_tokens,
-              "kiln": agreement(outputs["fp32"], outputs["bf16"], args.new_tokens)}
+    result = {"prompts": len(prompts), "new_tokens": args.new_tokens}
+    for name, _ in engines[1:]:
+        result[f"kiln {name} vs kiln fp32"] = agreement(outputs["fp32"], outputs[name], args.new_tokens)
     if args.hf_gguf:
         hf = {dtype: hf_greedy(args.hf_gguf, dtype, prompts, args.new_tokens) for dtype in ("float32", "bfloat16")}
-        result["hf"] = agreement(hf["float32"], hf["bfloat16"], args.new_tokens)
+        result["hf bf16 vs hf fp32"] = agreement(hf["float32"], hf["bfloat16"], args.new_tokens)
         result["kiln_fp32_vs_hf_fp32"] = agreement(hf["float32"], outputs["fp32"], args.new_tokens)
     print(json.dumps(result, indent=2))
     return 0

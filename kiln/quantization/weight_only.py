@@ -1,0 +1,125 @@
+"""Weight-only quantization: W8A16 (int8, one scale per output channel) and W4A16 (4-bit
+codes, a scale and optionally a zero point per group of ``group_size`` input features),
+by round-to-nearest.
+
+Checkpoint tensors of a quantized linear (names from reference 002):
+
+* ``weight``: int8 codes ``[out, in]`` (W8A16), or 4-bit codes two a byte ``[out, in / 2]``
+  uint8, feature ``2j`` in the low nibble of byte ``j`` (W4A16);
+* ``weights_scaling_factor``: float32 ``[out]`` (W8A16) or ``[out, in / group_size]``;
+* ``zero`` (W4A16 with ``has_zero_point``): float32 ``[out, in / group_size]``, in code units.
+
+``w = code * scale`` (W8A16, codes -127..127); ``w = (code - zero) * scale`` (W4A16, codes
+0..15; zero 8 when not stored). Scales stay float32 (bf16 scales would add more error than
+8-bit rounding). An engine keeps the same tensors with the codes re-laid in the kernel's tile
+order (``kiln.kernels.quant_pack``, done by ``kiln build``).
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+
+import torch
+from torch import nn
+
+from kiln.config import QuantConfig
+from kiln.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+WEIGHT_ONLY_ALGOS = {"W8A16": 8, "W4A16": 4}
+DEFAULT_EXCLUDED = ("lm_head",)
+
+
+def quantize_weight(weight: torch.Tensor, bits: int, group_size: int = 64,
+                    has_zero_point: bool = False) -> dict[str, torch.Tensor]:
+    """Round-to-nearest codes and scales of a float ``weight`` ``[out, in]`` (see the module doc)."""
+    w = weight.detach().float()
+    out_features, in_features = w.shape
+    if bits == 8:
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return {"weight": codes, "weights_scaling_factor": scale}
+    if bits != 4:
+        raise ValueError(f"weight-only quantization has 8 or 4 bits, not {bits}")
+    if in_features % group_size or in_features % 2:
+        raise ValueError(f"in_features {in_features} is not a multiple of group_size {group_size}")
+    g = w.view(out_features, in_features // group_size, group_size)
+    if has_zero_point:
+        low, high = g.amin(dim=2).clamp(max=0), g.amax(dim=2).clamp(min=0)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        zero = torch.round(-low / scale).clamp(0, 15)
+    else:
+        scale = g.abs().amax(dim=2).clamp(min=1e-12) / 7
+        zero = torch.full_like(scale, 8.0)
+    codes = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15).to(torch.uint8).view(out_features, -1)
+    out = {"weight": codes[:, 0::2] | (codes[:, 1::2] << 4), "weights_scaling_factor": scale}
+    if has_zero_point:
+        out["zero"] = zero
+    return out
+
+
+def dequantize(tensors: dict[str, torch.Tensor], bits: int, group_size: int = 64) -> torch.Tensor:
+    """The float32 weight ``[out, in]`` that row-major ``tensors`` (``quantize_weight``'s) stand for."""
+    codes, scale = tensors["weight"], tensors["weights_scaling_factor"]
+    if bits == 8:
+        return codes.float() * scale[:, None]
+    unpacked = torch.stack([codes & 0x0F, codes >> 4], dim=-1).view(codes.shape[0], -1).float()
+    zero = tensors.get("zero")
+    zero = torch.full_like(scale, 8.0) if zero is None else zero
+    return (unpacked - zero.repeat_interleave(group_size, dim=1)) * scale.repeat_interleave(group_size, dim=1)
+
+
+def _excluded(name: str, patterns) -> bool:
+    return any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(name.rsplit(".", 1)[-1], p) for p in patterns)
+
+
+def quantized_modules(model: nn.Module, quant: QuantConfig) -> list[tuple[str, nn.Module]]:
+    """The linear layers ``quant`` quantizes: every ``Linear`` not matched by ``exclude_modules``
+    (default: ``lm_head``; patterns match the full name or its last part, fnmatch style) and
+    not sharing its weight with another module (a tied lm_head)."""
+    from kiln.layers.linear import Linear
+
+    if quant.quant_algo is None:
+        return []
+    if quant.quant_algo not in WEIGHT_ONLY_ALGOS:
+        raise ConfigError(f"quantization.quant_algo {quant.quant_algo!r} is not implemented yet; kiln runs "
+                          f"{sorted(WEIGHT_ONLY_ALGOS)}")
+    patterns = DEFAULT_EXCLUDED if quant.exclude_modules is None else tuple(quant.exclude_modules)
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, Linear) and not _excluded(name, patterns) and owners[id(m.weight)] == 1]
+
+
+def use_weight_only_layout(model: nn.Module, quant: QuantConfig, tile_order: bool) -> None:
+    """Give the quantized linears of a model built on the meta device their quantized
+    parameters (shapes only), so a quantized checkpoint or (``tile_order``) engine loads into it."""
+    bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo)
+    for _, linear in quantized_modules(model, quant):
+        linear.use_weight_only(bits, quant.group_size, quant.has_zero_point, tile_order=tile_order)
+
+
+def quantize_model(model: nn.Module, quant: QuantConfig) -> list[str]:
+    """Quantize the float weights of ``model``'s linears in place (round to nearest); returns the
+    names quantized. Linears whose shape the kernels cannot tile are left in float, with a
+    warning; raise for a group size that does not divide the input features."""
+    from kiln import kernels
+
+    bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo)
+    done = []
+    for name, linear in quantized_modules(model, quant):
+        out_features, in_features = linear.weight.shape
+        if bits == 4 and in_features % quant.group_size:
+            raise ConfigError(f"{name}: in_features {in_features} is not a multiple of group_size "
+                              f"{quant.group_size}")
+        if not kernels.quant_shape_tiles(out_features, in_features, bits, quant.group_size):
+            log.warning("%s: shape %s does not tile for the quantized kernels; left unquantized", name,
+                        (out_features, in_features))
+            continue
+        tensors = quantize_weight(linear.weight, bits, quant.group_size, quant.has_zero_point)
+        linear.use_weight_only(bits, quant.group_size, quant.has_zero_point, tensors)
+        done.append(name)
+    return done
