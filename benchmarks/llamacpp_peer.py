@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     kiln = LLM(args.engine_dir, progress=False)
     rng = random.Random(0)
     prompt = [rng.randrange(100, kiln.engine.config.vocab_size) for _ in range(args.prompt_len)]
-    results: dict[str, list[tuple[float, float]]] = {f"kiln {kiln.engine.config.dtype}": []}
+    config = kiln.engine.config
+    kiln_name = f"kiln {config.quantization.quant_algo or config.dtype}"
+    results: dict[str, list[tuple[float, float]]] = {kiln_name: []}
     with tempfile.TemporaryDirectory() as tmp:
         peers = {}
         for kind in args.types:
@@ -101,12 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         for llm in peers.values():
             llamacpp_round(llm, prompt, 8)
         for _ in range(args.rounds):
-            results[f"kiln {kiln.engine.config.dtype}"].append(kiln_round(kiln, prompt, args.new_tokens))
+            results[kiln_name].append(kiln_round(kiln, prompt, args.new_tokens))
             for name, llm in peers.items():
                 results[name].append(llamacpp_round(llm, prompt, args.new_tokens))
     print(f"batch-1 decode, {args.prompt_len}-token prompt, {args.new_tokens} new tokens, {args.threads} threads, "
           f"median of {args.rounds}:")
-    base = statistics.median(r[1] for r in results[f"kiln {kiln.engine.config.dtype}"])
+    base = statistics.median(r[1] for r in results[kiln_name])
     for name, runs in results.items():
         tps = statistics.median(r[1] for r in runs)
         ttft = statistics.median(r[0] for r in runs)
