@@ -25,9 +25,12 @@ int kiln_paged_decode_attention_##SUFFIX(const T *q, int64_t q_stride, const T *
                                         int num_threads);
 
 int kiln_amx_available(void);
-/* The bf16 tiles of output panel `panel` (four 16-column blocks x kblocks k-blocks of 512
- * elements, block-major), from `weight`, using `scratch` (that many elements) if needed. */
-typedef const bf16_t *(*kiln_panel_fn)(const void *weight, int64_t panel, int64_t kblocks, bf16_t *scratch);
+/* The bf16 tiles of output blocks nb0 .. nb0 + blocks - 1 (16 columns each; kblocks k-blocks of
+ * 512 elements per block, block-major), from `weight`, using `scratch` (room for
+ * KILN_MAX_PANEL_BLOCKS blocks) if needed. */
+#define KILN_MAX_PANEL_BLOCKS 4
+typedef const bf16_t *(*kiln_panel_fn)(const void *weight, int64_t nb0, int blocks, int64_t kblocks,
+                                       bf16_t *scratch);
 void kiln_amx_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight, const bf16_t *bias,
                             bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads);
 void kiln_amx_pack_bf16(const bf16_t *w, bf16_t *packed, int64_t n, int64_t k, int num_threads);

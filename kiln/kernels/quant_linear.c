@@ -73,10 +73,8 @@ static inline void column_scales(const kiln_qweight *W, int64_t nb, int64_t kb, 
     }
 }
 
-static const bf16_t *dequant_panel(const void *weight, int64_t panel, int64_t kblocks, bf16_t *scratch) {
+static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, int64_t kblocks, bf16_t *scratch) {
     const kiln_qweight *W = weight;
-    const int64_t nblocks = W->n / 16, nb0 = panel * 4;
-    const int blocks = nblocks - nb0 < 4 ? (int)(nblocks - nb0) : 4;
     const int64_t tile_bytes = W->bits == 8 ? 512 : 256;
     for (int b = 0; b < blocks; ++b)
         for (int64_t kb = 0; kb < kblocks; ++kb) {
@@ -254,16 +252,17 @@ static void quant_gemv(const bf16_t *x, const kiln_qweight *W, const bf16_t *bia
 /* Without AMX: the same dequantized panels, multiplied in plain loops over their tile order. */
 static void portable_linear(const bf16_t *x, const kiln_qweight *W, const bf16_t *bias, bf16_t *y, int64_t m,
                             int num_threads) {
-    const int64_t n = W->n, k = W->k, kblocks = k / 32, panels = (n / 16 + 3) / 4;
+    const int64_t n = W->n, k = W->k, kblocks = k / 32;
+    const int64_t panels = (n / 16 + KILN_MAX_PANEL_BLOCKS - 1) / KILN_MAX_PANEL_BLOCKS;
     _Pragma("omp parallel num_threads(num_threads)")
     {
-        bf16_t *scratch = malloc(sizeof(bf16_t) * 4 * kblocks * 512);
+        bf16_t *scratch = malloc(sizeof(bf16_t) * KILN_MAX_PANEL_BLOCKS * kblocks * 512);
         float *xf = malloc(sizeof(float) * k);
         _Pragma("omp for schedule(static)")
         for (int64_t panel = 0; panel < panels; ++panel) {
-            const int64_t nb0 = panel * 4;
-            const int blocks = n / 16 - nb0 < 4 ? (int)(n / 16 - nb0) : 4;
-            const bf16_t *w = dequant_panel(W, panel, kblocks, scratch);
+            const int64_t nb0 = panel * KILN_MAX_PANEL_BLOCKS;
+            const int blocks = n / 16 - nb0 < KILN_MAX_PANEL_BLOCKS ? (int)(n / 16 - nb0) : KILN_MAX_PANEL_BLOCKS;
+            const bf16_t *w = dequant_panel(W, nb0, blocks, kblocks, scratch);
             for (int64_t t = 0; t < m; ++t) {
                 for (int64_t i = 0; i < k; ++i) xf[i] = bf16_load(x[t * k + i]);
                 for (int b = 0; b < blocks; ++b) {
