@@ -222,6 +222,15 @@ def _check_decode_arguments(q, k_cache, v_cache, token_index, block_tables, seq_
             raise ValueError(f"{name}: expected a contiguous int64 tensor")
 
 
+def _output(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` (checked: a contiguous ``[rows, cols]`` tensor of ``dtype``) or a new one."""
+    if out is None:
+        return torch.empty(rows, cols, dtype=dtype)
+    if tuple(out.shape) != (rows, cols) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous {dtype} [{rows}, {cols}], got {out.dtype} {list(out.shape)}")
+    return out
+
+
 SKINNY_MAX_ROWS = 16  # beyond this oneDNN/MKL matmuls win (benchmarks/README.md)
 
 
@@ -234,7 +243,7 @@ def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  check: bool = True) -> torch.Tensor:
+                  check: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a few rows ``x`` ``[m, k]`` and a ``weight`` ``[n, k]``, both
     fp32 or both bf16 (see ``skinny_linear_supported``): decode steps' matmuls, which read each
     weight once. ``check=False`` is for a caller that has just asked ``skinny_linear_supported``."""
@@ -243,7 +252,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          f"[n, k] of their dtype; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
                          f"{weight.dtype}")
     m, n = x.shape[0], weight.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype)
+    y = _output(out, m, n, x.dtype)
     getattr(native_library(), f"kiln_skinny_gemm_{_SUFFIX[x.dtype]}")(
         x.contiguous().data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
         m, n, x.shape[1], torch.get_num_threads())
@@ -281,10 +290,11 @@ def amx_pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Ten
     return packed
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` of bf16 ``x`` ``[m, k]`` with a weight packed by ``amx_pack``."""
     m, k = x.shape
-    y = torch.empty(m, out_features, dtype=torch.bfloat16)
+    y = _output(out, m, out_features, torch.bfloat16)
     native_library().kiln_amx_linear_bf16(x.contiguous().data_ptr(), packed.data_ptr(),
                                           bias.data_ptr() if bias is not None else None, y.data_ptr(), m,
                                           out_features, k, torch.get_num_threads())
@@ -313,12 +323,13 @@ def quant_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-                 group_size: int, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+                 group_size: int, bias: torch.Tensor | None, out_features: int, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` of bf16 ``x`` ``[m, k]`` with a weight-only quantized weight: tile-ordered
     ``codes`` (``quant_pack``), float32 ``scales`` ``[n]`` (8-bit) or ``[n, k / group_size]``,
     float32 ``zeros`` like them or None (see quant_linear.c)."""
     m, k = x.shape
-    y = torch.empty(m, out_features, dtype=torch.bfloat16)
+    y = _output(out, m, out_features, torch.bfloat16)
     native_library().kiln_quant_linear_bf16(
         x.contiguous().data_ptr(), codes.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
         bits, group_size, bias.data_ptr() if bias is not None else None, y.data_ptr(), m, out_features, k,

@@ -122,3 +122,14 @@ def test_amx_pack_layout_and_rejections():
     assert not kernels.amx_supported(torch.zeros(32, 40, dtype=torch.bfloat16))  # k not a multiple of 32
     with pytest.raises(ValueError, match="amx_pack"):
         kernels.amx_pack(torch.zeros(32, 64, dtype=torch.float32))
+
+
+def test_kernels_write_into_a_given_output_and_check_it():
+    x, w = _randn(3, 64, dtype=torch.bfloat16), _randn(32, 64, dtype=torch.bfloat16, seed=2)
+    out = torch.empty(3, 32, dtype=torch.bfloat16)
+    assert kernels.amx_linear(x, kernels.amx_pack(w), None, 32, out=out) is out
+    torch.testing.assert_close(out, kernels.amx_linear(x, kernels.amx_pack(w), None, 32), atol=0, rtol=0)
+    one = torch.empty(1, 32, dtype=torch.bfloat16)
+    assert kernels.skinny_linear(x[:1], w, out=one) is one
+    with pytest.raises(ValueError, match="out"):
+        kernels.skinny_linear(x[:1], w, out=torch.empty(1, 31, dtype=torch.bfloat16))
