@@ -3,9 +3,8 @@
 For each context length and batch size, ``batch`` random prompts of ``context - 8`` tokens
 are prefilled, then decode steps are timed. The reference backend's attention is timed by
 wrapping its decode method; the native backend's runs inside the native decode step (one C
-call for all layers), so its attention is timed as the same kernel calls made directly on
-the step's cache, block tables and lengths, one per layer. Reports the step time, the
-attention time and its share.
+call for all layers), which times it itself (its profile; mean per step). Reports the step
+time, the attention time and its share.
 
     python benchmarks/attention_share.py ENGINE_DIR [--contexts 512 2048] [--batches 1 16]
 """
@@ -52,28 +51,16 @@ def measure(engine: Engine, backend: str, context: int, batch: int, steps: int) 
 
 
 def _native_step(core: EngineCore, steps: int) -> tuple[float, float]:
-    from kiln import kernels
-
+    native = core.runner.model._native_decode
+    native.profile = torch.zeros(3, dtype=torch.float64)  # linears / attention / rest, from inside the step
     step_times = []
     for _ in range(steps):
         started = time.perf_counter()
         core.step()
         step_times.append(time.perf_counter() - started)
-    seqs = [s for r in core._requests.values() for s in r.seqs]
-    attn = next(iter(core.runner.model.transformer.layers.values())).attention
-    width = max(len(s.block_ids) for s in seqs)
-    tables = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in seqs], dtype=torch.int64)
-    lens = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.int64)
-    dtype = core.runner.kv_caches[0][0].dtype
-    q = torch.randn(len(seqs), attn.num_heads, attn.head_size).to(dtype)
-    out, index = torch.empty_like(q), torch.arange(len(seqs))
-    spent = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        for k, v in core.runner.kv_caches:
-            kernels.paged_decode_attention(q, k, v, index, tables, lens, out, attn.scale, check=False)
-        spent.append(time.perf_counter() - started)
-    return statistics.median(step_times), statistics.median(spent)
+    attention = native.profile[1].item() / steps
+    native.profile = None
+    return statistics.median(step_times), attention
 
 
 def main() -> None:

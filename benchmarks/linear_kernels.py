@@ -42,7 +42,8 @@ def main() -> None:
     outputs = {}
 
     def kiln_kernel(lin, x):
-        out = outputs.setdefault((x.shape[0], lin.out_features), torch.empty(x.shape[0], lin.out_features, dtype=x.dtype))
+        shape = (x.shape[0], lin.out_features)
+        out = outputs.setdefault(shape, torch.empty(shape, dtype=x.dtype))
         if lin.quant_bits:
             return kernels.quant_linear(x, lin.weight, lin.weights_scaling_factor, getattr(lin, "zero", None),
                                         lin.quant_bits, lin.group_size, None, lin.out_features, out=out)

@@ -6,6 +6,11 @@ request at fault and keeps serving the others.
 """
 
 
+def preview(names: list[str], limit: int = 8) -> str:
+    """The first ``limit`` of ``names`` for an error message, with ``...`` if there are more."""
+    return f"{names[:limit]}{'...' if len(names) > limit else ''}"
+
+
 class KilnError(Exception):
     """Base class of every error caused by input kiln was given."""
 

@@ -9,7 +9,7 @@ from tqdm import tqdm
 from kiln.checkpoint.format import (atomic_output_dir, copy_tokenizer_files, read_config, read_config_dict,
                                     write_config, write_rank_weights)
 from kiln.config import BuildConfig, PretrainedConfig
-from kiln.errors import BuildError
+from kiln.errors import BuildError, preview
 from kiln.models import get_model_class
 from kiln.quantization import use_weight_only_layout
 
@@ -111,8 +111,8 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_confi
             expected = {name for name, _ in engine_model.named_parameters()}
             if set(weights) != expected:
                 missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
-                raise BuildError(f"engine layout mismatch for rank {rank}: missing {missing[:8]}"
-                                 f"{'...' if len(missing) > 8 else ''}, extra {extra[:8]}{'...' if len(extra) > 8 else ''}")
+                raise BuildError(f"engine layout mismatch for rank {rank}: missing {preview(missing)}, "
+                                 f"extra {preview(extra)}")
             write_rank_weights(tmp, rank, weights)
         dtype_field = {"dtype": dtype} if cast is not None else {}
         write_config(tmp, {**raw, **dtype_field, "build_config": build_config.to_dict()})

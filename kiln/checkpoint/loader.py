@@ -22,7 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from kiln.checkpoint.sources import TensorSource, open_source
-from kiln.errors import CheckpointError
+from kiln.errors import CheckpointError, preview
 from kiln.layers.linear import ShardSpec
 
 KeyMap = dict[str, "str | list[str]"]
@@ -189,8 +189,7 @@ def fill_parameters(model: nn.Module, weights: dict[str, torch.Tensor], source: 
     missing = sorted(set(params) - set(weights))
     unexpected = sorted(set(weights) - set(params))
     if missing or unexpected:
-        raise CheckpointError(f"{source}: missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
-                              f"unexpected tensors {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+        raise CheckpointError(f"{source}: missing tensors {preview(missing)}, unexpected tensors {preview(unexpected)}")
     for name, param in params.items():
         tensor = weights[name]
         if tuple(tensor.shape) != tuple(param.shape):

@@ -67,12 +67,18 @@ def _build(compiler: str, out: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_lib = Path(tmp) / out.name
         objects = [str(Path(tmp) / f"{Path(s).stem}.o") for s in SOURCES]
-        commands = [[compiler, *COMPILE_FLAGS, "-c", str(here / s), "-o", o] for s, o in zip(SOURCES, objects)]
-        commands.append([compiler, *LINK_FLAGS, *objects, "-o", str(tmp_lib), "-lm"])
-        for cmd in commands:
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr}")
+        compiles = [[compiler, *COMPILE_FLAGS, "-c", str(here / s), "-o", o] for s, o in zip(SOURCES, objects)]
+        # The sources compile side by side (the build is on the first call's critical path).
+        running = [(cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                   for cmd in compiles]
+        for cmd, proc in running:
+            _, errors = proc.communicate()
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{errors}")
+        link = [compiler, *LINK_FLAGS, *objects, "-o", str(tmp_lib), "-lm"]
+        linked = subprocess.run(link, capture_output=True, text=True)
+        if linked.returncode != 0:
+            raise RuntimeError(f"{' '.join(link)} failed:\n{linked.stderr}")
         os.replace(tmp_lib, out)  # atomic: a concurrent build can only replace it with the same bytes
 
 
@@ -115,7 +121,7 @@ def native_library() -> ctypes.CDLL | None:
         getattr(lib, f"kiln_skinny_gemm_{suffix}").argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
         getattr(lib, f"kiln_skinny_gemm_{suffix}").restype = None
         getattr(lib, f"kiln_decode_step_{suffix}").argtypes = [
-            _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int]
+            _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int, _PTR]
         getattr(lib, f"kiln_decode_step_{suffix}").restype = ctypes.c_int
     lib.kiln_decode_step_scratch.argtypes = [_PTR, _I64]
     lib.kiln_amx_available.argtypes = []
@@ -366,7 +372,7 @@ def decode_step_scratch_size(dims: DecoderDims, num_tokens: int) -> int:
 
 def decode_step(hidden: torch.Tensor, layers: ctypes.Array, dims: DecoderDims, cos: torch.Tensor, sin: torch.Tensor,
                 slots: torch.Tensor, token_index: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                scratch: torch.Tensor) -> None:
+                scratch: torch.Tensor, profile: torch.Tensor | None = None) -> None:
     """Run every layer of a LLaMA-shaped stack on ``hidden`` ``[m, hidden]`` (in place): one
     token of each of ``m`` sequences.
 
@@ -376,11 +382,12 @@ def decode_step(hidden: torch.Tensor, layers: ctypes.Array, dims: DecoderDims, c
     ``seq_lens[t]`` tokens through ``block_tables[t]`` (``dims.max_blocks`` entries);
     ``token_index`` is ``arange(m)`` (all int64). ``cos``/``sin``: float32 ``[m, dims.rot_dim]``.
     The caller has checked every pointer (see ``kiln.models.native_decode``): nothing is
-    checked here.
+    checked here. ``profile`` (float64 ``[3]``, or None): seconds in the linear layers, in
+    attention and in the rest are added to it.
     """
     rc = getattr(native_library(), f"kiln_decode_step_{_SUFFIX[hidden.dtype]}")(
         hidden.data_ptr(), hidden.shape[0], layers, len(layers), ctypes.byref(dims), cos.data_ptr(), sin.data_ptr(),
         slots.data_ptr(), token_index.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), scratch.data_ptr(),
-        torch.get_num_threads())
+        torch.get_num_threads(), profile.data_ptr() if profile is not None else None)
     if rc != 0:
         raise RuntimeError(f"decode_step: attention kernel failed with code {rc}")

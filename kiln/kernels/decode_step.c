@@ -13,8 +13,20 @@
  * with the residual adds rounded to the model dtype as eager PyTorch does. Layouts: hidden
  * [m, hidden_size] (updated in place), the KV caches [num_blocks, block_size, kv_heads,
  * head_size], slots/token_index/seq_lens [m], block_tables [m, max_blocks], cos/sin
- * [m, rot_dim] float32, scratch of kiln_decode_step_scratch(dims, m) elements.
+ * [m, rot_dim] float32, scratch of kiln_decode_step_scratch(dims, m) elements. With `profile`
+ * (else NULL) the seconds spent in the linear layers, in attention and in the rest are added
+ * to profile[0..2].
  */
+
+/* Adds the seconds `stmt` takes to profile[slot] when profiling. */
+#define TIMED(slot, stmt)                                                                          \
+    do {                                                                                           \
+        const double started_ = profile ? omp_get_wtime() : 0.0;                                   \
+        stmt;                                                                                      \
+        if (profile) profile[slot] += omp_get_wtime() - started_;                                  \
+    } while (0)
+enum { LINEAR = 0, ATTENTION = 1, OTHER = 2 };
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -71,7 +83,7 @@ int kiln_decode_step_##SUFFIX(T *hidden, int64_t m, const kiln_decoder_layer *la
                               int64_t num_layers, const kiln_decoder_dims *d, const float *cos,   \
                               const float *sin, const int64_t *slots, const int64_t *token_index, \
                               const int64_t *block_tables, const int64_t *seq_lens, T *scratch,   \
-                              int num_threads) {                                                   \
+                              int num_threads, double *profile) {                                  \
     const int64_t H = d->hidden, D = d->head_size, I = d->inter;                                   \
     const int64_t q_size = d->heads * D, kv_size = d->kv_heads * D, qkv_width = q_size + 2 * kv_size; \
     T *normed = scratch, *qkv = normed + m * H, *attn = qkv + m * qkv_width, *out = attn + m * q_size; \
@@ -79,29 +91,34 @@ int kiln_decode_step_##SUFFIX(T *hidden, int64_t m, const kiln_decoder_layer *la
     for (int64_t l = 0; l < num_layers; ++l) {                                                     \
         const kiln_decoder_layer *L = layers + l;                                                  \
         T *k_cache = L->k_cache, *v_cache = L->v_cache;                                            \
-        kiln_rmsnorm_##SUFFIX(hidden, H, L->input_norm, normed, m, H, d->eps, num_threads);         \
-        linear_##SUFFIX(normed, &L->qkv, qkv, m, qkv_width, H, num_threads);                        \
-        if (d->rot_dim > 0) {                                                                      \
-            kiln_rotary_##SUFFIX(qkv, qkv_width, cos, sin, m, d->heads, D, d->rot_dim, num_threads);  \
-            kiln_rotary_##SUFFIX(qkv + q_size, qkv_width, cos, sin, m, d->kv_heads, D, d->rot_dim,   \
-                                 num_threads);                                                     \
-        }                                                                                          \
-        for (int64_t t = 0; t < m; ++t) {                                                          \
-            const T *row = qkv + t * qkv_width + q_size;                                           \
-            memcpy(k_cache + slots[t] * kv_size, row, sizeof(T) * kv_size);                        \
-            memcpy(v_cache + slots[t] * kv_size, row + kv_size, sizeof(T) * kv_size);              \
-        }                                                                                          \
-        const int rc = kiln_paged_decode_attention_##SUFFIX(                                       \
+        TIMED(OTHER, kiln_rmsnorm_##SUFFIX(hidden, H, L->input_norm, normed, m, H, d->eps, num_threads)); \
+        TIMED(LINEAR, linear_##SUFFIX(normed, &L->qkv, qkv, m, qkv_width, H, num_threads));         \
+        TIMED(OTHER, {                                                                             \
+            if (d->rot_dim > 0) {                                                                  \
+                kiln_rotary_##SUFFIX(qkv, qkv_width, cos, sin, m, d->heads, D, d->rot_dim, num_threads); \
+                kiln_rotary_##SUFFIX(qkv + q_size, qkv_width, cos, sin, m, d->kv_heads, D, d->rot_dim, \
+                                     num_threads);                                                 \
+            }                                                                                      \
+            for (int64_t t = 0; t < m; ++t) {                                                      \
+                const T *row = qkv + t * qkv_width + q_size;                                       \
+                memcpy(k_cache + slots[t] * kv_size, row, sizeof(T) * kv_size);                    \
+                memcpy(v_cache + slots[t] * kv_size, row + kv_size, sizeof(T) * kv_size);          \
+            }                                                                                      \
+        });                                                                                        \
+        int rc = 0;                                                                                \
+        TIMED(ATTENTION, rc = kiln_paged_decode_attention_##SUFFIX(                                \
             qkv, qkv_width, k_cache, v_cache, token_index, block_tables, seq_lens, attn, m, d->heads, \
-            d->kv_heads, D, d->block_size, d->max_blocks, d->scale, num_threads);                  \
+            d->kv_heads, D, d->block_size, d->max_blocks, d->scale, num_threads));                 \
         if (rc != 0) return rc;                                                                    \
-        linear_##SUFFIX(attn, &L->dense, out, m, H, q_size, num_threads);                           \
-        residual_add_##SUFFIX(hidden, out, m * H);                                                 \
-        kiln_rmsnorm_##SUFFIX(hidden, H, L->post_norm, normed, m, H, d->eps, num_threads);          \
-        linear_##SUFFIX(normed, &L->fused_fc, gate_up, m, 2 * I, H, num_threads);                   \
-        kiln_silu_mul_##SUFFIX(gate_up, 2 * I, act, m, I, num_threads);                            \
-        linear_##SUFFIX(act, &L->proj, out, m, H, I, num_threads);                                  \
-        residual_add_##SUFFIX(hidden, out, m * H);                                                 \
+        TIMED(LINEAR, linear_##SUFFIX(attn, &L->dense, out, m, H, q_size, num_threads));            \
+        TIMED(OTHER, {                                                                             \
+            residual_add_##SUFFIX(hidden, out, m * H);                                             \
+            kiln_rmsnorm_##SUFFIX(hidden, H, L->post_norm, normed, m, H, d->eps, num_threads);      \
+        });                                                                                        \
+        TIMED(LINEAR, linear_##SUFFIX(normed, &L->fused_fc, gate_up, m, 2 * I, H, num_threads));    \
+        TIMED(OTHER, kiln_silu_mul_##SUFFIX(gate_up, 2 * I, act, m, I, num_threads));              \
+        TIMED(LINEAR, linear_##SUFFIX(act, &L->proj, out, m, H, I, num_threads));                   \
+        TIMED(OTHER, residual_add_##SUFFIX(hidden, out, m * H));                                   \
     }                                                                                              \
     return 0;                                                                                      \
 }

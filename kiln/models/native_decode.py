@@ -87,6 +87,8 @@ class NativeDecodeStep:
             self.max_tokens = kernels.SKINNY_MAX_ROWS
         self.rotary = t.rotary
         self.scratch = torch.empty(0, dtype=self.dtype)
+        # Set to a float64 [3] tensor to accumulate seconds in linears / attention / the rest.
+        self.profile: torch.Tensor | None = None
         self.key = self.key_for(model, kv_caches)
         self._no_rotary = torch.zeros(1, dtype=torch.float32)
 
@@ -112,7 +114,7 @@ class NativeDecodeStep:
         if self.scratch.numel() < needed:
             self.scratch = torch.empty(needed, dtype=self.dtype)
         kernels.decode_step(hidden, self.weights, self.dims, cos, sin, metadata.slot_mapping, st["decode_tokens"],
-                            tables, st["decode_lens"], self.scratch)
+                            tables, st["decode_lens"], self.scratch, self.profile)
         return hidden
 
 
