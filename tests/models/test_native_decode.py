@@ -120,3 +120,23 @@ def test_stale_nan_in_the_cache_never_reaches_attention(engine_dir, backend):
 
     for clean, poisoned in zip(run(False), run(True)):
         assert torch.isfinite(poisoned).all() and torch.equal(clean, poisoned)
+
+
+def test_profile_accumulates_the_parts_of_a_step_without_changing_it(engine_dir, monkeypatch):
+    engine = Engine(engine_dir)
+    prompt = [5, 9, 13, 17, 21]
+    plain, plain_logits, _ = _generate(engine, [prompt], 6, True, monkeypatch)
+    core = EngineCore(engine, max_num_seqs=1, num_blocks=16)
+    request = core.add_request(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), end_id=None,
+                               return_generation_logits=True)
+    core.step()  # the prompt: layer by layer
+    core.step()  # the first decode step builds the native step
+    native = engine.model._native_decode
+    native.profile = torch.zeros(3, dtype=torch.float64)
+    while core.has_unfinished:
+        core.step()
+    linear, attention, rest = native.profile.tolist()
+    assert linear > 0 and attention > 0 and rest > 0
+    assert request.seqs[0].output_token_ids == plain[0]
+    assert torch.equal(torch.stack([s[0] for s in request.generation_logits]), plain_logits[0])
+    engine.model._native_decode = None
