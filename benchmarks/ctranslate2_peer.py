@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from kiln.bench.common import stream_round
+
 
 def convert_for_ctranslate2(gguf: Path, out_dir: Path, compute_type: str) -> Path:
     import ctranslate2
@@ -73,18 +75,6 @@ def ct2_batch(generator, prompts: list[list[str]], new_tokens: int) -> float:
     return produced / (time.perf_counter() - started)
 
 
-def kiln_batch1(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]:
-    from kiln import SamplingParams
-
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    started = time.perf_counter()
-    first = None
-    for _ in llm.stream(prompt, params):
-        if first is None:
-            first = time.perf_counter()
-    return first - started, (new_tokens - 1) / (time.perf_counter() - first)
-
-
 def kiln_batch(llm, prompts: list[list[int]], new_tokens: int) -> float:
     from kiln import SamplingParams
 
@@ -103,8 +93,8 @@ def run_worker(kind: str, path: str, args) -> dict:
         llm = LLM(path, progress=False)
         vocab = llm.engine.config.vocab_size
         prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
-        kiln_batch1(llm, prompts[0], 8)  # warm-up
-        first, tps1 = kiln_batch1(llm, prompts[0], args.new_tokens)
+        stream_round(llm, prompts[0], 8)  # warm-up
+        first, tps1 = stream_round(llm, prompts[0], args.new_tokens)
         return {"batch1": tps1, "ttft": first, "batch": kiln_batch(llm, prompts, args.new_tokens)}
     import ctranslate2
 

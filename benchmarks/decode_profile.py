@@ -12,7 +12,6 @@ measured in the same run.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -52,14 +51,13 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from kiln.bench.machine import matmul_gflops
-    from kiln.layers.linear import Linear
+    from kiln.bench.common import decoder_linears
+    from kiln.bench.machine import median_matmul_gflops
     from kiln.runtime.engine import Engine
 
     engine = Engine(args.engine_dir)
-    linears = [m for m in engine.model.transformer.layers.modules() if isinstance(m, Linear)]
-    flops_per_token = 2 * sum(m.in_features * m.out_features for m in linears)
-    peak = statistics.median(matmul_gflops(torch.bfloat16) for _ in range(3))
+    linears, flops_per_token = decoder_linears(engine.model)
+    peak = median_matmul_gflops(torch.bfloat16)
     name = engine.config.quantization.quant_algo or engine.config.dtype
     print(f"{name}, {args.threads} threads, {args.context}-token contexts, {args.steps} steps; "
           f"bf16 matmul peak {peak:.0f} GFLOP/s; ms per step")

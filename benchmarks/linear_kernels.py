@@ -30,12 +30,12 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from kiln.bench.machine import matmul_gflops
-    from kiln.layers.linear import Linear
+    from kiln.bench.common import decoder_linears
+    from kiln.bench.machine import median_matmul_gflops
     from kiln.runtime.engine import Engine
 
     engine = Engine(args.engine_dir)
-    linears = [m for m in engine.model.transformer.layers.modules() if isinstance(m, Linear)]
+    linears, flops_per_token = decoder_linears(engine.model)
     bf16 = all(m.weight.dtype == torch.bfloat16 for m in linears)
     from kiln import kernels
 
@@ -57,8 +57,7 @@ def main() -> None:
         paths["oneDNN"] = lambda lin, x: torch.ops.mkldnn._linear_pointwise(x, packed[id(lin)], None, "none",
                                                                            [None], "")
     dtype = torch.bfloat16 if bf16 or any(m.quant_bits for m in linears) else torch.float32
-    flops_per_row = 2 * sum(m.in_features * m.out_features for m in linears)
-    peak = statistics.median(matmul_gflops(torch.bfloat16) for _ in range(3))
+    peak = median_matmul_gflops(torch.bfloat16)
     print(f"{engine.config.quantization.quant_algo or engine.config.dtype}: {len(linears)} matmuls a step, "
           f"{args.threads} threads; bf16 matmul peak {peak:.0f} GFLOP/s")
     for rows in args.rows:
@@ -76,7 +75,7 @@ def main() -> None:
         line = []
         for name, runs in times.items():
             seconds = statistics.median(runs)
-            gflops = flops_per_row * rows / seconds / 1e9
+            gflops = flops_per_token * rows / seconds / 1e9
             line.append(f"{name} {1000 * seconds:6.2f} ms {gflops:6.0f} GFLOP/s ({gflops / peak:4.0%} of peak)")
         print(f"  rows {rows:4d}: " + "   ".join(line))
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from kiln.bench.common import stream_round
+
 FTYPES = {"f32": 0, "f16": 1, "q4_1": 3, "q8_0": 7, "bf16": 32}  # llama_ftype values
 
 
@@ -54,18 +56,6 @@ def llamacpp_round(llm, prompt: list[int], new_tokens: int) -> tuple[float, floa
             first = time.perf_counter()
         if i + 1 == new_tokens:
             break
-    return first - started, (new_tokens - 1) / (time.perf_counter() - first)
-
-
-def kiln_round(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]:
-    from kiln import SamplingParams
-
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    started = time.perf_counter()
-    first = None
-    for _ in llm.stream(prompt, params):
-        if first is None:
-            first = time.perf_counter()
     return first - started, (new_tokens - 1) / (time.perf_counter() - first)
 
 
@@ -99,11 +89,11 @@ def main(argv: list[str] | None = None) -> int:
             peers[f"llama.cpp {kind}"] = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_batch=512,
                                                         n_threads=args.threads, verbose=False)
             results[f"llama.cpp {kind}"] = []
-        kiln_round(kiln, prompt, 8)  # warm-up
+        stream_round(kiln, prompt, 8)  # warm-up
         for llm in peers.values():
             llamacpp_round(llm, prompt, 8)
         for _ in range(args.rounds):
-            results[kiln_name].append(kiln_round(kiln, prompt, args.new_tokens))
+            results[kiln_name].append(stream_round(kiln, prompt, args.new_tokens))
             for name, llm in peers.items():
                 results[name].append(llamacpp_round(llm, prompt, args.new_tokens))
     print(f"batch-1 decode, {args.prompt_len}-token prompt, {args.new_tokens} new tokens, {args.threads} threads, "

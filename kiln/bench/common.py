@@ -43,6 +43,29 @@ class ForwardTimer:
             handle.remove()
 
 
+def stream_round(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """Time to first token and decode tok/s (tokens after the first) of one greedy stream of
+    ``new_tokens`` tokens, the end token ignored."""
+    from kiln import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    started = time.perf_counter()
+    first = None
+    for _ in llm.stream(prompt, params):
+        if first is None:
+            first = time.perf_counter()
+    return first - started, (new_tokens - 1) / (time.perf_counter() - first)
+
+
+def decoder_linears(model: torch.nn.Module) -> list:
+    """The linear layers of a model's decoder stack (the LM head excluded) and their FLOPs per
+    token (2 per weight)."""
+    from kiln.layers.linear import Linear
+
+    linears = [m for m in model.transformer.layers.modules() if isinstance(m, Linear)]
+    return linears, 2 * sum(m.in_features * m.out_features for m in linears)
+
+
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of weights one decode step reads: every parameter once, except an untied input
     embedding (a lookup reads one row)."""

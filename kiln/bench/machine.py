@@ -33,6 +33,11 @@ def matmul_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
     return 2 * n ** 3 / _median_seconds(lambda: a @ b, repeats) / 1e9
 
 
+def median_matmul_gflops(dtype: torch.dtype, rounds: int = 3) -> float:
+    """``matmul_gflops`` over several rounds, median (other tenants make single runs jumpy)."""
+    return statistics.median(matmul_gflops(dtype) for _ in range(rounds))
+
+
 def peak_rss_mb() -> float:
     """The process's peak resident set so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,7 +1,6 @@
 """ModelRunner: turns a SchedulerOutput into one packed forward pass and sampled tokens."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kiln import kernels
 from kiln.config import QuantConfig
