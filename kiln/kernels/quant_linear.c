@@ -129,7 +129,7 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
  * flushed to fp32 per group (4-bit) or every FLUSH k blocks (8-bit, before they could
  * overflow), times scale * x's scale; a group's zero point comes in through its sum of x. */
 #define FLUSH_KBLOCKS 16  /* 16 * 32 * 16383 * 127 < 2^31 */
-#define QUANT_GEMV_MAX_ROWS 4  /* beyond, dequantized tiles on AMX win (benchmarks/README.md) */
+#define QUANT_GEMV_MAX_ROWS 8  /* beyond, dequantized tiles on AMX win (benchmarks/README.md) */
 
 /* MT rows (1-4) of x against NB (1 or 4) output blocks; both constant once inlined. */
 static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight *W, const int16_t *xq,
