@@ -141,6 +141,21 @@ def native_library() -> ctypes.CDLL | None:
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
+def release_thread_pool() -> None:
+    """Let go of the calling thread's OpenMP worker threads (they come back if it runs OpenMP
+    again).
+
+    OpenMP keeps a pool of workers per thread that ran a parallel region. Once the model runs on
+    another thread (the executor's), the loading thread's idle pool makes libgomp count more
+    threads than cores, and it then puts workers to sleep at every region's end: each of the
+    kernels' short regions paid a wake-up, 2-4x slower here. The executor calls this on the
+    thread that loaded the engine before handing the model to its own thread.
+    """
+    lib = native_library()
+    if lib is not None and hasattr(lib, "omp_pause_resource_all"):
+        lib.omp_pause_resource_all(1)  # omp_pause_soft
+
+
 def elementwise_supported(x: torch.Tensor) -> bool:
     """Whether the fused elementwise kernels take ``x``: a CPU fp32/bf16 tensor whose rows
     (last dim) are contiguous, with the native library built."""

@@ -25,6 +25,7 @@ from typing import AsyncIterator
 
 import torch
 
+from kiln import kernels
 from kiln.errors import ConfigError, KilnError, RequestError
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
@@ -167,6 +168,7 @@ class Executor:
         self._shutdown = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="kiln-executor", daemon=True)
+        kernels.release_thread_pool()  # the model now runs on the executor's thread only
         self._thread.start()
 
     # -- the public API ---------------------------------------------------------------------

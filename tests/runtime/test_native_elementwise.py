@@ -133,3 +133,16 @@ def test_kernels_write_into_a_given_output_and_check_it():
     assert kernels.skinny_linear(x[:1], w, out=one) is one
     with pytest.raises(ValueError, match="out"):
         kernels.skinny_linear(x[:1], w, out=torch.empty(1, 31, dtype=torch.bfloat16))
+
+
+def test_kernels_run_the_same_after_the_thread_pool_is_released_and_on_another_thread():
+    import threading
+
+    x, w = _randn(5, 64, dtype=torch.bfloat16), _randn(32, 64, dtype=torch.bfloat16, seed=4)
+    expected = kernels.skinny_linear(x, w)
+    kernels.release_thread_pool()
+    results = []
+    worker = threading.Thread(target=lambda: results.append(kernels.skinny_linear(x, w)))
+    worker.start()
+    worker.join()
+    assert torch.equal(results[0], expected) and torch.equal(kernels.skinny_linear(x, w), expected)
