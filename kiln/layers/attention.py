@@ -11,6 +11,7 @@ from torch import nn
 
 from kiln import kernels
 from kiln.layers.linear import QKVColumnLinear, RowLinear
+from kiln.layers.normalization import RmsNorm
 from kiln.layers.rotary import RotaryEmbedding
 
 
@@ -18,7 +19,7 @@ class Attention(nn.Module):
     def __init__(self, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int,
                  head_size: int, *, qkv_bias: bool, dense_bias: bool, rotary: RotaryEmbedding | None,
                  dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0,
-                 source_transposed: bool = False):
+                 source_transposed: bool = False, qk_norm_eps: float | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = num_heads // tp_size  # per rank
@@ -30,6 +31,9 @@ class Attention(nn.Module):
         self.dense = RowLinear(num_heads * head_size, hidden_size, dense_bias, dtype=dtype,
                                tp_size=tp_size, tp_rank=tp_rank, source_transposed=source_transposed)
         self.rotary = rotary
+        # Qwen3: every query and key head RMS-normalised (over head_size) before rotary.
+        self.q_norm = RmsNorm(head_size, qk_norm_eps, dtype=dtype) if qk_norm_eps is not None else None
+        self.k_norm = RmsNorm(head_size, qk_norm_eps, dtype=dtype) if qk_norm_eps is not None else None
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:
         # hidden: [num_tokens, hidden_size]
@@ -39,6 +43,9 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_size)
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_size)).view(num_tokens, self.num_heads, self.head_size)
+            k = self.k_norm(k.reshape(-1, self.head_size)).view(num_tokens, self.num_kv_heads, self.head_size)
         if self.rotary is not None:
             cos, sin = metadata.rotary_cos_sin(self.rotary, positions)
             if kernels.elementwise_supported(hidden) and q.dtype == hidden.dtype:

@@ -52,7 +52,8 @@ class DecoderLayer(nn.Module):
             layer_idx, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
             config.head_size, qkv_bias=config.get("attn_bias", False),
             dense_bias=config.get("dense_bias", config.get("attn_bias", False)), rotary=rotary,
-            source_transposed=model_cls.source_transposed, **shard)
+            source_transposed=model_cls.source_transposed,
+            qk_norm_eps=config.norm_epsilon if config.get("qk_norm", False) else None, **shard)
         self.post_layernorm = model_cls.make_norm(config, dtype)
         inter = config.intermediate_size or 4 * config.hidden_size
         bias = config.get("mlp_bias", False)

@@ -1,4 +1,5 @@
-"""The LLaMA family: Llama 2/3, Mistral, Qwen2, SmolLM2 (RMSNorm, RoPE, GQA, SwiGLU)."""
+"""The LLaMA family: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2 (RMSNorm, RoPE, GQA, SwiGLU;
+Qwen2's qkv bias, Qwen3's per-head q/k RMSNorm)."""
 from __future__ import annotations
 
 from kiln.config import PretrainedConfig
@@ -8,7 +9,7 @@ from kiln.models.hf_config import hf_dtype, hf_get, hf_rope
 from kiln.models.registry import register_model
 
 
-@register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+@register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 class LlamaForCausalLM(DecoderModelForCausalLM):
     gated_mlp = True
     hf_key_map = {}  # the loader's default map is LLaMA's
@@ -20,6 +21,7 @@ class LlamaForCausalLM(DecoderModelForCausalLM):
         theta, scaling = hf_rope(hf)
         architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
         qwen2 = hf.get("model_type") == "qwen2" or architecture == "Qwen2ForCausalLM"
+        qwen3 = hf.get("model_type") == "qwen3" or architecture == "Qwen3ForCausalLM"
         tied = bool(hf.get("tie_word_embeddings", False))
         window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
         return PretrainedConfig(
@@ -45,6 +47,7 @@ class LlamaForCausalLM(DecoderModelForCausalLM):
                 "dense_bias": False if qwen2 else bool(hf.get("attention_bias", False)),
                 "mlp_bias": bool(hf.get("mlp_bias", False)),
                 "tie_word_embeddings": tied,
-                "sliding_window": window if hf.get("model_type") in ("mistral", "qwen2") else None,
+                "qk_norm": qwen3,
+                "sliding_window": window if hf.get("model_type") in ("mistral", "qwen2", "qwen3") else None,
             },
         )

@@ -5,7 +5,7 @@ is as much as the arithmetic of a few tokens. ``NativeDecodeStep`` hands every l
 ``kiln.kernels.decode_step``, which runs the same kernels in the same order (so the result
 is the same, bit for bit). It applies to a model only when every layer is exactly the
 shape that kernel computes: RMSNorm before attention and MLP, a fused qkv projection with
-rotate-half rotary (or none), a fused SiLU-gated MLP, one rank, fp32 or bf16 weights; any
+rotate-half rotary (or none) and no q/k norm, a fused SiLU-gated MLP, one rank, fp32 or bf16 weights; any
 other model, the PyTorch attention backend, steps with a prompt chunk and steps of more
 tokens than its matmuls are best at (``NativeDecodeStep.max_tokens``) take the layer-by-layer
 path.
@@ -36,7 +36,8 @@ def supports_native_decode(model) -> bool:
         attn, mlp = layer.attention, layer.mlp
         if not (type(layer) is DecoderLayer and type(layer.input_layernorm) is RmsNorm
                 and type(layer.post_layernorm) is RmsNorm and type(attn) is Attention
-                and type(mlp) is GatedMLP and mlp.fused and mlp.act is F.silu and attn.rotary is t.rotary):
+                and type(mlp) is GatedMLP and mlp.fused and mlp.act is F.silu and attn.rotary is t.rotary
+                and attn.q_norm is None):
             return False
         if any(p.device.type != "cpu" or not p.is_contiguous() for p in layer.parameters()):
             return False

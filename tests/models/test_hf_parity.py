@@ -55,6 +55,7 @@ CASES: dict[str, tuple[Callable, dict, dict]] = {
                                                          "high_freq_factor": 4.0,
                                                          "original_max_position_embeddings": 16}), {}),
     "qwen2": (make_llama, dict(model_type="qwen2"), {}),
+    "qwen3": (make_llama, dict(model_type="qwen3", num_heads=4, num_kv_heads=2), {}),
     "llama-sharded": (make_llama, dict(max_shard_size="20KB"), {}),
     "llama-bin": (make_bin(make_llama), {}, {}),
     "gpt2": (make_gpt2, {}, {}),
@@ -134,7 +135,7 @@ def hf_reference(built) -> Callable[[str], tuple[list[list[int]], list[list[int]
     return get
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "gpt2"])
+@pytest.mark.parametrize("name", ["llama-gqa", "gpt2", "qwen3"])
 def test_batched_greedy_matches_hf(built, hf_reference, name: str) -> None:
     """4 prompts (3/7/12/20 tokens) sharing every step give HF's 32 greedy tokens each."""
     prompts, expected = hf_reference(name)
