@@ -144,6 +144,9 @@ class DecoderModelForCausalLM(nn.Module):
         """Run one packed step. ``input_ids``/``positions``: ``[num_tokens]``; returns hidden states."""
         t = self.transformer
         hidden = t.vocab_embedding(input_ids)
+        multiplier = self.config.get("embedding_multiplier")
+        if multiplier:  # Gemma: rounded to the model dtype first, as Hugging Face does
+            hidden = hidden * torch.tensor(multiplier, dtype=hidden.dtype)
         if hasattr(t, "position_embedding"):
             hidden = hidden + t.position_embedding(positions)
         native = native_decode_for(self, kv_caches, metadata)

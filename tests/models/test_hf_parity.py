@@ -18,7 +18,7 @@ from kiln.build import build_engine, resolve_build_config
 from kiln.checkpoint.format import read_config
 from tests.utils.compare import (assert_logits_close, hf_greedy, kiln_greedy, kiln_prompt_logits,
                                  resave_as_torch_bin)
-from tests.utils.tiny_models import make_gpt2, make_llama
+from tests.utils.tiny_models import make_gemma, make_gpt2, make_llama
 
 PROMPT_LEN = 24
 GREEDY_PROMPT_LENS = (3, 7, 12, 20)
@@ -56,6 +56,7 @@ CASES: dict[str, tuple[Callable, dict, dict]] = {
                                                          "original_max_position_embeddings": 16}), {}),
     "qwen2": (make_llama, dict(model_type="qwen2"), {}),
     "qwen3": (make_llama, dict(model_type="qwen3", num_heads=4, num_kv_heads=2), {}),
+    "gemma": (make_gemma, {}, {}),
     "llama-sharded": (make_llama, dict(max_shard_size="20KB"), {}),
     "llama-bin": (make_bin(make_llama), {}, {}),
     "gpt2": (make_gpt2, {}, {}),
@@ -135,7 +136,7 @@ def hf_reference(built) -> Callable[[str], tuple[list[list[int]], list[list[int]
     return get
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "gpt2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama-gqa", "gpt2", "qwen3", "gemma"])
 def test_batched_greedy_matches_hf(built, hf_reference, name: str) -> None:
     """4 prompts (3/7/12/20 tokens) sharing every step give HF's 32 greedy tokens each."""
     prompts, expected = hf_reference(name)

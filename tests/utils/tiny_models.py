@@ -38,6 +38,24 @@ def make_llama(path: Path, *, num_heads: int = 4, num_kv_heads: int = 2, hidden:
     return model
 
 
+def make_gemma(path: Path, *, hidden: int = 64, layers: int = 2, num_heads: int = 4, num_kv_heads: int = 1,
+               vocab: int = 256, seed: int = 0):
+    """A random Gemma (v1): multi-query attention, a head wider than hidden / heads, GeGLU, tied."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.GemmaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 16,
+                                      num_hidden_layers=layers, num_attention_heads=num_heads,
+                                      num_key_value_heads=num_kv_heads, head_dim=2 * hidden // num_heads,
+                                      hidden_activation="gelu_pytorch_tanh", max_position_embeddings=256,
+                                      rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = transformers.GemmaForCausalLM(config)
+    _randomize_norms(model)
+    model = model.float().eval()
+    model.save_pretrained(path)
+    return model
+
+
 def make_gpt2(path: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, vocab: int = 256,
               positions: int = 128, seed: int = 0):
     import transformers
