@@ -118,6 +118,9 @@ class ModelWeightsLoader:
                 f"expected {sum(sizes)} (parts {sizes})")
         pieces, offset = [], 0
         for size, (_, part_tp_size, part_tp_rank) in zip(sizes, spec.parts):
+            if part_tp_size == 0:  # a part this parameter does not take
+                offset += size
+                continue
             start, stop = _rank_range(size, part_tp_size, part_tp_rank)
             index = tuple(slice(offset + start, offset + stop) if d == dim else slice(None)
                           for d in range(len(shape)))

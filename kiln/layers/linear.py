@@ -35,7 +35,8 @@ class ShardSpec:
     ``dim`` is the dimension split over ranks (``None``: the whole tensor). When that
     dimension is a concatenation of parts (a fused qkv, say), ``parts`` lists them as
     ``(size, tp_size, tp_rank)``: each part is split on its own and the rank's pieces are
-    concatenated. ``size`` may be ``None`` for a single part spanning the dimension.
+    concatenated; a part with ``tp_size`` 0 is skipped (another parameter takes it). ``size``
+    may be ``None`` for a single part spanning the dimension.
     """
 
     dim: int | None = None
@@ -158,7 +159,16 @@ class Linear(nn.Module):
             return 0 if self.tp_dim == 0 else None
         return self.tp_dim
 
+    # (index, count): this layer's rows are part ``index`` of ``count`` equal row parts of one
+    # fused external tensor (Phi-3's gate_up_proj holds both gated-MLP inputs).
+    fused_part: tuple[int, int] | None = None
+
     def load_spec(self, param_name: str, num_external: int) -> list[ShardSpec]:
+        if self.fused_part is not None and param_name in ("weight", "bias"):
+            index, count = self.fused_part
+            rows = self.out_features * (self.tp_size if self.tp_dim == 0 else 1)
+            split = self.tp_size if self.tp_dim == 0 else 1
+            return [ShardSpec(0, tuple((rows, split if i == index else 0, self.tp_rank) for i in range(count)))]
         spec = ShardSpec.even(self.shard_dim(param_name), self.tp_size, self.tp_rank)
         if self.source_transposed and param_name == "weight":
             spec = spec.transposed()

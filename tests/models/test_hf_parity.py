@@ -18,7 +18,7 @@ from kiln.build import build_engine, resolve_build_config
 from kiln.checkpoint.format import read_config
 from tests.utils.compare import (assert_logits_close, hf_greedy, kiln_greedy, kiln_prompt_logits,
                                  resave_as_torch_bin)
-from tests.utils.tiny_models import make_gemma, make_gpt2, make_llama
+from tests.utils.tiny_models import make_gemma, make_gpt2, make_llama, make_phi3
 
 PROMPT_LEN = 24
 GREEDY_PROMPT_LENS = (3, 7, 12, 20)
@@ -57,6 +57,7 @@ CASES: dict[str, tuple[Callable, dict, dict]] = {
     "qwen2": (make_llama, dict(model_type="qwen2"), {}),
     "qwen3": (make_llama, dict(model_type="qwen3", num_heads=4, num_kv_heads=2), {}),
     "gemma": (make_gemma, {}, {}),
+    "phi3": (make_phi3, {}, {}),
     "llama-sharded": (make_llama, dict(max_shard_size="20KB"), {}),
     "llama-bin": (make_bin(make_llama), {}, {}),
     "gpt2": (make_gpt2, {}, {}),
@@ -136,7 +137,7 @@ def hf_reference(built) -> Callable[[str], tuple[list[list[int]], list[list[int]
     return get
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "gpt2", "qwen3", "gemma"])
+@pytest.mark.parametrize("name", ["llama-gqa", "gpt2", "qwen3", "gemma", "phi3"])
 def test_batched_greedy_matches_hf(built, hf_reference, name: str) -> None:
     """4 prompts (3/7/12/20 tokens) sharing every step give HF's 32 greedy tokens each."""
     prompts, expected = hf_reference(name)
@@ -159,3 +160,22 @@ def test_chunked_small_block_greedy_matches_hf(built, hf_reference, name: str) -
     assert max(sum(n for _, n, _ in step) for step in steps) <= 8
     assert any(not completes for step in steps for _, _, completes in step), "no prompt was chunked"
     assert ours == expected
+
+
+def test_phi3_fused_gate_up_splits_into_fc_and_gate_per_rank(built, tmp_path) -> None:
+    """Phi-3's gate_up_proj holds both gated-MLP inputs: each tp rank takes its slice of each half."""
+    from safetensors import safe_open
+
+    from kiln.convert import convert_checkpoint
+
+    case = built("phi3")
+    checkpoint = convert_checkpoint(case.hf_dir, tmp_path / "tp2", tp_size=2, progress=False)
+    fused = case.hf.model.layers[0].mlp.gate_up_proj.weight
+    half = fused.shape[0] // 2
+    parts = {"fc": [], "gate": []}
+    for rank in (0, 1):
+        with safe_open(str(checkpoint / f"rank{rank}.safetensors"), "pt") as f:
+            for name in parts:
+                parts[name].append(f.get_tensor(f"transformer.layers.0.mlp.{name}.weight"))
+    assert torch.equal(torch.cat(parts["fc"]), fused[:half]) and torch.equal(torch.cat(parts["gate"]), fused[half:])
+    assert parts["fc"][0].shape[0] == half // 2

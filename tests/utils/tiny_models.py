@@ -56,6 +56,24 @@ def make_gemma(path: Path, *, hidden: int = 64, layers: int = 2, num_heads: int 
     return model
 
 
+def make_phi3(path: Path, *, hidden: int = 64, layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+              vocab: int = 256, partial_rotary: float = 0.5, seed: int = 0):
+    """A random Phi-3 (fused qkv_proj and gate_up_proj), with partial rotary by default."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Phi3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 8,
+                                     num_hidden_layers=layers, num_attention_heads=num_heads,
+                                     num_key_value_heads=num_kv_heads, partial_rotary_factor=partial_rotary,
+                                     max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = transformers.Phi3ForCausalLM(config)
+    _randomize_norms(model)
+    model = model.float().eval()
+    model.save_pretrained(path)
+    return model
+
+
 def make_gpt2(path: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, vocab: int = 256,
               positions: int = 128, seed: int = 0):
     import transformers

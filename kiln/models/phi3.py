@@ -1,0 +1,29 @@
+"""Phi-3: the LLaMA layout with its projections fused in the checkpoint (``qkv_proj``, and
+``gate_up_proj`` holding the gate's rows then the up projection's) and optional partial rotary."""
+from __future__ import annotations
+
+import dataclasses
+
+from kiln.config import PretrainedConfig
+from kiln.mapping import Mapping
+from kiln.models.hf_config import hf_get
+from kiln.models.llama import LlamaForCausalLM
+from kiln.models.registry import register_model
+
+
+@register_model("Phi3ForCausalLM")
+class Phi3ForCausalLM(LlamaForCausalLM):
+    hf_key_map = {"qkv": "qkv_proj", "fc": "gate_up_proj", "gate": "gate_up_proj"}
+
+    def __init__(self, config: PretrainedConfig, engine_layout: bool = False):
+        super().__init__(config, engine_layout)
+        if not engine_layout:  # loading from Hugging Face: fc and gate are the halves of gate_up_proj
+            for layer in self.transformer.layers.values():
+                layer.mlp.fc.fused_part, layer.mlp.gate.fused_part = (0, 2), (1, 2)
+
+    @classmethod
+    def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
+        config = super().config_from_hf(hf, dtype, mapping)
+        extra = dict(config.extra, rotary_pct=float(hf_get(hf, "partial_rotary_factor", default=1.0)),
+                     attn_bias=False, dense_bias=False, mlp_bias=False)
+        return dataclasses.replace(config, architecture="Phi3ForCausalLM", extra=extra)
