@@ -54,6 +54,7 @@ CASES: dict[str, tuple[Callable, dict, dict]] = {
     "llama-rope-llama3": (make_llama, dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                          "high_freq_factor": 4.0,
                                                          "original_max_position_embeddings": 16}), {}),
+    "mistral": (make_llama, dict(model_type="mistral", num_heads=4, num_kv_heads=2), {}),
     "qwen2": (make_llama, dict(model_type="qwen2"), {}),
     "qwen3": (make_llama, dict(model_type="qwen3", num_heads=4, num_kv_heads=2), {}),
     "gemma": (make_gemma, {}, {}),

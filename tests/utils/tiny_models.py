@@ -10,7 +10,7 @@ def make_llama(path: Path, *, num_heads: int = 4, num_kv_heads: int = 2, hidden:
                vocab: int = 256, tie: bool = False, rope_scaling: dict | None = None, qkv_bias: bool = False,
                max_positions: int = 256, seed: int = 0, intermediate: int | None = None,
                max_shard_size: str | None = None, model_type: str = "llama"):
-    """Save a random Llama (or Qwen2 / Qwen3 with ``model_type``) to ``path``; return the HF model."""
+    """Save a random Llama (or Mistral / Qwen2 / Qwen3 with ``model_type``) to ``path``; return the HF model."""
     import transformers
 
     torch.manual_seed(seed)
@@ -21,6 +21,9 @@ def make_llama(path: Path, *, num_heads: int = 4, num_kv_heads: int = 2, hidden:
     if model_type == "qwen2":
         config = transformers.Qwen2Config(**common)
         model = transformers.Qwen2ForCausalLM(config)
+    elif model_type == "mistral":  # its sliding window (4,096) lies beyond these positions
+        config = transformers.MistralConfig(**common)
+        model = transformers.MistralForCausalLM(config)
     elif model_type == "qwen3":  # q/k RMSNorm per head, and a head size other than hidden / heads
         config = transformers.Qwen3Config(**common, head_dim=2 * hidden // num_heads, attention_bias=qkv_bias)
         model = transformers.Qwen3ForCausalLM(config)
