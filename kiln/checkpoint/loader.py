@@ -13,7 +13,6 @@ the constructor, then a layer's own ``external_key_map`` for its parameters.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Callable
 
@@ -23,7 +22,7 @@ from tqdm import tqdm
 
 from kiln.checkpoint.sources import TensorSource, open_source
 from kiln.errors import CheckpointError, preview
-from kiln.layers.linear import ShardSpec
+from kiln.layers.linear import ShardSpec, rank_range
 
 KeyMap = dict[str, "str | list[str]"]
 
@@ -54,12 +53,6 @@ def translate_key(key: str, key_map: KeyMap) -> list[str]:
         options = mapped if isinstance(mapped, list) else [mapped]
         results = [prefix + ([m] if m else []) for prefix in results for m in options]
     return [".".join(parts) for parts in results]
-
-
-def _rank_range(size: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
-    chunk = math.ceil(size / tp_size)
-    start = min(tp_rank * chunk, size)
-    return start, min(start + chunk, size)
 
 
 class ModelWeightsLoader:
@@ -121,7 +114,7 @@ class ModelWeightsLoader:
             if part_tp_size == 0:  # a part this parameter does not take
                 offset += size
                 continue
-            start, stop = _rank_range(size, part_tp_size, part_tp_rank)
+            start, stop = rank_range(size, part_tp_size, part_tp_rank)
             index = tuple(slice(offset + start, offset + stop) if d == dim else slice(None)
                           for d in range(len(shape)))
             pieces.append(self.source.read(key, index))

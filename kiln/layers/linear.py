@@ -11,6 +11,7 @@ weights, **kwargs)`` turning the loaded tensors into ``{key: tensor}``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,14 @@ from kiln import distributed, kernels
 # packed once into its blocked format (1.4-2x faster than F.linear). fp32: the native skinny
 # GEMM up to 16 rows (faster than MKL), F.linear beyond.
 _PACK_BF16 = torch.backends.mkldnn.is_available()
+
+
+def rank_range(size: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """The ``[start, stop)`` of ``size`` entries that rank ``tp_rank`` of ``tp_size`` holds
+    (chunks of ceil(size / tp_size); the last may be short)."""
+    chunk = math.ceil(size / tp_size)
+    start = min(tp_rank * chunk, size)
+    return start, min(start + chunk, size)
 
 
 @dataclass(frozen=True)
@@ -238,6 +247,7 @@ class QKVColumnLinear(ColumnLinear):
                  source_transposed: bool = False):
         self.q_size = num_heads * head_size  # totals over all ranks
         self.kv_size = num_kv_heads * head_size
+        self.head_size = head_size
         self.kv_tp_size = min(tp_size, num_kv_heads)
         self.kv_tp_rank = tp_rank * self.kv_tp_size // tp_size
         local_kv_heads = max(num_kv_heads // tp_size, 1)
@@ -245,7 +255,13 @@ class QKVColumnLinear(ColumnLinear):
         super().__init__(hidden_size, out_local * tp_size, bias, dtype=dtype, tp_size=tp_size,
                          tp_rank=tp_rank, source_transposed=source_transposed)
 
+    # External rows ordered per head, [q_h; k_h; v_h] for each head h (GPT-NeoX's query_key_value):
+    # loaded whole, reordered to [q; k; v] and cut to this rank's heads in postprocess.
+    interleaved_heads: bool = False
+
     def load_spec(self, param_name: str, num_external: int) -> list[ShardSpec]:
+        if self.interleaved_heads:
+            return [ShardSpec()] * num_external
         dim = 0 if not (self.source_transposed and param_name == "weight") else 1
         q = (self.q_size, self.tp_size, self.tp_rank)
         kv = (self.kv_size, self.kv_tp_size, self.kv_tp_rank)
@@ -254,3 +270,14 @@ class QKVColumnLinear(ColumnLinear):
         if num_external == 1:  # one fused external tensor
             return [ShardSpec(dim, (q, kv, kv))]
         raise ValueError(f"qkv loads from 1 or 3 external tensors, not {num_external}")
+
+    def postprocess(self, key: str, weights: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
+        if not self.interleaved_heads:
+            return super().postprocess(key, weights, **kwargs)
+        if self.q_size != self.kv_size:
+            raise ValueError("interleaved qkv heads need as many KV heads as query heads")
+        fused = weights[0]  # [heads * 3 * head_size, ...]: per head its q, k and v rows
+        per_head = fused.reshape(-1, 3, self.head_size, *fused.shape[1:])
+        start, stop = rank_range(per_head.shape[0], self.tp_size, self.tp_rank)
+        mine = per_head[start:stop].transpose(0, 1)  # [3, this rank's heads, head_size, ...]
+        return {key: mine.reshape(-1, *fused.shape[1:]).contiguous()}

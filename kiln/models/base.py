@@ -55,6 +55,7 @@ class DecoderLayer(nn.Module):
             source_transposed=model_cls.source_transposed,
             qk_norm_eps=config.norm_epsilon if config.get("qk_norm", False) else None, **shard)
         self.post_layernorm = model_cls.make_norm(config, dtype)
+        self.parallel_residual = bool(config.get("parallel_residual", False))
         inter = config.intermediate_size or 4 * config.hidden_size
         bias = config.get("mlp_bias", False)
         if model_cls.gated_mlp:
@@ -64,7 +65,10 @@ class DecoderLayer(nn.Module):
                            source_transposed=model_cls.source_transposed, **shard)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:
-        hidden = hidden + self.attention(self.input_layernorm(hidden), positions, metadata, kv_cache)
+        attended = self.attention(self.input_layernorm(hidden), positions, metadata, kv_cache)
+        if self.parallel_residual:  # GPT-NeoX: attention and MLP both read the layer's input
+            return hidden + attended + self.mlp(self.post_layernorm(hidden))
+        hidden = hidden + attended
         return hidden + self.mlp(self.post_layernorm(hidden))
 
 

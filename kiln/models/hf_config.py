@@ -28,11 +28,19 @@ def hf_rope(hf: dict) -> tuple[float, dict | None]:
     scaling = dict(hf.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or scaling.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
     merged = {**params, **scaling}
+    merged.pop("partial_rotary_factor", None)  # not a scaling: see hf_partial_rotary
     kind = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
     merged.pop("type", None)
     if kind == "default":
         return float(theta), None
     return float(theta), {"rope_type": kind, **merged}
+
+
+def hf_partial_rotary(hf: dict) -> float:
+    """The fraction of each head that rotary embedding rotates (1.0 unless the config says less):
+    ``partial_rotary_factor`` / ``rotary_pct`` at the top level or inside ``rope_parameters``."""
+    params = hf.get("rope_parameters") or {}
+    return float(hf_get(hf, "partial_rotary_factor", "rotary_pct", default=params.get("partial_rotary_factor", 1.0)))
 
 
 def hf_dtype(hf: dict, requested: str | None) -> str:

@@ -37,7 +37,7 @@ def supports_native_decode(model) -> bool:
         if not (type(layer) is DecoderLayer and type(layer.input_layernorm) is RmsNorm
                 and type(layer.post_layernorm) is RmsNorm and type(attn) is Attention
                 and type(mlp) is GatedMLP and mlp.fused and mlp.act is F.silu and attn.rotary is t.rotary
-                and attn.q_norm is None):
+                and attn.q_norm is None and not layer.parallel_residual):
             return False
         if any(p.device.type != "cpu" or not p.is_contiguous() for p in layer.parameters()):
             return False

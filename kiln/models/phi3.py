@@ -6,7 +6,7 @@ import dataclasses
 
 from kiln.config import PretrainedConfig
 from kiln.mapping import Mapping
-from kiln.models.hf_config import hf_get
+from kiln.models.hf_config import hf_partial_rotary
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.registry import register_model
 
@@ -24,6 +24,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
         config = super().config_from_hf(hf, dtype, mapping)
-        extra = dict(config.extra, rotary_pct=float(hf_get(hf, "partial_rotary_factor", default=1.0)),
+        extra = dict(config.extra, rotary_pct=hf_partial_rotary(hf),
                      attn_bias=False, dense_bias=False, mlp_bias=False)
         return dataclasses.replace(config, architecture="Phi3ForCausalLM", extra=extra)

@@ -18,7 +18,7 @@ from kiln.build import build_engine, resolve_build_config
 from kiln.checkpoint.format import read_config
 from tests.utils.compare import (assert_logits_close, hf_greedy, kiln_greedy, kiln_prompt_logits,
                                  resave_as_torch_bin)
-from tests.utils.tiny_models import make_gemma, make_gpt2, make_llama, make_phi3
+from tests.utils.tiny_models import make_gemma, make_gpt2, make_gpt_neox, make_llama, make_phi3
 
 PROMPT_LEN = 24
 GREEDY_PROMPT_LENS = (3, 7, 12, 20)
@@ -59,6 +59,8 @@ CASES: dict[str, tuple[Callable, dict, dict]] = {
     "qwen3": (make_llama, dict(model_type="qwen3", num_heads=4, num_kv_heads=2), {}),
     "gemma": (make_gemma, {}, {}),
     "phi3": (make_phi3, {}, {}),
+    "gpt-neox": (make_gpt_neox, {}, {}),
+    "gpt-neox-sequential": (make_gpt_neox, dict(parallel_residual=False), {}),
     "llama-sharded": (make_llama, dict(max_shard_size="20KB"), {}),
     "llama-bin": (make_bin(make_llama), {}, {}),
     "gpt2": (make_gpt2, {}, {}),
@@ -138,7 +140,7 @@ def hf_reference(built) -> Callable[[str], tuple[list[list[int]], list[list[int]
     return get
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "gpt2", "qwen3", "gemma", "phi3"])
+@pytest.mark.parametrize("name", ["llama-gqa", "gpt2", "qwen3", "gemma", "phi3", "gpt-neox"])
 def test_batched_greedy_matches_hf(built, hf_reference, name: str) -> None:
     """4 prompts (3/7/12/20 tokens) sharing every step give HF's 32 greedy tokens each."""
     prompts, expected = hf_reference(name)
@@ -180,3 +182,22 @@ def test_phi3_fused_gate_up_splits_into_fc_and_gate_per_rank(built, tmp_path) ->
                 parts[name].append(f.get_tensor(f"transformer.layers.0.mlp.{name}.weight"))
     assert torch.equal(torch.cat(parts["fc"]), fused[:half]) and torch.equal(torch.cat(parts["gate"]), fused[half:])
     assert parts["fc"][0].shape[0] == half // 2
+
+
+def test_gpt_neox_per_head_qkv_is_reordered_and_split_by_heads(built, tmp_path) -> None:
+    """query_key_value rows come per head (q, k, v of head 0, then head 1...): each tp rank
+    gets [q; k; v] of its own heads."""
+    from safetensors import safe_open
+
+    from kiln.convert import convert_checkpoint
+
+    case = built("gpt-neox")
+    checkpoint = convert_checkpoint(case.hf_dir, tmp_path / "tp2", tp_size=2, progress=False)
+    config = case.hf.config
+    head = config.hidden_size // config.num_attention_heads
+    per_head = case.hf.gpt_neox.layers[0].attention.query_key_value.weight.view(config.num_attention_heads, 3, head, -1)
+    for rank in (0, 1):
+        with safe_open(str(checkpoint / f"rank{rank}.safetensors"), "pt") as f:
+            qkv = f.get_tensor("transformer.layers.0.attention.qkv.weight")
+        heads = per_head[rank * 2:(rank + 1) * 2]  # 4 heads over 2 ranks
+        assert torch.equal(qkv, heads.transpose(0, 1).reshape(-1, config.hidden_size))

@@ -77,6 +77,23 @@ def make_phi3(path: Path, *, hidden: int = 64, layers: int = 2, num_heads: int =
     return model
 
 
+def make_gpt_neox(path: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, vocab: int = 256,
+                  parallel_residual: bool = True, seed: int = 0):
+    """A random GPT-NeoX (Pythia): partial rotary (a quarter of each head), per-head fused qkv."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.GPTNeoXConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+                                        num_hidden_layers=layers, num_attention_heads=heads, rotary_pct=0.25,
+                                        max_position_embeddings=256, use_parallel_residual=parallel_residual,
+                                        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    model = transformers.GPTNeoXForCausalLM(config)
+    _randomize_norms(model)
+    model = model.float().eval()
+    model.save_pretrained(path)
+    return model
+
+
 def make_gpt2(path: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, vocab: int = 256,
               positions: int = 128, seed: int = 0):
     import transformers
