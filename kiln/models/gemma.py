@@ -9,7 +9,7 @@ from kiln.config import PretrainedConfig
 from kiln.layers.normalization import RmsNorm
 from kiln.mapping import Mapping
 from kiln.models.base import DecoderModelForCausalLM
-from kiln.models.hf_config import hf_dtype, hf_get, hf_rope
+from kiln.models.hf_config import hf_get, rope_decoder_config
 from kiln.models.registry import register_model
 
 
@@ -32,31 +32,10 @@ class GemmaForCausalLM(DecoderModelForCausalLM):
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
-        heads, hidden = hf_get(hf, "num_attention_heads"), hf_get(hf, "hidden_size")
-        theta, scaling = hf_rope(hf)
-        return PretrainedConfig(
-            architecture="GemmaForCausalLM",
-            dtype=hf_dtype(hf, dtype),
-            vocab_size=hf_get(hf, "vocab_size"),
-            hidden_size=hidden,
-            num_hidden_layers=hf_get(hf, "num_hidden_layers"),
-            num_attention_heads=heads,
-            num_key_value_heads=hf_get(hf, "num_key_value_heads", default=heads),
-            head_size=hf_get(hf, "head_dim", default=hidden // heads),
+        bias = bool(hf.get("attention_bias", False))
+        return rope_decoder_config(
+            hf, dtype, mapping, "GemmaForCausalLM", tied_default=True,
             # Gemma's own field wins: its released configs say hidden_act "gelu" but run the tanh form.
             hidden_act=hf_get(hf, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh"),
-            intermediate_size=hf_get(hf, "intermediate_size"),
-            norm_epsilon=float(hf_get(hf, "rms_norm_eps", default=1e-6)),
-            max_position_embeddings=hf_get(hf, "max_position_embeddings", default=None),
-            position_embedding_type="rope_gpt_neox",
-            mapping=mapping,
-            share_embedding_table=bool(hf.get("tie_word_embeddings", True)),
-            extra={
-                "rotary_base": theta,
-                "rotary_scaling": scaling,
-                "attn_bias": bool(hf.get("attention_bias", False)),
-                "dense_bias": bool(hf.get("attention_bias", False)),
-                "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
-                "embedding_multiplier": float(hidden) ** 0.5,
-            },
-        )
+            extra={"attn_bias": bias, "dense_bias": bias,
+                   "embedding_multiplier": float(hf_get(hf, "hidden_size")) ** 0.5})

@@ -9,7 +9,7 @@ from kiln.config import PretrainedConfig
 from kiln.layers.normalization import LayerNorm
 from kiln.mapping import Mapping
 from kiln.models.base import DecoderModelForCausalLM
-from kiln.models.hf_config import hf_dtype, hf_get, hf_partial_rotary, hf_rope
+from kiln.models.hf_config import hf_get, hf_partial_rotary, rope_decoder_config
 from kiln.models.registry import register_model
 
 
@@ -39,33 +39,10 @@ class GPTNeoXForCausalLM(DecoderModelForCausalLM):
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
-        heads, hidden = hf_get(hf, "num_attention_heads"), hf_get(hf, "hidden_size")
-        theta, scaling = hf_rope(hf)
-        bias = bool(hf.get("attention_bias", True))
-        tied = bool(hf.get("tie_word_embeddings", False))
-        return PretrainedConfig(
-            architecture="GPTNeoXForCausalLM",
-            dtype=hf_dtype(hf, dtype),
-            vocab_size=hf_get(hf, "vocab_size"),
-            hidden_size=hidden,
-            num_hidden_layers=hf_get(hf, "num_hidden_layers"),
-            num_attention_heads=heads,
-            num_key_value_heads=heads,
-            hidden_act=hf_get(hf, "hidden_act", default="gelu"),
-            intermediate_size=hf_get(hf, "intermediate_size"),
-            norm_epsilon=float(hf_get(hf, "layer_norm_eps", default=1e-5)),
-            max_position_embeddings=hf_get(hf, "max_position_embeddings", default=None),
-            position_embedding_type="rope_gpt_neox",
-            mapping=mapping,
-            share_embedding_table=tied,
-            extra={
-                "rotary_base": float(hf.get("rotary_emb_base") or theta),
-                "rotary_scaling": scaling,
-                "rotary_pct": hf_partial_rotary(hf),
-                "attn_bias": bias,
-                "dense_bias": True,
-                "mlp_bias": True,
-                "parallel_residual": bool(hf.get("use_parallel_residual", True)),
-                "tie_word_embeddings": tied,
-            },
-        )
+        extra = {"rotary_pct": hf_partial_rotary(hf), "attn_bias": bool(hf.get("attention_bias", True)),
+                 "dense_bias": True, "mlp_bias": True, "parallel_residual": bool(hf.get("use_parallel_residual", True))}
+        if hf.get("rotary_emb_base"):  # older configs name the rotary base so
+            extra["rotary_base"] = float(hf["rotary_emb_base"])
+        return rope_decoder_config(hf, dtype, mapping, "GPTNeoXForCausalLM",
+                                   hidden_act=hf_get(hf, "hidden_act", default="gelu"),
+                                   norm_epsilon=float(hf_get(hf, "layer_norm_eps", default=1e-5)), extra=extra)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
 
 _MISSING = object()
@@ -49,3 +50,32 @@ def hf_dtype(hf: dict, requested: str | None) -> str:
         return requested
     name = str(hf.get("torch_dtype") or hf.get("dtype") or "float32").replace("torch.", "")
     return name if name in ("float32", "float16", "bfloat16") else "float32"
+
+
+def rope_decoder_config(hf: dict, dtype: str | None, mapping, architecture: str, *, hidden_act: str | None = None,
+                        norm_epsilon: float | None = None, tied_default: bool = False,
+                        extra: dict | None = None) -> PretrainedConfig:
+    """The config of a decoder with rotary positions from a Hugging Face config, with the field
+    names most families share (``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``...);
+    a family passes what it names differently and its own ``extra`` fields (which win)."""
+    heads, hidden = hf_get(hf, "num_attention_heads"), hf_get(hf, "hidden_size")
+    theta, scaling = hf_rope(hf)
+    tied = bool(hf.get("tie_word_embeddings", tied_default))
+    return PretrainedConfig(
+        architecture=architecture,
+        dtype=hf_dtype(hf, dtype),
+        vocab_size=hf_get(hf, "vocab_size"),
+        hidden_size=hidden,
+        num_hidden_layers=hf_get(hf, "num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=hf_get(hf, "num_key_value_heads", default=heads),
+        head_size=hf_get(hf, "head_dim", default=hidden // heads),
+        hidden_act=hidden_act or hf_get(hf, "hidden_act", default="silu"),
+        intermediate_size=hf_get(hf, "intermediate_size"),
+        norm_epsilon=norm_epsilon if norm_epsilon is not None else float(hf_get(hf, "rms_norm_eps", default=1e-6)),
+        max_position_embeddings=hf_get(hf, "max_position_embeddings", default=None),
+        position_embedding_type="rope_gpt_neox",
+        mapping=mapping,
+        share_embedding_table=tied,
+        extra={"rotary_base": theta, "rotary_scaling": scaling, "tie_word_embeddings": tied, **(extra or {})},
+    )
