@@ -13,8 +13,7 @@ from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 from kiln.models import get_model_class
-from kiln.quantization import quantize_model, quantized_modules
-from kiln.quantization.weight_only import DEFAULT_EXCLUDED
+from kiln.quantization import quantize_model
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +62,11 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
 
 
 def _quantize(model, quantization: QuantConfig, where: str):
-    """Quantize ``model`` in place; its config records the algorithm and every linear left in
-    float (excluded, or not tileable), so loading rebuilds the same layout."""
-    wanted = [name for name, _ in quantized_modules(model, quantization)]
-    done = set(quantize_model(model, quantization))
-    if not done:
+    """Quantize ``model`` in place; its config records what was quantized (see ``quantize_model``)."""
+    recorded = quantize_model(model, quantization)
+    if recorded is None:
         raise ConfigError(f"{where}: --quant_algo {quantization.quant_algo} found no linear layer to quantize")
-    excluded = list(DEFAULT_EXCLUDED if quantization.exclude_modules is None else quantization.exclude_modules)
-    excluded += [name for name in wanted if name not in done]
-    return dataclasses.replace(model.config, quantization=dataclasses.replace(quantization, exclude_modules=excluded))
+    return dataclasses.replace(model.config, quantization=recorded)
 
 
 def _save_tokenizer(source, model_dir: Path, out: Path) -> None:

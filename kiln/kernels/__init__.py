@@ -5,8 +5,10 @@
 * ``rmsnorm``, ``silu_mul``, ``rotary_`` (elementwise.c): a layer's elementwise work, one
   pass each;
 * ``skinny_linear`` (skinny_gemm.c): fp32/bf16 linears of a few rows (decode steps);
-* ``decode_step`` (decode_step.c): every layer of a LLaMA-shaped stack for one token, in one
-  call (batch-1 decode without per-layer Python).
+* ``amx_linear`` (amx_linear.c): bf16 linears on AMX tiles, weight packed once;
+* ``quant_linear`` (quant_linear.c): weight-only int8 / 4-bit linears;
+* ``decode_step`` (decode_step.c): every layer of a LLaMA-shaped stack for a decode step's
+  tokens, in one call (no per-layer Python).
 
 The sources are plain C (no PyTorch headers), so a build takes a few seconds; the shared
 library is cached under ``$KILN_CACHE_DIR/kernels/<key>/`` where the key covers the sources,
@@ -117,13 +119,13 @@ def native_library() -> ctypes.CDLL | None:
         getattr(lib, f"kiln_rotary_{suffix}").argtypes = [_PTR, _I64, _PTR, _PTR] + [_I64] * 4 + [ctypes.c_int]
         for kind in ("rmsnorm", "silu_mul", "rotary"):
             getattr(lib, f"kiln_{kind}_{suffix}").restype = None
-    for suffix in _SUFFIX.values():
         getattr(lib, f"kiln_skinny_gemm_{suffix}").argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
         getattr(lib, f"kiln_skinny_gemm_{suffix}").restype = None
         getattr(lib, f"kiln_decode_step_{suffix}").argtypes = [
             _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int, _PTR]
         getattr(lib, f"kiln_decode_step_{suffix}").restype = ctypes.c_int
     lib.kiln_decode_step_scratch.argtypes = [_PTR, _I64]
+    lib.kiln_decode_step_scratch.restype = _I64
     lib.kiln_amx_available.argtypes = []
     lib.kiln_amx_available.restype = ctypes.c_int
     lib.kiln_amx_pack_bf16.argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_int]
@@ -134,7 +136,6 @@ def native_library() -> ctypes.CDLL | None:
     lib.kiln_quant_pack.restype = None
     lib.kiln_quant_linear_bf16.argtypes = [_PTR] * 4 + [_I64] * 2 + [_PTR] * 2 + [_I64] * 3 + [ctypes.c_int]
     lib.kiln_quant_linear_bf16.restype = None
-    lib.kiln_decode_step_scratch.restype = _I64
     return lib
 
 
@@ -252,7 +253,7 @@ def _output(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype) 
     return out
 
 
-SKINNY_MAX_ROWS = 16  # beyond this oneDNN/MKL matmuls win (benchmarks/README.md)
+SKINNY_MAX_ROWS = 16  # fp32: beyond this MKL wins (benchmarks/README.md)
 
 
 def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -154,7 +154,7 @@ class DecoderModelForCausalLM(nn.Module):
         if hasattr(t, "position_embedding"):
             hidden = hidden + t.position_embedding(positions)
         native = native_decode_for(self, kv_caches, metadata)
-        if native is not None:  # one token: every layer in one native call
+        if native is not None:  # a decode step: every layer in one native call
             return t.ln_f(native(hidden, positions, metadata))
         for cache, layer in zip(kv_caches, t.layers.values()):
             hidden = layer(hidden, positions, metadata, cache)

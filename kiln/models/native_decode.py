@@ -4,11 +4,11 @@ Decoding layer by layer from Python costs ~15 Python calls per layer; on a small
 is as much as the arithmetic of a few tokens. ``NativeDecodeStep`` hands every layer to
 ``kiln.kernels.decode_step``, which runs the same kernels in the same order (so the result
 is the same, bit for bit). It applies to a model only when every layer is exactly the
-shape that kernel computes: RMSNorm before attention and MLP, a fused qkv projection with
-rotate-half rotary (or none) and no q/k norm, a fused SiLU-gated MLP, one rank, fp32 or bf16 weights; any
-other model, the PyTorch attention backend, steps with a prompt chunk and steps of more
-tokens than its matmuls are best at (``NativeDecodeStep.max_tokens``) take the layer-by-layer
-path.
+shape that kernel computes: RMSNorm before attention and MLP (sequentially), a fused qkv
+projection with rotate-half rotary (or none) and no q/k norm, a fused SiLU-gated MLP, one
+rank, fp32 or bf16 weights; any other model, the PyTorch attention backend, steps with a
+prompt chunk and steps of more tokens than its matmuls are best at
+(``NativeDecodeStep.max_tokens``) take the layer-by-layer path.
 """
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ class NativeDecodeStep:
         packed_everywhere = True
         for entry, layer, (k, v) in zip(self.weights, layers, kv_caches):
             attn, mlp = layer.attention, layer.mlp
-            entry.input_norm, entry.post_norm = layer.input_layernorm.weight.data_ptr(), layer.post_layernorm.weight.data_ptr()
+            entry.input_norm = layer.input_layernorm.weight.data_ptr()
+            entry.post_norm = layer.post_layernorm.weight.data_ptr()
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
             for field, linear in (("qkv", attn.qkv), ("dense", attn.dense), ("fused_fc", mlp.fused_fc),
                                   ("proj", mlp.proj)):
@@ -135,12 +136,10 @@ def native_decode_for(model, kv_caches, metadata) -> NativeDecodeStep | None:
     if metadata.num_tokens != metadata.num_seqs or getattr(metadata.backend, "name", None) != "native":
         return None
     cached = getattr(model, "_native_decode", None)
+    if cached is None and not supports_native_decode(model):
+        cached = model._native_decode = False  # decided once per model
     if cached is False:
         return None
-    if cached is None:
-        if not supports_native_decode(model):
-            model._native_decode = False
-            return None
     if cached is None or cached.key != NativeDecodeStep.key_for(model, kv_caches):
         cached = NativeDecodeStep(model, kv_caches)
         model._native_decode = cached

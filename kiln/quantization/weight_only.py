@@ -16,6 +16,7 @@ order (``kiln.kernels.quant_pack``, done by ``kiln build``).
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
 
@@ -102,14 +103,19 @@ def use_weight_only_layout(model: nn.Module, quant: QuantConfig, tile_order: boo
         linear.use_weight_only(bits, quant.group_size, quant.has_zero_point, tile_order=tile_order)
 
 
-def quantize_model(model: nn.Module, quant: QuantConfig) -> list[str]:
-    """Quantize the float weights of ``model``'s linears in place (round to nearest); returns the
-    names quantized. Linears whose shape the kernels cannot tile are left in float, with a
-    warning; raise for a group size that does not divide the input features."""
+def quantize_model(model: nn.Module, quant: QuantConfig) -> QuantConfig | None:
+    """Quantize the float weights of ``model``'s linears in place (round to nearest).
+
+    Returns ``quant`` as the checkpoint must record it: ``exclude_modules`` names every linear
+    left in float (excluded, or of a shape the kernels cannot tile, with a warning), so a model
+    built from it gets the same layout; None if no linear was quantized. Raises for a group
+    size that does not divide a layer's input features.
+    """
     from kiln import kernels
 
     bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo)
-    done = []
+    excluded = list(DEFAULT_EXCLUDED if quant.exclude_modules is None else quant.exclude_modules)
+    quantized = 0
     for name, linear in quantized_modules(model, quant):
         out_features, in_features = linear.weight.shape
         if bits == 4 and in_features % quant.group_size:
@@ -118,8 +124,9 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> list[str]:
         if not kernels.quant_shape_tiles(out_features, in_features, bits, quant.group_size):
             log.warning("%s: shape %s does not tile for the quantized kernels; left unquantized", name,
                         (out_features, in_features))
+            excluded.append(name)
             continue
         tensors = quantize_weight(linear.weight, bits, quant.group_size, quant.has_zero_point)
         linear.use_weight_only(bits, quant.group_size, quant.has_zero_point, tensors)
-        done.append(name)
-    return done
+        quantized += 1
+    return dataclasses.replace(quant, exclude_modules=excluded) if quantized else None
