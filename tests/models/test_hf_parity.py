@@ -7,7 +7,6 @@ token budget that forces prompts to be chunked over several steps.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -16,13 +15,10 @@ import torch
 
 from kiln.build import build_engine, resolve_build_config
 from kiln.checkpoint.format import read_config
-from tests.utils.compare import (assert_logits_close, hf_greedy, kiln_greedy, kiln_prompt_logits,
-                                 resave_as_torch_bin)
+from tests.models.zoo import (NEW_TOKENS, built_fixture, check_batched_greedy, check_prompt_logits,
+                              hf_reference_fixture)
+from tests.utils.compare import kiln_greedy, resave_as_torch_bin
 from tests.utils.tiny_models import make_gemma, make_gpt2, make_gpt_neox, make_llama, make_phi3
-
-PROMPT_LEN = 24
-GREEDY_PROMPT_LENS = (3, 7, 12, 20)
-NEW_TOKENS = 32
 
 
 def make_gpt2_sharded(path: Path, **kwargs):
@@ -69,45 +65,14 @@ CASES: dict[str, tuple[Callable, dict, dict]] = {
 }
 
 
-@dataclass
-class Built:
-    """One case: the HF model, its directory and kiln's work directory (checkpoint + engine)."""
-
-    hf: object
-    hf_dir: Path
-    work_dir: Path
-    engine_dir: Path
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory, build_from_hf) -> Callable[[str], Built]:
-    """Lazily make, convert and build each case once per module."""
-    cache: dict[str, Built] = {}
-
-    def get(name: str) -> Built:
-        if name not in cache:
-            make, kwargs, build_options = CASES[name]
-            root = tmp_path_factory.mktemp(name)
-            hf = make(root / "hf", **kwargs)
-            engine = build_from_hf(root / "hf", root / "kiln", build_options)
-            cache[name] = Built(hf, root / "hf", root / "kiln", engine)
-        return cache[name]
-
-    return get
-
-
-def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
-    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+built = built_fixture(CASES)
+hf_reference = hf_reference_fixture()
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_prompt_logits_match_hf(built, name: str) -> None:
-    """kiln's float32 logits for a 24-token prompt equal HF's (max abs diff <= 1e-4 * max |ref|)."""
-    case = built(name)
-    ids = random_prompt(PROMPT_LEN, case.hf.config.vocab_size, seed=1)
-    with torch.no_grad():
-        ref = case.hf(torch.tensor([ids])).logits[0].float()
-    assert_logits_close(kiln_prompt_logits(case.engine_dir, ids), ref)
+    """kiln's float32 logits for prompts of 24/9/15 tokens packed in one step equal HF's."""
+    check_prompt_logits(built(name))
 
 
 @pytest.mark.parametrize("name, expected, absent", [
@@ -125,29 +90,10 @@ def test_format_cases_use_that_format(built, name: str, expected: str, absent: s
         assert len(list(hf_dir.glob("*.safetensors"))) > 1
 
 
-@pytest.fixture(scope="module")
-def hf_reference(built) -> Callable[[str], tuple[list[list[int]], list[list[int]]]]:
-    """(prompts, HF greedy tokens) per model, computed once."""
-    cache: dict[str, tuple] = {}
-
-    def get(name: str):
-        if name not in cache:
-            hf = built(name).hf
-            prompts = [random_prompt(n, hf.config.vocab_size, seed=10 + n) for n in GREEDY_PROMPT_LENS]
-            cache[name] = prompts, hf_greedy(hf, prompts, NEW_TOKENS)
-        return cache[name]
-
-    return get
-
-
 @pytest.mark.parametrize("name", ["llama-gqa", "gpt2", "qwen3", "gemma", "phi3", "gpt-neox"])
 def test_batched_greedy_matches_hf(built, hf_reference, name: str) -> None:
     """4 prompts (3/7/12/20 tokens) sharing every step give HF's 32 greedy tokens each."""
-    prompts, expected = hf_reference(name)
-    steps: list = []
-    ours = kiln_greedy(built(name).engine_dir, prompts, NEW_TOKENS, steps=steps)
-    assert len(steps[0]) == len(prompts), "all prompts should start in the same step"
-    assert ours == expected
+    check_batched_greedy(built(name), *hf_reference(name))
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "gpt2"])

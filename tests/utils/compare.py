@@ -26,6 +26,25 @@ def kiln_prompt_logits(engine_dir: str | Path, token_ids: list[int]) -> torch.Te
     return engine.model.compute_logits(hidden)
 
 
+@torch.inference_mode()
+def kiln_batch_prompt_logits(engine_dir: str | Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """float32 logits ``[len, vocab]`` of each prompt, all packed into one step."""
+    engine = Engine(engine_dir)
+    block_size = engine.build_config.tokens_per_block
+    tables, next_block = [], 0
+    for prompt in prompts:
+        blocks = math.ceil(len(prompt) / block_size)
+        tables.append(list(range(next_block, next_block + blocks)))
+        next_block += blocks
+    runner = ModelRunner(engine, num_blocks=next_block)
+    lens = [len(p) for p in prompts]
+    md = AttentionMetadata.build(runner.backend, lens, lens, tables, runner.block_size)
+    ids = torch.tensor([t for p in prompts for t in p])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    logits = engine.model.compute_logits(engine.model(ids, positions, md, runner.kv_caches))
+    return list(logits.split(lens))
+
+
 def kiln_greedy(engine_dir: str | Path, prompts: list[list[int]], max_new_tokens: int,
                 max_num_tokens: int | None = None, steps: list | None = None) -> list[list[int]]:
     """Greedy tokens for all ``prompts`` generated together by one Scheduler.
