@@ -27,7 +27,7 @@ from kiln.layers.attention import Attention
 from kiln.layers.embedding import Embedding
 from kiln.layers.linear import ColumnLinear
 from kiln.layers.mlp import MLP, GatedMLP
-from kiln.layers.normalization import LayerNorm, RmsNorm
+from kiln.layers.normalization import RmsNorm
 from kiln.layers.rotary import RotaryEmbedding
 from kiln.models.native_decode import native_decode_for
 
@@ -56,13 +56,7 @@ class DecoderLayer(nn.Module):
             qk_norm_eps=config.norm_epsilon if config.get("qk_norm", False) else None, **shard)
         self.post_layernorm = model_cls.make_norm(config, dtype)
         self.parallel_residual = bool(config.get("parallel_residual", False))
-        inter = config.intermediate_size or 4 * config.hidden_size
-        bias = config.get("mlp_bias", False)
-        if model_cls.gated_mlp:
-            self.mlp = GatedMLP(config.hidden_size, inter, config.hidden_act, bias, fused=engine_layout, **shard)
-        else:
-            self.mlp = MLP(config.hidden_size, inter, config.hidden_act, bias,
-                           source_transposed=model_cls.source_transposed, **shard)
+        self.mlp = model_cls.make_mlp(config, layer_idx, engine_layout)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:
         attended = self.attention(self.input_layernorm(hidden), positions, metadata, kv_cache)
@@ -99,7 +93,7 @@ class Transformer(nn.Module):
         self.rotary = rotary
         # Keyed by the global layer index, so a pipeline stage's names match the checkpoint's.
         self.layers = nn.ModuleDict({
-            str(i): DecoderLayer(model_cls, config, i, rotary, engine_layout) for i in self.layer_ids})
+            str(i): model_cls.decoder_layer(model_cls, config, i, rotary, engine_layout) for i in self.layer_ids})
         if mapping.is_last_pp_rank:
             self.ln_f = model_cls.make_norm(config, dtype)
 
@@ -111,10 +105,23 @@ class DecoderModelForCausalLM(nn.Module):
     gated_mlp: ClassVar[bool] = True
     source_transposed: ClassVar[bool] = False  # external linear weights stored (in, out)
     hf_key_map: ClassVar[dict] = {}  # customized key dict for the weights loader
+    decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer  # a family with another layer shape overrides it
 
     @classmethod
     def make_norm(cls, config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
         return RmsNorm(config.hidden_size, config.norm_epsilon, dtype=dtype)
+
+    @classmethod
+    def make_mlp(cls, config: PretrainedConfig, layer_idx: int, engine_layout: bool) -> nn.Module:
+        """Layer ``layer_idx``'s feed-forward block (a family with experts overrides this)."""
+        tp = config.mapping
+        shard = dict(dtype=torch_dtype(config.dtype), tp_size=tp.tp_size, tp_rank=tp.tp_rank)
+        inter = config.intermediate_size or 4 * config.hidden_size
+        bias = config.get("mlp_bias", False)
+        if cls.gated_mlp:
+            return GatedMLP(config.hidden_size, inter, config.hidden_act, bias, fused=engine_layout, **shard)
+        return MLP(config.hidden_size, inter, config.hidden_act, bias, source_transposed=cls.source_transposed,
+                   **shard)
 
     @classmethod
     def config_from_hf(cls, hf_config: dict, dtype: str, mapping) -> PretrainedConfig:
