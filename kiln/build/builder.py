@@ -19,6 +19,10 @@ def validate_limits(config: PretrainedConfig, build: BuildConfig) -> None:
             and build.max_seq_len > config.max_position_embeddings:
         raise BuildError(f"max_seq_len {build.max_seq_len} exceeds the model's max_position_embeddings "
                          f"{config.max_position_embeddings} (learned positions cannot extrapolate)")
+    limit = config.get("max_seq_len_limit")
+    if limit and build.max_seq_len > limit:
+        raise BuildError(f"max_seq_len {build.max_seq_len} exceeds {limit}, the longest context kiln computes "
+                         f"{config.architecture} exactly")
     window = config.get("sliding_window")
     if window and build.max_seq_len > window:
         raise BuildError(f"the model uses sliding-window attention (window {window}); build with "
@@ -37,7 +41,8 @@ def resolve_build_config(config: PretrainedConfig, **options: int | None) -> Bui
     given = {k: v for k, v in options.items() if v is not None}
     defaults = BuildConfig()
     if "max_seq_len" not in given:
-        given["max_seq_len"] = min(defaults.max_seq_len, config.max_position_embeddings or defaults.max_seq_len)
+        given["max_seq_len"] = min(defaults.max_seq_len, config.max_position_embeddings or defaults.max_seq_len,
+                                   config.get("max_seq_len_limit") or defaults.max_seq_len)
     if "max_input_len" not in given:
         given["max_input_len"] = min(defaults.max_input_len, given["max_seq_len"])
     return BuildConfig(**given)

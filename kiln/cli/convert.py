@@ -32,7 +32,35 @@ def add_parser(sub) -> None:
     p.add_argument("--exclude_modules", nargs="*", default=None, metavar="PATTERN",
                    help="linear layers left unquantized: names or fnmatch patterns of a full module name or its "
                         "last part (default: lm_head; give none to quantize every untied layer)")
+    p.add_argument("--key_map", default=None, metavar="JSON",
+                   help="a customised key map for the weights loader, as a JSON object or a .json file: kiln name "
+                        "sections to the checkpoint's, e.g. '{\"transformer\": \"language_model.model\", "
+                        "\"lm_head\": \"language_model.lm_head\"}' for a model nested in a larger checkpoint; "
+                        "it overrides the family's own map (default: none)")
     p.set_defaults(handler=run)
+
+
+def parse_key_map(text: str) -> dict:
+    """``--key_map``: a JSON object, inline or in a file, of section -> name (or list of names)."""
+    import json
+    from pathlib import Path
+
+    from kiln.errors import ConfigError
+
+    source = "--key_map"
+    if not text.lstrip().startswith("{"):
+        path = Path(text)
+        if not path.is_file():
+            raise ConfigError(f"--key_map {text!r} is neither a JSON object nor a file")
+        source, text = str(path), path.read_text()
+    try:
+        key_map = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{source}: not valid JSON ({e})") from None
+    if not isinstance(key_map, dict) or not all(
+            isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v)) for v in key_map.values()):
+        raise ConfigError(f"{source}: must map names to a name or a list of names, got {text.strip()[:80]!r}")
+    return key_map
 
 
 def run(args) -> int:
@@ -47,7 +75,8 @@ def run(args) -> int:
                                    has_zero_point=args.has_zero_point, exclude_modules=args.exclude_modules)
     out = convert_checkpoint(args.model_dir, args.output_dir, dtype=args.dtype, tp_size=args.tp_size,
                              pp_size=args.pp_size, use_parallel_embedding=args.use_parallel_embedding,
-                             embedding_sharding_dim=args.embedding_sharding_dim, quantization=quantization)
+                             embedding_sharding_dim=args.embedding_sharding_dim, quantization=quantization,
+                             customized_key_dict=parse_key_map(args.key_map) if args.key_map else None)
     config = read_config(out)
     quant = f", {config.quantization.quant_algo}" if config.quantization.quant_algo else ""
     print(f"converted {config.architecture} ({config.num_hidden_layers} layers, {config.dtype}{quant}, "

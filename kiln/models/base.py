@@ -112,6 +112,12 @@ class DecoderModelForCausalLM(nn.Module):
         return RmsNorm(config.hidden_size, config.norm_epsilon, dtype=dtype)
 
     @classmethod
+    def key_map_for(cls, external_keys: set[str]) -> dict:
+        """The key map for a checkpoint holding ``external_keys`` (a family whose checkpoints
+        come in several layouts picks one here)."""
+        return cls.hf_key_map
+
+    @classmethod
     def make_mlp(cls, config: PretrainedConfig, layer_idx: int, engine_layout: bool) -> nn.Module:
         """Layer ``layer_idx``'s feed-forward block (a family with experts overrides this)."""
         tp = config.mapping
@@ -207,9 +213,8 @@ class DecoderModelForCausalLM(nn.Module):
         config = cls.config_from_hf(hf, dtype, mapping or Mapping())
         if config_overrides:
             config = dataclasses.replace(config, **config_overrides)
-        key_map = {**cls.hf_key_map, **(customized_key_dict or {})}
-        loader = ModelWeightsLoader(source, key_map)
         external = set(source.keys())
+        loader = ModelWeightsLoader(source, {**cls.key_map_for(external), **(customized_key_dict or {})})
         embedding = translate_key("transformer.vocab_embedding.weight", loader.key_map)[0]
         if embedding not in external and embedding.partition(".")[2] in external:
             # Some checkpoints (the original GPT-2 files) drop the top-level prefix.

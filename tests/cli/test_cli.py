@@ -100,12 +100,13 @@ def test_truncated_safetensors(work, tmp_path):
 
 
 def test_unknown_architecture(work, tmp_path):
-    """convert of a config.json naming an unknown architecture names it."""
+    """convert of a config.json naming an unknown architecture names it and lists the supported ones."""
     hf = shutil.copytree(work / "hf", tmp_path / "hf")
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, "architectures": ["FooForCausalLM"]}))
     out = tmp_path / "out"
-    assert_one_line_error(kiln("convert", "--model_dir", hf, "--output_dir", out), "convert", "FooForCausalLM")
+    assert_one_line_error(kiln("convert", "--model_dir", hf, "--output_dir", out), "convert", "FooForCausalLM",
+                          "LlamaForCausalLM", "GPTNeoXForCausalLM", "QWenLMHeadModel", "LlavaForConditionalGeneration")
     assert_no_output(out)
 
 

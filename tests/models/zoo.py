@@ -67,7 +67,7 @@ def hf_reference_fixture(prompt_lens: tuple[int, ...] = GREEDY_PROMPT_LENS, new_
         def get(name: str):
             if name not in cache:
                 hf = built(name).hf
-                prompts = [random_prompt(n, hf.config.vocab_size, seed=10 + n) for n in prompt_lens]
+                prompts = [random_prompt(n, hf_vocab(hf), seed=10 + n) for n in prompt_lens]
                 cache[name] = prompts, hf_greedy(hf, prompts, new_tokens)
             return cache[name]
 
