@@ -38,6 +38,7 @@ class GatedMLP(nn.Module):
         self.fused = fused
         if fused:
             self.fused_fc = ColumnLinear(hidden_size, 2 * intermediate_size, bias, **common)
+            self.fused_fc.fused_from = ("fc", "gate")  # the checkpoint's linears it stands for
         else:
             self.fc = ColumnLinear(hidden_size, intermediate_size, bias, **common)
             self.gate = ColumnLinear(hidden_size, intermediate_size, bias, **common)

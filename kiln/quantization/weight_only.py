@@ -71,8 +71,12 @@ def dequantize(tensors: dict[str, torch.Tensor], bits: int, group_size: int = 64
     return (unpacked - zero.repeat_interleave(group_size, dim=1)) * scale.repeat_interleave(group_size, dim=1)
 
 
-def _excluded(name: str, patterns) -> bool:
-    return any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(name.rsplit(".", 1)[-1], p) for p in patterns)
+def _excluded(name: str, module: nn.Module, patterns) -> bool:
+    # An engine's fused linear (the gated MLP's fused_fc) stands for its checkpoint parts: it is
+    # excluded when they are, so a checkpoint and the engine built from it agree.
+    parent = name.rpartition(".")[0]
+    names = [f"{parent}.{part}" if parent else part for part in getattr(module, "fused_from", ())] or [name]
+    return any(fnmatch.fnmatch(n, p) or fnmatch.fnmatch(n.rsplit(".", 1)[-1], p) for n in names for p in patterns)
 
 
 def quantized_modules(model: nn.Module, quant: QuantConfig) -> list[tuple[str, nn.Module]]:
@@ -92,7 +96,7 @@ def quantized_modules(model: nn.Module, quant: QuantConfig) -> list[tuple[str, n
         for p in module.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
     return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, Linear) and not _excluded(name, patterns) and owners[id(m.weight)] == 1]
+            if isinstance(m, Linear) and not _excluded(name, m, patterns) and owners[id(m.weight)] == 1]
 
 
 def use_weight_only_layout(model: nn.Module, quant: QuantConfig, tile_order: bool) -> None:
