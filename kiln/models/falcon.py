@@ -56,6 +56,8 @@ class FalconForCausalLM(DecoderModelForCausalLM):
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
         if hf.get("alibi"):
             raise ConfigError("Falcon with alibi=true (ALiBi attention biases, falcon-rw) is not supported yet")
+        if hf.get("apply_residual_connection_post_layernorm"):
+            raise ConfigError("Falcon with apply_residual_connection_post_layernorm=true is not supported")
         heads = hf_get(hf, "num_attention_heads", "n_head")
         hidden = hf_get(hf, "hidden_size", "n_embed")
         parallel = bool(hf.get("parallel_attn", True))

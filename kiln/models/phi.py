@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from kiln.config import PretrainedConfig
+from kiln.errors import ConfigError
 from kiln.layers.normalization import LayerNorm
 from kiln.mapping import Mapping
 from kiln.models.base import DecoderModelForCausalLM
@@ -33,6 +34,9 @@ class PhiForCausalLM(DecoderModelForCausalLM):
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
+        if hf.get("model_type") == "phi-msft":
+            raise ConfigError("model_type 'phi-msft' (Phi's original remote-code checkpoints: transformer.embd, "
+                              "mixer.Wqkv) is not supported; use the transformers-format checkpoint")
         qk_layernorm = bool(hf.get("qk_layernorm", False))
         return rope_decoder_config(
             hf, dtype, mapping, "PhiForCausalLM", hidden_act=hf_get(hf, "hidden_act", default="gelu_new"),
