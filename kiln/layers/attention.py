@@ -11,7 +11,7 @@ from torch import nn
 
 from kiln import kernels
 from kiln.layers.linear import QKVColumnLinear, RowLinear
-from kiln.layers.normalization import RmsNorm
+from kiln.layers.normalization import LayerNorm, RmsNorm
 from kiln.layers.rotary import RotaryEmbedding
 
 
@@ -19,7 +19,7 @@ class Attention(nn.Module):
     def __init__(self, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int,
                  head_size: int, *, qkv_bias: bool, dense_bias: bool, rotary: RotaryEmbedding | None,
                  dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0,
-                 source_transposed: bool = False, qk_norm_eps: float | None = None):
+                 source_transposed: bool = False, qk_norm_eps: float | None = None, qk_layernorm: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = num_heads // tp_size  # per rank
@@ -31,9 +31,11 @@ class Attention(nn.Module):
         self.dense = RowLinear(num_heads * head_size, hidden_size, dense_bias, dtype=dtype,
                                tp_size=tp_size, tp_rank=tp_rank, source_transposed=source_transposed)
         self.rotary = rotary
-        # Qwen3: every query and key head RMS-normalised (over head_size) before rotary.
-        self.q_norm = RmsNorm(head_size, qk_norm_eps, dtype=dtype) if qk_norm_eps is not None else None
-        self.k_norm = RmsNorm(head_size, qk_norm_eps, dtype=dtype) if qk_norm_eps is not None else None
+        # Qwen3: every query and key head RMS-normalised (over head_size) before rotary;
+        # Phi-2 with qk_layernorm: LayerNorm instead.
+        norm = LayerNorm if qk_layernorm else RmsNorm
+        self.q_norm = norm(head_size, qk_norm_eps, dtype=dtype) if qk_norm_eps is not None else None
+        self.k_norm = norm(head_size, qk_norm_eps, dtype=dtype) if qk_norm_eps is not None else None
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:
         # hidden: [num_tokens, hidden_size]

@@ -255,9 +255,15 @@ class QKVColumnLinear(ColumnLinear):
         super().__init__(hidden_size, out_local * tp_size, bias, dtype=dtype, tp_size=tp_size,
                          tp_rank=tp_rank, source_transposed=source_transposed)
 
-    # External rows ordered per head, [q_h; k_h; v_h] for each head h (GPT-NeoX's query_key_value):
-    # loaded whole, reordered to [q; k; v] and cut to this rank's heads in postprocess.
+    # External rows ordered per KV group: the group's query heads, then its key head, then its
+    # value head (GPT-NeoX's and Falcon's per-head query_key_value: one query head per group;
+    # Falcon-40B's: num_heads / num_kv_heads). Loaded whole, reordered to [q; k; v] and cut to
+    # this rank's heads in postprocess.
     interleaved_heads: bool = False
+    # GPT-J: the first this-many dims of each external q and k head hold their rotary pairs side
+    # by side (rotate_every_two). postprocess reorders them, per head, to the even dims then the
+    # odd ones: kiln's rotate-half rotary then computes the same q.k (v is left alone).
+    adjacent_rotary_dims: int = 0
 
     def load_spec(self, param_name: str, num_external: int) -> list[ShardSpec]:
         if self.interleaved_heads:
@@ -272,12 +278,32 @@ class QKVColumnLinear(ColumnLinear):
         raise ValueError(f"qkv loads from 1 or 3 external tensors, not {num_external}")
 
     def postprocess(self, key: str, weights: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
-        if not self.interleaved_heads:
-            return super().postprocess(key, weights, **kwargs)
-        if self.q_size != self.kv_size:
-            raise ValueError("interleaved qkv heads need as many KV heads as query heads")
-        fused = weights[0]  # [heads * 3 * head_size, ...]: per head its q, k and v rows
-        per_head = fused.reshape(-1, 3, self.head_size, *fused.shape[1:])
-        start, stop = rank_range(per_head.shape[0], self.tp_size, self.tp_rank)
-        mine = per_head[start:stop].transpose(0, 1)  # [3, this rank's heads, head_size, ...]
-        return {key: mine.reshape(-1, *fused.shape[1:]).contiguous()}
+        if self.interleaved_heads:
+            out = {key: self._from_kv_groups(weights[0])}
+        else:
+            out = super().postprocess(key, weights, **kwargs)
+        if self.adjacent_rotary_dims:
+            out[key] = out[key].index_select(0, self._rotate_half_order(out[key].shape[0])).contiguous()
+        return out
+
+    def _from_kv_groups(self, fused: torch.Tensor) -> torch.Tensor:
+        """This rank's [q; k; v] rows from rows ordered per KV group (see ``interleaved_heads``)."""
+        heads, kv_heads = self.q_size // self.head_size, self.kv_size // self.head_size
+        groups = fused.reshape(kv_heads, heads // kv_heads + 2, self.head_size, *fused.shape[1:])
+        q = groups[:, :-2].reshape(heads, self.head_size, *fused.shape[1:])
+        q_start, q_stop = rank_range(heads, self.tp_size, self.tp_rank)
+        kv_start, kv_stop = rank_range(kv_heads, self.kv_tp_size, self.kv_tp_rank)
+        parts = [q[q_start:q_stop], groups[kv_start:kv_stop, -2], groups[kv_start:kv_stop, -1]]
+        return torch.cat([part.reshape(-1, *fused.shape[1:]) for part in parts]).contiguous()
+
+    def _rotary_row_order(self) -> torch.Tensor:
+        """One head's row order: the rotary dims' even indices, their odd ones, then the rest."""
+        rot = self.adjacent_rotary_dims
+        return torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, self.head_size)])
+
+    def _rotate_half_order(self, rows: int) -> torch.Tensor:
+        """The order of this rank's ``rows`` [q; k; v] rows: q and k heads reordered, v kept."""
+        kv_rows = max(self.kv_size // self.head_size // self.tp_size, 1) * self.head_size
+        rotated_heads = (rows - kv_rows) // self.head_size  # this rank's q and k heads
+        order = (torch.arange(rotated_heads)[:, None] * self.head_size + self._rotary_row_order()).flatten()
+        return torch.cat([order, torch.arange(rows - kv_rows, rows)])

@@ -3,9 +3,10 @@
 Module tree (its parameter names are the checkpoint names of reference 002)::
 
     transformer.vocab_embedding            (first pipeline stage)
+    transformer.project_in                 (embeddings narrower than the layers only: OPT-350m)
     transformer.position_embedding         (learned absolute positions only)
     transformer.layers.{i}.input_layernorm / attention.{qkv,dense} / post_layernorm / mlp.*
-    transformer.ln_f, lm_head              (last pipeline stage)
+    transformer.ln_f, project_out, lm_head (last pipeline stage; ln_f unless final_norm is false)
 
 A family subclass sets a few class attributes (norm, gated MLP, key map) and translates
 its Hugging Face config; all loading, saving and sharding is shared.
@@ -25,7 +26,7 @@ from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
 from kiln.layers.attention import Attention
 from kiln.layers.embedding import Embedding
-from kiln.layers.linear import ColumnLinear
+from kiln.layers.linear import ColumnLinear, Linear
 from kiln.layers.mlp import MLP, GatedMLP
 from kiln.layers.normalization import RmsNorm
 from kiln.layers.rotary import RotaryEmbedding
@@ -42,26 +43,48 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class DecoderLayer(nn.Module):
+    """One decoder layer. Its shape comes from checkpoint config fields:
+
+    * default: pre-norm, sequential — ``h += attn(ln1(h)); h += mlp(ln2(h))`` (LLaMA, GPT-2);
+    * ``parallel_residual``: attention and MLP both read the layer's input —
+      ``h + attn(ln1(h)) + mlp(ln2(h))`` (GPT-NeoX, Falcon-40B's ``ln_attn``/``ln_mlp``);
+    * ``parallel_residual`` + ``shared_layernorm``: one norm feeds both —
+      ``h + attn(ln1(h)) + mlp(ln1(h))``, no ``post_layernorm`` (GPT-J, Phi-2, Falcon-7B);
+    * ``norm_after_residual``: post-norm — ``h = ln1(h + attn(h)); h = ln2(h + mlp(h))`` (OPT-350m).
+    """
+
     def __init__(self, model_cls: type["DecoderModelForCausalLM"], config: PretrainedConfig, layer_idx: int,
                  rotary: RotaryEmbedding | None, engine_layout: bool):
         super().__init__()
         dtype, tp = torch_dtype(config.dtype), config.mapping
         shard = dict(dtype=dtype, tp_size=tp.tp_size, tp_rank=tp.tp_rank)
+        self.parallel_residual = bool(config.get("parallel_residual", False))
+        self.norm_after_residual = bool(config.get("norm_after_residual", False))
+        shared_norm = bool(config.get("shared_layernorm", False))
+        if shared_norm and not self.parallel_residual:
+            raise ConfigError("shared_layernorm (one norm for attention and MLP) needs parallel_residual")
+        if self.norm_after_residual and self.parallel_residual:
+            raise ConfigError("norm_after_residual (post-norm) cannot be combined with parallel_residual")
         self.input_layernorm = model_cls.make_norm(config, dtype)
         self.attention = Attention(
             layer_idx, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
             config.head_size, qkv_bias=config.get("attn_bias", False),
             dense_bias=config.get("dense_bias", config.get("attn_bias", False)), rotary=rotary,
             source_transposed=model_cls.source_transposed,
-            qk_norm_eps=config.norm_epsilon if config.get("qk_norm", False) else None, **shard)
-        self.post_layernorm = model_cls.make_norm(config, dtype)
-        self.parallel_residual = bool(config.get("parallel_residual", False))
+            qk_norm_eps=config.norm_epsilon if config.get("qk_norm", False) else None,
+            qk_layernorm=bool(config.get("qk_layernorm", False)), **shard)
+        self.post_layernorm = None if shared_norm else model_cls.make_norm(config, dtype)
         self.mlp = model_cls.make_mlp(config, layer_idx, engine_layout)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:
-        attended = self.attention(self.input_layernorm(hidden), positions, metadata, kv_cache)
-        if self.parallel_residual:  # GPT-NeoX: attention and MLP both read the layer's input
-            return hidden + attended + self.mlp(self.post_layernorm(hidden))
+        if self.norm_after_residual:  # OPT-350m: each norm is applied to the residual sum
+            hidden = self.input_layernorm(hidden + self.attention(hidden, positions, metadata, kv_cache))
+            return self.post_layernorm(hidden + self.mlp(hidden))
+        normed = self.input_layernorm(hidden)
+        attended = self.attention(normed, positions, metadata, kv_cache)
+        if self.parallel_residual:  # attention and MLP both read the layer's input
+            mlp_in = normed if self.post_layernorm is None else self.post_layernorm(hidden)
+            return hidden + attended + self.mlp(mlp_in)
         hidden = hidden + attended
         return hidden + self.mlp(self.post_layernorm(hidden))
 
@@ -71,10 +94,15 @@ class Transformer(nn.Module):
         super().__init__()
         mapping, dtype = config.mapping, torch_dtype(config.dtype)
         self.layer_ids = list(mapping.pp_layers(config.num_hidden_layers))
+        # OPT-350m: token embeddings narrower than the layers, projected in and out (replicated).
+        embedding_dim = config.get("embedding_dim") or config.hidden_size
+        projected = embedding_dim != config.hidden_size
         if mapping.is_first_pp_rank:
             parallel = config.use_parallel_embedding
+            if projected:
+                self.project_in = Linear(embedding_dim, config.hidden_size, bias=False, dtype=dtype)
             self.vocab_embedding = Embedding(
-                config.vocab_size, config.hidden_size, dtype=dtype,
+                config.vocab_size, embedding_dim, dtype=dtype,
                 tp_size=mapping.tp_size if parallel else 1, tp_rank=mapping.tp_rank if parallel else 0,
                 sharding_dim=config.embedding_sharding_dim)
             if config.position_embedding_type == "learned_absolute":
@@ -83,7 +111,8 @@ class Transformer(nn.Module):
                 self.position_embedding = Embedding(config.max_position_embeddings, config.hidden_size, dtype=dtype)
         rotary = None
         if config.position_embedding_type in ("rope_gpt_neox", "rope"):
-            rotary_dim = int(config.head_size * config.get("rotary_pct", 1.0))
+            # rotary_dim (GPT-J) exactly, or a fraction of the head (rotary_pct)
+            rotary_dim = config.get("rotary_dim") or int(config.head_size * config.get("rotary_pct", 1.0))
             rotary = RotaryEmbedding(rotary_dim, config.get("rotary_base", 10000.0),
                                      config.max_position_embeddings, config.get("rotary_scaling"))
         elif config.position_embedding_type != "learned_absolute":
@@ -95,7 +124,21 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({
             str(i): model_cls.decoder_layer(model_cls, config, i, rotary, engine_layout) for i in self.layer_ids})
         if mapping.is_last_pp_rank:
-            self.ln_f = model_cls.make_norm(config, dtype)
+            if config.get("final_norm", True):  # OPT-350m (post-norm layers) has none
+                self.ln_f = model_cls.make_norm(config, dtype)
+            if projected:
+                self.project_out = Linear(config.hidden_size, embedding_dim, bias=False, dtype=dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings at the layers' width (through ``project_in`` where narrower)."""
+        hidden = self.vocab_embedding(input_ids)
+        return self.project_in(hidden) if hasattr(self, "project_in") else hidden
+
+    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last layer's output to the lm_head's input: ``ln_f`` and ``project_out``, where present."""
+        if hasattr(self, "ln_f"):
+            hidden = self.ln_f(hidden)
+        return self.project_out(hidden) if hasattr(self, "project_out") else hidden
 
 
 class DecoderModelForCausalLM(nn.Module):
@@ -142,7 +185,8 @@ class DecoderModelForCausalLM(nn.Module):
         self.transformer = Transformer(type(self), config, engine_layout)
         self.vocab_size_padded = math.ceil(config.vocab_size / mapping.tp_size) * mapping.tp_size
         if mapping.is_last_pp_rank:
-            self.lm_head = ColumnLinear(config.hidden_size, self.vocab_size_padded, bias=False,
+            self.lm_head = ColumnLinear(config.get("embedding_dim") or config.hidden_size, self.vocab_size_padded,
+                                        bias=bool(config.get("lm_head_bias", False)),
                                         dtype=torch_dtype(config.dtype), tp_size=mapping.tp_size,
                                         tp_rank=mapping.tp_rank, gather_output=True)
             if self.shares_embedding_table:
@@ -160,7 +204,7 @@ class DecoderModelForCausalLM(nn.Module):
                 kv_caches: list) -> torch.Tensor:
         """Run one packed step. ``input_ids``/``positions``: ``[num_tokens]``; returns hidden states."""
         t = self.transformer
-        hidden = t.vocab_embedding(input_ids)
+        hidden = t.embed(input_ids)
         multiplier = self.config.get("embedding_multiplier")
         if multiplier:  # Gemma: rounded to the model dtype first, as Hugging Face does
             hidden = hidden * torch.tensor(multiplier, dtype=hidden.dtype)
@@ -168,10 +212,10 @@ class DecoderModelForCausalLM(nn.Module):
             hidden = hidden + t.position_embedding(positions)
         native = native_decode_for(self, kv_caches, metadata)
         if native is not None:  # a decode step: every layer in one native call
-            return t.ln_f(native(hidden, positions, metadata))
+            return t.finish(native(hidden, positions, metadata))
         for cache, layer in zip(kv_caches, t.layers.values()):
             hidden = layer(hidden, positions, metadata, cache)
-        return t.ln_f(hidden)
+        return t.finish(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[n, vocab_size]`` for the given final hidden states ``[n, hidden]``."""

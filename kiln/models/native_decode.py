@@ -4,7 +4,8 @@ Decoding layer by layer from Python costs ~15 Python calls per layer; on a small
 is as much as the arithmetic of a few tokens. ``NativeDecodeStep`` hands every layer to
 ``kiln.kernels.decode_step``, which runs the same kernels in the same order (so the result
 is the same, bit for bit). It applies to a model only when every layer is exactly the
-shape that kernel computes: RMSNorm before attention and MLP (sequentially), a fused qkv
+shape that kernel computes: an RMSNorm of its own before attention and before the MLP
+(sequential, pre-norm: not OPT's post-norm nor a parallel layer), a fused qkv
 projection with rotate-half rotary (or none) and no q/k norm, a fused SiLU-gated MLP, one
 rank, fp32 or bf16 weights; any other model, the PyTorch attention backend, steps with a
 prompt chunk and steps of more tokens than its matmuls are best at
@@ -37,7 +38,7 @@ def supports_native_decode(model) -> bool:
         if not (type(layer) is DecoderLayer and type(layer.input_layernorm) is RmsNorm
                 and type(layer.post_layernorm) is RmsNorm and type(attn) is Attention
                 and type(mlp) is GatedMLP and mlp.fused and mlp.act is F.silu and attn.rotary is t.rotary
-                and attn.q_norm is None and not layer.parallel_residual):
+                and attn.q_norm is None and not layer.parallel_residual and not layer.norm_after_residual):
             return False
         if any(p.device.type != "cpu" or not p.is_contiguous() for p in layer.parameters()):
             return False
