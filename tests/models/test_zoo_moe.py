@@ -116,6 +116,12 @@ def test_tp2_shards_reassemble_into_hf_experts(built, tmp_path, name: str) -> No
     """tp=2: each rank holds half of every expert's intermediate dim (fc/gate rows, proj
     columns), the router whole; the halves put back together are HF's experts."""
     case = built(name)
+    with safe_open(str(case.hf_dir / "model.safetensors"), "pt") as f:  # the layout the case stands for
+        expected = {"mixtral": "model.layers.0.block_sparse_moe.experts.3.w1.weight",
+                    "mixtral-stacked": "model.layers.0.mlp.experts.gate_up_proj",
+                    "qwen2-moe": "model.layers.0.mlp.experts.7.gate_proj.weight"}[name]
+        stacked = any(k.endswith(".experts.gate_up_proj") for k in f.keys())
+        assert expected in f.keys() and stacked == (name == "mixtral-stacked")
     checkpoint = convert_checkpoint(case.hf_dir, tmp_path / "tp2", tp_size=2, progress=False)
     block = case.hf.model.layers[0].mlp
     gate_up, down = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
@@ -188,3 +194,45 @@ def test_unsupported_mixtral_configs_name_the_field(built, tmp_path, field: str,
     (hf_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=match):
         convert_checkpoint(hf_dir, tmp_path / "out", tp_size=2, progress=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fused", [False, True])
+def test_grouped_experts_equal_a_per_token_loop(dtype: torch.dtype, fused: bool) -> None:
+    """The block's grouped execution (tokens sorted by expert, one matmul per active expert,
+    index_add back) equals computing each token's experts one by one; 40 tokens over 8 experts
+    give groups of several rows (bf16: the AMX / oneDNN kernels) and top_k 3 of 8 leaves some
+    experts with few tokens; the shared expert is gated per token."""
+    from torch import nn
+
+    hidden, inter, experts, top_k, tokens = 64, 32, 8, 3, 40
+    block = MixtureOfExperts(hidden, inter, experts, top_k, "silu", normalize_top_k=False, shared_intermediate_size=32,
+                             shared_expert_gate=True, dtype=dtype, fused=fused)
+    g = torch.Generator().manual_seed(0)
+    for name, p in block.named_parameters():
+        module, _, attr = name.rpartition(".")
+        setattr(block.get_submodule(module), attr,
+                nn.Parameter((torch.randn(p.shape, generator=g) * 0.3).to(dtype), requires_grad=False))
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    out = block(x).float()
+
+    f32 = {name: p.float() for name, p in block.named_parameters()}
+    if fused:
+        fc, gate = f32["fused_fc.weight"].chunk(2, dim=1)
+        sfc, sgate = f32["shared_expert.fused_fc.weight"].chunk(2, dim=0)
+    else:
+        fc, gate, sfc, sgate = (f32["fc.weight"], f32["gate.weight"], f32["shared_expert.fc.weight"],
+                                f32["shared_expert.gate.weight"])
+    xf = x.float()
+    probs = torch.softmax(xf @ f32["router.weight"].T, dim=-1)
+    expected = torch.empty(tokens, hidden)
+    for t in range(tokens):
+        weights, chosen = probs[t].topk(top_k)
+        acc = torch.zeros(hidden)
+        for w, e in zip(weights, chosen.tolist()):
+            acc += w * (f32["proj.weight"][e] @ (torch.nn.functional.silu(fc[e] @ xf[t]) * (gate[e] @ xf[t])))
+        shared = f32["shared_expert.proj.weight"] @ (torch.nn.functional.silu(sfc @ xf[t]) * (sgate @ xf[t]))
+        expected[t] = acc + torch.sigmoid(f32["shared_expert_gate.weight"] @ xf[t]) * shared
+    assert torch.bincount(probs.topk(top_k).indices.flatten(), minlength=experts).min() > 0
+    rel = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (out - expected).abs().max() <= rel * expected.abs().max()
