@@ -19,6 +19,7 @@ from kiln.convert import convert_checkpoint
 from kiln.errors import ConfigError
 from kiln.layers.mlp import GatedMLP
 from kiln.layers.moe import MixtureOfExperts
+from kiln.models.base import DecoderModelForCausalLM
 from kiln.models.native_decode import supports_native_decode
 from kiln.runtime.engine import Engine
 from tests.models.zoo import (LOGIT_PROMPT_LENS, built_fixture, check_batched_greedy, check_prompt_logits,
@@ -112,9 +113,10 @@ def _rank_tensors(checkpoint, rank: int, prefix: str) -> dict[str, torch.Tensor]
 
 
 @pytest.mark.parametrize("name", ["mixtral", "mixtral-stacked", "qwen2-moe"])
-def test_tp2_shards_reassemble_into_hf_experts(built, tmp_path, name: str) -> None:
+def test_tp2_shards_reassemble_into_hf_experts(built, tmp_path, monkeypatch, name: str) -> None:
     """tp=2: each rank holds half of every expert's intermediate dim (fc/gate rows, proj
-    columns), the router whole; the halves put back together are HF's experts."""
+    columns), the router whole; the halves put back together are HF's experts, and the ranks'
+    partial outputs summed by the block's one all-reduce are the single-rank output."""
     case = built(name)
     with safe_open(str(case.hf_dir / "model.safetensors"), "pt") as f:  # the layout the case stands for
         expected = {"mixtral": "model.layers.0.block_sparse_moe.experts.3.w1.weight",
@@ -139,6 +141,17 @@ def test_tp2_shards_reassemble_into_hf_experts(built, tmp_path, name: str) -> No
         assert torch.equal(torch.cat([r["shared_expert.proj.weight"] for r in ranks], dim=1),
                            shared.down_proj.weight.detach())
         assert torch.equal(ranks[1]["shared_expert_gate.weight"], block.shared_expert_gate.weight.detach())
+
+    # Each rank's block output is a partial sum; one all-reduce (here: the sum) gives tp=1's output.
+    import kiln.layers.moe as moe
+
+    reduces: list[int] = []
+    monkeypatch.setattr(moe.distributed, "all_reduce", lambda x, tp_size: reduces.append(tp_size) or x)
+    whole = DecoderModelForCausalLM.from_checkpoint(case.work_dir / "checkpoint").transformer.layers["0"].mlp
+    x = torch.randn(7, whole.hidden_size, generator=torch.Generator().manual_seed(0))
+    partials = [DecoderModelForCausalLM.from_checkpoint(checkpoint, r).transformer.layers["0"].mlp(x) for r in (0, 1)]
+    assert reduces == [2, 2]
+    torch.testing.assert_close(partials[0] + partials[1], whole(x), rtol=1e-5, atol=1e-6)
 
 
 def test_bf16_engine_stays_close_to_float32(built, tmp_path) -> None:
