@@ -137,7 +137,8 @@ class ExpertLinear(nn.Module):
 
 
 class MixtureOfExperts(nn.Module):
-    """Router, top-k experts (SiLU-gated) and an optional gated shared expert.
+    """Router, top-k gated experts (``act(fc x) * gate x``, SiLU in both families) and an optional
+    gated shared expert.
 
     Routing: softmax over all experts' router logits (float32), the ``top_k`` largest, divided
     by their sum when ``normalize_top_k`` (Mixtral always; Qwen2-MoE per ``norm_topk_prob``).
