@@ -266,6 +266,9 @@ class DecoderModelForCausalLM(nn.Module):
             embedding = embedding.partition(".")[2]
         with torch.device("meta"):
             model = cls(config)
+        for module in model.modules():  # a layer whose tensors come in several layouts picks this checkpoint's
+            if hasattr(module, "match_external_keys"):
+                module.match_external_keys(external)
         lm_head = getattr(model, "lm_head", None)
         if lm_head is not None and not model.shares_embedding_table:
             lm_head_key = translate_key("lm_head.weight", loader.key_map)[0]

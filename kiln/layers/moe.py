@@ -1,0 +1,280 @@
+"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE): a router picks ``top_k`` of
+``num_experts`` SiLU-gated experts per token; an optional shared expert sees every token.
+
+Checkpoint tensors of one block (under ``transformer.layers.{i}.mlp``; ``E`` experts, ``I``
+the expert intermediate size, ``tp`` the tensor-parallel ranks)::
+
+    router.weight                      [E, hidden]        replicated on every rank
+    fc.weight                          [E, I / tp, hidden] each expert's activated projection
+                                                          (HF gate_proj / Mixtral w1), column split
+    gate.weight                        [E, I / tp, hidden] the projection multiplied in
+                                                          (up_proj / w3), column split
+    proj.weight                        [E, hidden, I / tp] the output projection (down_proj / w2),
+                                                          row split
+    shared_expert.{fc,gate,proj}.weight                   a GatedMLP every token goes through
+    shared_expert_gate.weight          [1, hidden]        its per-token sigmoid gate (replicated)
+
+An engine holds ``fused_fc.weight`` ``[E, 2 I / tp, hidden]`` (each expert's ``fc`` rows then
+its ``gate`` rows) instead of ``fc`` and ``gate``: one matmul per active expert.
+
+External layouts: Hugging Face files keep one tensor per expert and projection
+(``experts.{e}.w1.weight`` or ``experts.{e}.gate_proj.weight``), which ``postprocess`` stacks
+(reference 000); transformers >= 5 holds them fused in memory (``experts.gate_up_proj``
+``[E, 2 I, hidden]``, ``experts.down_proj`` ``[E, hidden, I]``), which loads as well. Each
+rank reads only its slice of every expert's intermediate dimension; a block's partial sums
+(experts and shared expert) meet in one all-reduce.
+
+The router and the shared-expert gate are :class:`ReplicatedLinear`, not :class:`Linear`, and
+the experts :class:`ExpertLinear`, so weight-only quantization (which walks ``Linear``
+modules) leaves them in float; the shared expert's projections are ordinary linears and
+are quantized.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln import distributed, kernels
+from kiln.errors import ConfigError
+from kiln.layers.activation import get_activation
+from kiln.layers.linear import Linear, ShardSpec
+from kiln.layers.mlp import GatedMLP
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """A family's external names for one MoE block, relative to the decoder layer.
+
+    ``block`` is the block's name in the per-expert files (Mixtral: ``block_sparse_moe``),
+    ``fc``/``gate``/``proj`` an expert's three projections there (``w1``/``w3``/``w2``).
+    The fused layout transformers keeps in memory names the block ``mlp`` for every family.
+    """
+
+    block: str = "mlp"
+    router: str = "gate"
+    fc: str = "gate_proj"
+    gate: str = "up_proj"
+    proj: str = "down_proj"
+
+    FUSED_FC_GATE = "experts.gate_up_proj"
+    FUSED_PROJ = "experts.down_proj"
+
+
+class ReplicatedLinear(nn.Module):
+    """``y = x W^T`` with the whole weight on every rank (router, shared-expert gate)."""
+
+    def __init__(self, in_features: int, out_features: int, *, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class ExpertLinear(nn.Module):
+    """One projection of every expert, stacked: ``weight`` ``[num_experts, out, in]`` (this
+    rank's part). ``tp_dim`` 1 splits the outputs over ranks (fc, gate), 2 the inputs (proj).
+
+    ``matmul(e, x)`` multiplies by expert ``e`` through :meth:`Linear.matmul` on a view of its
+    slice, so experts get the same kernels as any linear (skinny GEMM, AMX tiles, packed oneDNN).
+    """
+
+    # (index, count): from a stacked external tensor whose dim 1 holds ``count`` equal parts
+    # (transformers' fused gate_up_proj: fc rows, then gate rows); this weight is part ``index``.
+    fused_part: tuple[int, int] | None = None
+    # The external tensor is already stacked over experts (else: one tensor per expert).
+    stacked_source: bool = False
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, tp_dim: int, *,
+                 dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0):
+        super().__init__()
+        if tp_dim not in (1, 2):
+            raise ValueError(f"tp_dim is 1 (outputs) or 2 (inputs), not {tp_dim}")
+        self.num_experts, self.tp_dim = num_experts, tp_dim
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.in_features = in_features // (tp_size if tp_dim == 2 else 1)
+        self.out_features = out_features // (tp_size if tp_dim == 1 else 1)
+        self.weight = nn.Parameter(torch.empty(num_experts, self.out_features, self.in_features, dtype=dtype),
+                                   requires_grad=False)
+        self._views: list[Linear] = []
+        self._views_key: tuple | None = None
+
+    def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """``x W_e^T`` for rows ``x`` ``[n, in]`` routed to expert ``expert``."""
+        return self._expert_views()[expert].matmul(x, None)
+
+    def _expert_views(self) -> list[Linear]:
+        w = self.weight
+        key = (w.data_ptr(), tuple(w.shape), w.dtype)
+        if self._views_key != key:  # weights are assigned at load time: rebuild the views then
+            views = []
+            for e in range(self.num_experts):
+                with torch.device("meta"):
+                    view = Linear(self.in_features, self.out_features, bias=False, dtype=w.dtype)
+                view.weight = nn.Parameter(w.data[e], requires_grad=False)
+                views.append(view)
+            self._views, self._views_key = views, key
+        return self._views
+
+    # -- weight loading (kiln.checkpoint.loader) ---------------------------------------------
+
+    def load_spec(self, param_name: str, num_external: int) -> list[ShardSpec]:
+        if not self.stacked_source:  # one 2-D [out, in] tensor per expert
+            return [ShardSpec.even(self.tp_dim - 1, self.tp_size, self.tp_rank)] * num_external
+        if self.fused_part is None:
+            return [ShardSpec.even(self.tp_dim, self.tp_size, self.tp_rank)]
+        index, count = self.fused_part
+        rows = self.out_features * self.tp_size
+        return [ShardSpec(1, tuple((rows, self.tp_size if i == index else 0, self.tp_rank) for i in range(count)))]
+
+    def postprocess(self, key: str, weights: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
+        tensor = weights[0] if self.stacked_source else torch.stack(weights)
+        return {key: tensor.contiguous()}
+
+
+class MixtureOfExperts(nn.Module):
+    """Router, top-k gated experts (``act(fc x) * gate x``, SiLU in both families) and an optional
+    gated shared expert.
+
+    Routing: softmax over all experts' router logits (float32), the ``top_k`` largest, divided
+    by their sum when ``normalize_top_k`` (Mixtral always; Qwen2-MoE per ``norm_topk_prob``).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, hidden_act: str, *,
+                 normalize_top_k: bool, shared_intermediate_size: int = 0, shared_expert_gate: bool = False,
+                 names: ExpertNames = ExpertNames(), dtype: torch.dtype | None = None, tp_size: int = 1,
+                 tp_rank: int = 0, fused: bool = False):
+        super().__init__()
+        self.num_experts, self.top_k, self.normalize_top_k = num_experts, top_k, normalize_top_k
+        self.hidden_size, self.tp_size, self.fused, self.names = hidden_size, tp_size, fused, names
+        self.act = get_activation(hidden_act)
+        shard = dict(dtype=dtype, tp_size=tp_size, tp_rank=tp_rank)
+        self.router = ReplicatedLinear(hidden_size, num_experts, dtype=dtype)
+        if fused:
+            self.fused_fc = ExpertLinear(num_experts, hidden_size, 2 * intermediate_size, 1, **shard)
+        else:
+            self.fc = ExpertLinear(num_experts, hidden_size, intermediate_size, 1, **shard)
+            self.gate = ExpertLinear(num_experts, hidden_size, intermediate_size, 1, **shard)
+        self.proj = ExpertLinear(num_experts, intermediate_size, hidden_size, 2, **shard)
+        self.shared_expert = (GatedMLP(hidden_size, shared_intermediate_size, hidden_act, False, fused=fused, **shard)
+                              if shared_intermediate_size else None)
+        self.shared_expert_gate = (ReplicatedLinear(hidden_size, 1, dtype=dtype)
+                                   if shared_intermediate_size and shared_expert_gate else None)
+        self.use_external_layout(stacked=False)
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights float32 ``[n, top_k]``, expert ids ``[n, top_k]``) for router logits ``[n, E]``."""
+        probs = torch.softmax(router_logits.float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.hidden_size)
+        weights, experts = self.route(self.router(x))
+        out = self.routed(x, weights, experts)
+        if self.shared_expert is not None:
+            shared = _gated_mlp_partial(self.shared_expert, x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        # Every term above is this rank's partial sum over its intermediate slice.
+        return distributed.all_reduce(out, self.tp_size).view(shape)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` for every token ``t``: the
+        (token, slot) pairs are grouped by expert, each active expert runs once on its group."""
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k
+        slot_weights = weights.reshape(-1)[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = tokens[start:start + n]
+            y = self.expert(expert, x.index_select(0, rows))
+            # float32 weights: the product is rounded once, into the output dtype
+            out.index_add_(0, rows, (y * slot_weights[start:start + n, None]).to(out.dtype))
+            start += n
+        return out
+
+    def expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``expert``'s output (this rank's partial sum) for rows ``x`` ``[n, hidden]``."""
+        if self.fused:
+            both = self.fused_fc.matmul(expert, x)
+            if self.act is F.silu and kernels.elementwise_supported(both):
+                return self.proj.matmul(expert, kernels.silu_mul(both))
+            fc, gate = both.chunk(2, dim=-1)
+        else:
+            fc, gate = self.fc.matmul(expert, x), self.gate.matmul(expert, x)
+        return self.proj.matmul(expert, self.act(fc) * gate)
+
+    # -- checkpoints and engines --------------------------------------------------------------
+
+    def use_external_layout(self, stacked: bool) -> None:
+        """Name the experts' external tensors: one per expert and projection, or (``stacked``)
+        transformers' fused ``experts.gate_up_proj`` / ``experts.down_proj``."""
+        n = self.names
+        block = "mlp" if stacked else n.block
+        self.router.external_key_map = {"mlp": block, "router": n.router}
+        if self.fused:  # an engine loads kiln's own names only
+            return
+        if stacked:
+            self.fc.external_key_map = {"mlp": block, "fc": n.FUSED_FC_GATE, "weight": ""}
+            self.gate.external_key_map = {"mlp": block, "gate": n.FUSED_FC_GATE, "weight": ""}
+            self.proj.external_key_map = {"mlp": block, "proj": n.FUSED_PROJ, "weight": ""}
+            self.fc.fused_part, self.gate.fused_part = (0, 2), (1, 2)
+            self.proj.fused_part = None
+        else:
+            for module, name, external in ((self.fc, "fc", n.fc), (self.gate, "gate", n.gate),
+                                           (self.proj, "proj", n.proj)):
+                module.external_key_map = {"mlp": block,
+                                           name: [f"experts.{e}.{external}" for e in range(self.num_experts)]}
+                module.fused_part = None
+        for module in (self.fc, self.gate, self.proj):
+            module.stacked_source = stacked
+
+    def match_external_keys(self, external: set[str]) -> None:
+        """Pick the layout of the checkpoint about to be loaded (see the module docstring)."""
+        self.use_external_layout(stacked=any(k.endswith(f".{ExpertNames.FUSED_FC_GATE}") for k in external))
+
+    def engine_weights(self, prefix: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Fuse each expert's ``fc`` and ``gate`` rows into ``fused_fc`` (the shared expert,
+        a GatedMLP, fuses its own)."""
+        fc, gate = weights.pop(f"{prefix}fc.weight"), weights.pop(f"{prefix}gate.weight")
+        return {f"{prefix}fused_fc.weight": torch.cat([fc, gate], dim=1)}
+
+
+def _gated_mlp_partial(mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
+    """``mlp(x)`` before its all-reduce (this rank's partial sum); bias-free MLPs only."""
+    if mlp.fused:
+        both = mlp.fused_fc(x)
+        if mlp.act is F.silu and kernels.elementwise_supported(both):
+            return mlp.proj.matmul(kernels.silu_mul(both), None)
+        fc, gate = both.chunk(2, dim=-1)
+    else:
+        fc, gate = mlp.fc(x), mlp.gate(x)
+    return mlp.proj.matmul(mlp.act(fc) * gate, None)
+
+
+def check_expert_config(num_experts: int, top_k: int, intermediate_size: int, tp_size: int, *,
+                        experts_field: str, top_k_field: str, intermediate_field: str) -> None:
+    """Raise :class:`ConfigError`, naming the Hugging Face field, for expert settings kiln cannot run."""
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ConfigError(f"{experts_field} must be a positive integer, got {num_experts!r}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ConfigError(f"{top_k_field} must be between 1 and {experts_field} ({num_experts}), got {top_k!r}")
+    if intermediate_size % tp_size:
+        raise ConfigError(f"{intermediate_field} ({intermediate_size}) is not divisible by tp_size ({tp_size}): "
+                          "every rank holds an equal slice of each expert")

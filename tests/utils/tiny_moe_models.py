@@ -1,0 +1,57 @@
+"""Tiny random Hugging Face mixture-of-experts models (Mixtral, Qwen2-MoE) saved to a directory."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.utils.tiny_models import _save_random
+
+
+def make_mixtral(path: Path, *, hidden: int = 64, layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                 experts: int = 4, top_k: int = 2, intermediate: int = 64, vocab: int = 256, seed: int = 0,
+                 stacked: bool = False):
+    """A random Mixtral; ``stacked`` saves transformers' in-memory layout (``mlp.experts.gate_up_proj``
+    ``[E, 2I, H]``, ``mlp.experts.down_proj``) instead of one tensor per expert (``block_sparse_moe.experts.{e}.w1``)."""
+    hf = _save_random(path, "Mixtral", seed, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                      num_local_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=256,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return _decisive_routers(hf, path, seed, stacked)
+
+
+def make_qwen2_moe(path: Path, *, hidden: int = 64, layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                   experts: int = 8, top_k: int = 2, moe_intermediate: int = 32, shared_intermediate: int = 48,
+                   intermediate: int = 96, norm_topk_prob: bool = False, decoder_sparse_step: int = 1,
+                   mlp_only_layers: list[int] | None = None, vocab: int = 256, seed: int = 0, stacked: bool = False):
+    """A random Qwen2-MoE: routed experts, a gated shared expert, and dense layers where
+    ``decoder_sparse_step`` / ``mlp_only_layers`` say."""
+    hf = _save_random(path, "Qwen2Moe", seed, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                      num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate,
+                      shared_expert_intermediate_size=shared_intermediate, norm_topk_prob=norm_topk_prob,
+                      decoder_sparse_step=decoder_sparse_step, mlp_only_layers=mlp_only_layers or [],
+                      max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=0)
+    return _decisive_routers(hf, path, seed, stacked)
+
+
+def _decisive_routers(hf, path: Path, seed: int, stacked: bool):
+    """Give routers (and shared-expert gates) weights large enough that tokens pick different
+    experts by clear margins (the default init makes every expert almost equally likely, so
+    rounding could flip a choice), then save again."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    if stacked:
+        from safetensors.torch import save_file
+
+        for old in Path(path).glob("*.safetensors"):
+            old.unlink()
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+        save_file(state, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        hf.save_pretrained(path)
+    return hf
