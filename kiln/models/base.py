@@ -180,6 +180,7 @@ class DecoderModelForCausalLM(nn.Module):
         self.engine_layout = engine_layout
         mapping = config.mapping
         self.transformer = Transformer(type(self), config, engine_layout)
+        self.final_logit_softcap = _positive(config, "final_logit_softcapping")  # Gemma 2
         self.vocab_size_padded = math.ceil(config.vocab_size / mapping.tp_size) * mapping.tp_size
         if mapping.is_last_pp_rank:
             self.lm_head = ColumnLinear(config.hidden_size, self.vocab_size_padded, bias=False,
@@ -219,9 +220,8 @@ class DecoderModelForCausalLM(nn.Module):
         """float32 logits ``[n, vocab_size]`` for the given final hidden states ``[n, hidden]``
         (soft-capped, ``cap * tanh(logits / cap)``, when the config sets ``final_logit_softcapping``)."""
         logits = self.lm_head(hidden)[..., : self.config.vocab_size].float()
-        cap = _positive(self.config, "final_logit_softcapping")
-        if cap is not None:
-            logits = cap * torch.tanh(logits / cap)
+        if self.final_logit_softcap is not None:
+            logits = self.final_logit_softcap * torch.tanh(logits / self.final_logit_softcap)
         return logits
 
     def engine_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
