@@ -31,11 +31,12 @@ def make_gemma2(path: Path, *, window: int = 6, hidden: int = 64, layers: int = 
     so scores reach the caps and greedy tokens vary (with the default, every prompt repeats one
     token)."""
     return _save_random(path, "Gemma2", seed, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 16,
-                      num_hidden_layers=layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                      head_dim=32, query_pre_attn_scalar=24, sliding_window=window,
-                      attn_logit_softcapping=attn_softcap, final_logit_softcapping=final_softcap,
-                      hidden_activation="gelu_pytorch_tanh", initializer_range=0.05, max_position_embeddings=256,
-                      rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager")
+                        num_hidden_layers=layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                        head_dim=32, query_pre_attn_scalar=24, sliding_window=window,
+                        attn_logit_softcapping=attn_softcap, final_logit_softcapping=final_softcap,
+                        hidden_activation="gelu_pytorch_tanh", initializer_range=0.05, max_position_embeddings=256,
+                        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                        attn_implementation="eager")
 
 
 def make_bloom(path: Path, *, heads: int = 6, hidden: int = 96, layers: int = 2, vocab: int = 256, seed: int = 0):
