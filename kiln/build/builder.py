@@ -23,10 +23,6 @@ def validate_limits(config: PretrainedConfig, build: BuildConfig) -> None:
     if limit and build.max_seq_len > limit:
         raise BuildError(f"max_seq_len {build.max_seq_len} exceeds {limit}, the longest context kiln computes "
                          f"{config.architecture} exactly")
-    window = config.get("sliding_window")
-    if window and build.max_seq_len > window:
-        raise BuildError(f"the model uses sliding-window attention (window {window}); build with "
-                         f"--max_seq_len <= {window} until kiln's paged sliding window lands")
     if build.max_num_tokens < build.max_batch_size:
         raise BuildError(f"max_num_tokens ({build.max_num_tokens}) must be at least max_batch_size "
                          f"({build.max_batch_size}) so every sequence can advance each step")

@@ -45,7 +45,7 @@ LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-_DECODE_ARGTYPES = [_PTR, _I64] + [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, ctypes.c_int]
+_DECODE_ARGTYPES = [_PTR, _I64] + [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, _I64, _PTR, ctypes.c_float, ctypes.c_int]
 
 
 def _cpu_flags() -> str:
@@ -206,13 +206,18 @@ def supports_decode_attention(dtype: torch.dtype) -> bool:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_index: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
-                           scale: float, *, check: bool = True) -> None:
+                           scale: float, *, window: int | None = None, alibi_slopes: torch.Tensor | None = None,
+                           softcap: float | None = None, check: bool = True) -> None:
     """Attention of one query token per sequence over its paged K/V, written into ``out``.
 
     ``q``/``out``: ``[num_tokens, num_heads, head_size]`` (``q``'s tokens may be strided, e.g. a
     view into the fused qkv output); row ``token_index[i]`` belongs to
     sequence ``i``, whose cache holds ``seq_lens[i]`` tokens in blocks ``block_tables[i]``.
     ``k_cache``/``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_size]``.
+    ``window``: a sequence of length L attends to its last ``window`` tokens only (None: all);
+    ``alibi_slopes``: float32 ``[num_heads]``, adds ``slope * (key position - query position)``
+    to each score; ``softcap``: scores become ``softcap * tanh(score / softcap)`` (after
+    scaling, before ALiBi).
     ``check=False`` skips the argument checks (the attention backend, on its hot path, builds
     every argument itself).
     """
@@ -221,12 +226,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise RuntimeError(f"no native decode attention kernel for {q.dtype}")
     if check:
         _check_decode_arguments(q, k_cache, v_cache, token_index, block_tables, seq_lens, out)
+        if alibi_slopes is not None and (alibi_slopes.dtype != torch.float32 or not alibi_slopes.is_contiguous()
+                                         or tuple(alibi_slopes.shape) != (q.shape[1],)):
+            raise ValueError(f"alibi_slopes: expected a contiguous float32 [{q.shape[1]}] tensor")
+        if window is not None and window <= 0:
+            raise ValueError(f"window: expected a positive number of tokens, got {window}")
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_size = k_cache.shape
     rc = getattr(lib, _DECODE_KERNELS[q.dtype])(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), token_index.data_ptr(),
         block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), num_seqs, q.shape[1], num_kv_heads,
-        head_size, block_size, block_tables.shape[1], scale, torch.get_num_threads())
+        head_size, block_size, block_tables.shape[1], scale, window or 0,
+        alibi_slopes.data_ptr() if alibi_slopes is not None else None, softcap or 0.0, torch.get_num_threads())
     if rc == 1:
         raise ValueError(f"paged_decode_attention: {q.shape[1]} query heads do not group onto {num_kv_heads} KV heads")
     if rc == 2:
@@ -368,10 +379,10 @@ class LinearWeights(ctypes.Structure):
 
 
 class DecoderLayerWeights(ctypes.Structure):
-    """One layer's tensors for ``decode_step`` (raw pointers)."""
+    """One layer's tensors for ``decode_step`` (raw pointers) and its sliding window (0: none)."""
     _fields_ = [("input_norm", _PTR), ("post_norm", _PTR)] + [
         (name, LinearWeights) for name in ("qkv", "dense", "fused_fc", "proj")] + [
-        ("k_cache", _PTR), ("v_cache", _PTR)]
+        ("k_cache", _PTR), ("v_cache", _PTR), ("window", _I64)]
 
 
 class DecoderDims(ctypes.Structure):

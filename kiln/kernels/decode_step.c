@@ -7,7 +7,7 @@
  * the same roundings, so it agrees with the layer-by-layer path bit for bit; each layer is
  *
  *   x = rmsnorm(h); qkv = x Wqkv^T (+b); rotary(q, k); cache[slot] = k, v
- *   h = h + attention(q, cache) Wo^T (+b)
+ *   h = h + attention(q, cache; the layer's sliding window) Wo^T (+b)
  *   x = rmsnorm(h); gu = x Wfc^T (+b); h = h + (silu(gate) * up) Wproj^T (+b)
  *
  * with the residual adds rounded to the model dtype as eager PyTorch does. Layouts: hidden
@@ -42,10 +42,12 @@ typedef struct {
     const float *scales, *zeros;
 } kiln_linear;
 
+/* window: the layer's sliding attention window (0: none). */
 typedef struct {
     const void *input_norm, *post_norm;
     kiln_linear qkv, dense, fused_fc, proj;
     void *k_cache, *v_cache;
+    int64_t window;
 } kiln_decoder_layer;
 
 typedef struct {
@@ -108,7 +110,7 @@ int kiln_decode_step_##SUFFIX(T *hidden, int64_t m, const kiln_decoder_layer *la
         int rc = 0;                                                                                \
         TIMED(ATTENTION, rc = kiln_paged_decode_attention_##SUFFIX(                                \
             qkv, qkv_width, k_cache, v_cache, token_index, block_tables, seq_lens, attn, m, d->heads, \
-            d->kv_heads, D, d->block_size, d->max_blocks, d->scale, num_threads));                 \
+            d->kv_heads, D, d->block_size, d->max_blocks, d->scale, L->window, NULL, 0.f, num_threads));\
         if (rc != 0) return rc;                                                                    \
         TIMED(LINEAR, linear_##SUFFIX(attn, &L->dense, out, m, H, q_size, num_threads));            \
         TIMED(OTHER, {                                                                             \

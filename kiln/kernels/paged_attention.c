@@ -13,6 +13,12 @@
  *   seq_lens      [num_seqs] int64  (tokens in the cache, the new one included)
  * Query heads are grouped onto KV heads as in GQA: head h reads KV head h / (H / KVH).
  *
+ * Optional, per call (one layer's settings): a sliding window (window > 0: a sequence of
+ * length L attends to its last `window` tokens, L - window .. L - 1, reading from the first of
+ * them, which may lie mid-block); attention logit soft-capping (softcap > 0: score =
+ * softcap * tanh(score / softcap), after scaling); ALiBi (alibi_slopes, one per query head, or
+ * NULL: score += slope * (key position - query position), added after the soft-cap).
+ *
  * Built by kiln/kernels/__init__.py with -O3 -march=native -ffast-math -fopenmp (linked without
  * -ffast-math, which would set flush-to-zero process-wide); OpenMP resolves to the
  * libgomp torch has already loaded, so both share one thread pool.
@@ -163,17 +169,33 @@ static void *scratch(size_t bytes) {
     return buffer;
 }
 
+/* The optional score adjustments of a block: scale, soft-cap, ALiBi bias (pos0 is the first
+ * token's position relative to the query, <= 0). Separate from the plain scaling loop so
+ * layers without them keep it as it was. */
+static inline void adjust_scores(float *sg, int64_t ntok, float scale, float softcap, const float *slope,
+                                 int64_t pos0) {
+    if (softcap > 0.f) {
+        const float inv = 1.f / softcap;
+        for (int64_t i = 0; i < ntok; ++i) sg[i] = softcap * tanhf(sg[i] * scale * inv);
+    } else {
+        for (int64_t i = 0; i < ntok; ++i) sg[i] *= scale;
+    }
+    if (slope)
+        for (int64_t i = 0; i < ntok; ++i) sg[i] += *slope * (float)(pos0 + i);
+}
+
 /* Attention state of one (sequence, KV head) over a range of its blocks, unnormalised: per
  * query head of the group the running max, the running sum of exp(score - max), and the
- * exp-weighted sum of values. Ranges of one sequence merge exactly (see merge_parts).
+ * exp-weighted sum of values. Ranges of one sequence merge exactly (see merge_parts). Tokens
+ * before `first` (outside a sliding window) are skipped; `slopes` are the group's ALiBi slopes.
  * Inlined with a constant head size where possible, so the d-loops unroll and q/acc stay in
  * vector registers across the token loops. */
 #define DEFINE_DECODE_KERNEL(NAME, T, LOAD, STORE, VEC_SCORES, VEC_PV)                                     \
-static inline __attribute__((always_inline)) void NAME##_part(                                    \
-        const T *q, const T *k_cache, const T *v_cache, const int64_t *table, int64_t len,        \
-        int64_t b_begin, int64_t b_end, int64_t group, int64_t token_stride, int64_t kvh,         \
-        int64_t block_size, float scale, const int64_t D, float *run_max, float *run_sum,         \
-        float *acc) {                                                                             \
+static inline __attribute__((always_inline)) void NAME##_part(                                     \
+        const T *q, const T *k_cache, const T *v_cache, const int64_t *table, int64_t len,         \
+        int64_t b_begin, int64_t b_end, int64_t group, int64_t token_stride, int64_t kvh,          \
+        int64_t block_size, float scale, const int64_t D, int64_t first, const float *slopes,      \
+        float softcap, float *run_max, float *run_sum, float *acc) {                               \
     float qf[group * D], scores[group * block_size];                                               \
     for (int64_t g = 0; g < group; ++g) {                                                          \
         /* Unscaled, so a bf16 q converts back to bf16 exactly for bf16 dot products. */         \
@@ -183,9 +205,11 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
     }                                                                                              \
     memset(acc, 0, sizeof(float) * group * D);                                                     \
     for (int64_t b = b_begin; b < b_end; ++b) {                                                    \
-        const int64_t ntok = len - b * block_size < block_size ? len - b * block_size : block_size; \
-        const T *kb = k_cache + table[b] * block_size * token_stride + kvh * D;                   \
-        const T *vb = v_cache + table[b] * block_size * token_stride + kvh * D;                   \
+        /* The window's first token may lie mid-block: start the block there. */                   \
+        const int64_t t0 = b * block_size < first ? first - b * block_size : 0;                    \
+        const int64_t ntok = (len - b * block_size < block_size ? len - b * block_size : block_size) - t0;\
+        const T *kb = k_cache + (table[b] * block_size + t0) * token_stride + kvh * D;             \
+        const T *vb = v_cache + (table[b] * block_size + t0) * token_stride + kvh * D;             \
         for (int64_t g = 0; g < group; ++g) {                                                      \
             const float *qg = qf + g * D;                                                          \
             float *sg = scores + g * block_size;                                                   \
@@ -198,7 +222,12 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
                 for (int64_t d = 0; d < D; ++d) dot += qg[d] * LOAD(kt[d]);                        \
                 sg[t] = dot;                                                                       \
             }                                                                                      \
-            for (int64_t i = 0; i < ntok; ++i) { sg[i] *= scale; m = sg[i] > m ? sg[i] : m; }      \
+            if (softcap > 0.f || slopes) {                                                         \
+                adjust_scores(sg, ntok, scale, softcap, slopes ? slopes + g : NULL, b * block_size + t0 - (len - 1));\
+                for (int64_t i = 0; i < ntok; ++i) m = sg[i] > m ? sg[i] : m;                      \
+            } else {                                                                               \
+                for (int64_t i = 0; i < ntok; ++i) { sg[i] *= scale; m = sg[i] > m ? sg[i] : m; }  \
+            }                                                                                      \
             const float rescale = expf(run_max[g] - m);                                            \
             float sum = 0.f;                                                                       \
             _Pragma("omp simd reduction(+:sum)")                                                   \
@@ -223,29 +252,30 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
 }                                                                                                  \
                                                                                                    \
 /* NAME##_part with the head size as a compile-time constant for the common sizes. */            \
-static void NAME##_part_any(const T *q, const T *k_cache, const T *v_cache, const int64_t *table, \
-        int64_t len, int64_t b_begin, int64_t b_end, int64_t group, int64_t token_stride,         \
-        int64_t kvh, int64_t block_size, float scale, int64_t D, float *run_max, float *run_sum,  \
-        float *acc) {                                                                             \
+static void NAME##_part_any(const T *q, const T *k_cache, const T *v_cache, const int64_t *table,  \
+        int64_t len, int64_t b_begin, int64_t b_end, int64_t group, int64_t token_stride,          \
+        int64_t kvh, int64_t block_size, float scale, int64_t D, int64_t first, const float *slopes,\
+        float softcap, float *run_max, float *run_sum, float *acc) {                               \
     switch (D) {                                                                                   \
     case 64:                                                                                       \
         NAME##_part(q, k_cache, v_cache, table, len, b_begin, b_end, group, token_stride, kvh,     \
-                    block_size, scale, 64, run_max, run_sum, acc);                                 \
+                    block_size, scale, 64, first, slopes, softcap, run_max, run_sum, acc);         \
         break;                                                                                     \
     case 128:                                                                                      \
         NAME##_part(q, k_cache, v_cache, table, len, b_begin, b_end, group, token_stride, kvh,     \
-                    block_size, scale, 128, run_max, run_sum, acc);                                \
+                    block_size, scale, 128, first, slopes, softcap, run_max, run_sum, acc);        \
         break;                                                                                     \
     default:                                                                                       \
         NAME##_part(q, k_cache, v_cache, table, len, b_begin, b_end, group, token_stride, kvh,     \
-                    block_size, scale, D, run_max, run_sum, acc);                                  \
+                    block_size, scale, D, first, slopes, softcap, run_max, run_sum, acc);          \
     }                                                                                              \
 }                                                                                                  \
                                                                                                    \
-int NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,                        \
-         const int64_t *token_index, const int64_t *block_tables, const int64_t *seq_lens, T *out,\
-         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,            \
-         int64_t block_size, int64_t max_blocks, float scale, int num_threads) {                   \
+int NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,                         \
+         const int64_t *token_index, const int64_t *block_tables, const int64_t *seq_lens, T *out, \
+         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,             \
+         int64_t block_size, int64_t max_blocks, float scale, int64_t window,                      \
+         const float *alibi_slopes, float softcap, int num_threads) {                              \
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_size <= 0 || block_size <= 0)  \
         return 1;                                                                                  \
     const int64_t group = num_heads / num_kv_heads, D = head_size;                                 \
@@ -261,13 +291,17 @@ int NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,      
     for (int64_t s = 0; s < num_seqs; ++s) {                                                       \
         for (int64_t sp = 0; sp < splits; ++sp) {                                                  \
             const int64_t nblocks = (seq_lens[s] + block_size - 1) / block_size;                   \
-            const int64_t per = (nblocks + splits - 1) / splits;                                   \
-            const int64_t b0 = sp * per, b1 = b0 + per < nblocks ? b0 + per : nblocks;            \
+            /* A sliding window starts at token first: its blocks are split, the earlier ones skipped. */\
+            const int64_t first = window > 0 && seq_lens[s] > window ? seq_lens[s] - window : 0;   \
+            const int64_t fb = first / block_size;                                                 \
+            const int64_t per = (nblocks - fb + splits - 1) / splits;                              \
+            const int64_t b0 = fb + sp * per, b1 = b0 + per < nblocks ? b0 + per : nblocks;        \
             for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {                                     \
                 float *st = parts + ((s * splits + sp) * num_kv_heads + kvh) * state;              \
                 const T *qs = q + token_index[s] * q_stride + kvh * group * D;                     \
                 NAME##_part_any(qs, k_cache, v_cache, block_tables + s * max_blocks, seq_lens[s],  \
-                                b0, b1, group, token_stride, kvh, block_size, scale, D, st,        \
+                                b0, b1, group, token_stride, kvh, block_size, scale, D, first,     \
+                                alibi_slopes ? alibi_slopes + kvh * group : NULL, softcap, st,     \
                                 st + group, st + 2 * group);                                       \
             }                                                                                      \
         }                                                                                          \

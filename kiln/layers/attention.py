@@ -2,9 +2,13 @@
 
 The layer projects q/k/v, applies rotary embedding when configured, and hands the rest to
 the attention backend carried by the step's metadata (``metadata.backend``), so the model
-code is shared by the reference backend and every faster one.
+code is shared by the reference backend and every faster one. Per layer it may also ask the
+backend for a sliding window, attention logit soft-capping and ALiBi biases (this rank's
+heads' slopes).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -15,17 +19,46 @@ from kiln.layers.normalization import LayerNorm, RmsNorm
 from kiln.layers.rotary import RotaryEmbedding
 
 
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi's per-head slopes (float32 ``[num_heads]``), as BLOOM computes them: for the largest
+    power of two ``n <= num_heads``, ``2^(-8i/n)`` for i = 1..n; the remaining heads take every
+    other slope of the ``2n`` sequence (odd i)."""
+    n = 2 ** math.floor(math.log2(num_heads))
+    # Explicit device: models are built under torch.device("meta"), and slopes are never loaded.
+    base = torch.tensor(2.0 ** (-8.0 / n), dtype=torch.float32, device="cpu")
+    slopes = base ** torch.arange(1, n + 1, dtype=torch.float32, device="cpu")
+    if n < num_heads:
+        extra_base = torch.tensor(2.0 ** (-4.0 / n), dtype=torch.float32, device="cpu")
+        odd = torch.arange(1, 2 * (num_heads - n), 2, dtype=torch.float32, device="cpu")
+        slopes = torch.cat([slopes, extra_base ** odd])
+    return slopes
+
+
 class Attention(nn.Module):
+    """Fused-qkv attention of one layer, this rank's heads.
+
+    ``scale`` defaults to ``head_size ** -0.5``; ``window`` (a sliding window, in tokens),
+    ``softcap`` (attention logit soft-cap) and ``alibi`` (ALiBi biases instead of positions in
+    q/k) are passed to the attention backend.
+    """
+
     def __init__(self, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int,
                  head_size: int, *, qkv_bias: bool, dense_bias: bool, rotary: RotaryEmbedding | None,
                  dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0,
-                 source_transposed: bool = False, qk_norm_eps: float | None = None, qk_layernorm: bool = False):
+                 source_transposed: bool = False, qk_norm_eps: float | None = None, qk_layernorm: bool = False,
+                 scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                 alibi: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = num_heads // tp_size  # per rank
         self.num_kv_heads = max(num_kv_heads // tp_size, 1)
         self.head_size = head_size
-        self.scale = head_size ** -0.5
+        self.scale = scale if scale is not None else head_size ** -0.5
+        self.window = window
+        self.softcap = softcap
+        # Derived from the config, never saved: the slopes of this rank's heads.
+        slopes = alibi_slopes(num_heads)[tp_rank * self.num_heads:(tp_rank + 1) * self.num_heads] if alibi else None
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
         self.qkv = QKVColumnLinear(hidden_size, num_heads, num_kv_heads, head_size, qkv_bias, dtype=dtype,
                                    tp_size=tp_size, tp_rank=tp_rank, source_transposed=source_transposed)
         self.dense = RowLinear(num_heads * head_size, hidden_size, dense_bias, dtype=dtype,
@@ -56,5 +89,6 @@ class Attention(nn.Module):
                 k = kernels.rotary_(k, cos, sin, self.rotary.rotary_dim)
             else:
                 q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-        out = metadata.backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [num_tokens, heads, head]
+        out = metadata.backend.forward(q, k, v, kv_cache, metadata, self.scale, window=self.window,
+                                       alibi_slopes=self.alibi_slopes, softcap=self.softcap)  # [tokens, heads, head]
         return self.dense(out.reshape(num_tokens, q_size))

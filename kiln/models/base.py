@@ -4,6 +4,7 @@ Module tree (its parameter names are the checkpoint names of reference 002)::
 
     transformer.vocab_embedding            (first pipeline stage)
     transformer.project_in                 (embeddings narrower than the layers only: OPT-350m)
+    transformer.ln_embed                   (a LayerNorm on the embeddings: BLOOM)
     transformer.position_embedding         (learned absolute positions only)
     transformer.layers.{i}.input_layernorm / attention.{qkv,dense} / post_layernorm / mlp.*
     transformer.ln_f, project_out, lm_head (last pipeline stage; ln_f unless final_norm is false)
@@ -28,7 +29,7 @@ from kiln.layers.attention import Attention
 from kiln.layers.embedding import Embedding
 from kiln.layers.linear import ColumnLinear, Linear
 from kiln.layers.mlp import MLP, GatedMLP
-from kiln.layers.normalization import RmsNorm
+from kiln.layers.normalization import LayerNorm, RmsNorm
 from kiln.layers.rotary import RotaryEmbedding
 from kiln.models.native_decode import native_decode_for
 
@@ -40,6 +41,48 @@ def torch_dtype(name: str) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise ConfigError(f"dtype {name!r} is not one of {sorted(DTYPES)}") from None
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _positive(config: PretrainedConfig, name: str) -> float | None:
+    """Config field ``name``: None, or a positive number (else a ConfigError naming it)."""
+    value = config.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise ConfigError(f"config field {name!r} must be a positive number or null, got {value!r}")
+    return value
+
+
+def layer_window(config: PretrainedConfig, layer_idx: int) -> int | None:
+    """Layer ``layer_idx``'s sliding attention window in tokens (None: full attention).
+
+    ``sliding_window`` sets the window; ``layer_types`` (one of ``LAYER_TYPES`` per layer, as
+    transformers 5 writes it) says which layers use it; without it, every layer does.
+    """
+    window = _positive(config, "sliding_window")
+    if window is not None and int(window) != window:
+        raise ConfigError(f"config field 'sliding_window' must be a whole number of tokens, got {window!r}")
+    types = config.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != config.num_hidden_layers \
+                or any(t not in LAYER_TYPES for t in types):
+            raise ConfigError(f"config field 'layer_types' must list one of {LAYER_TYPES} for each of the "
+                              f"{config.num_hidden_layers} layers, got {types!r}")
+        if types[layer_idx] == "full_attention":
+            return None
+        if window is None:
+            raise ConfigError(f"config field 'layer_types' marks layer {layer_idx} sliding_attention but "
+                              "'sliding_window' is not set")
+    return None if window is None else int(window)
+
+
+def attention_settings(config: PretrainedConfig, layer_idx: int) -> dict:
+    """The per-layer attention keywords the config asks for: scale (``query_pre_attn_scalar``),
+    sliding window, attention logit soft-cap (``attn_logit_softcapping``), ALiBi."""
+    scalar = _positive(config, "query_pre_attn_scalar")
+    return dict(scale=None if scalar is None else float(scalar) ** -0.5, window=layer_window(config, layer_idx),
+                softcap=_positive(config, "attn_logit_softcapping"), alibi=config.position_embedding_type == "alibi")
 
 
 class DecoderLayer(nn.Module):
@@ -72,7 +115,7 @@ class DecoderLayer(nn.Module):
             dense_bias=config.get("dense_bias", config.get("attn_bias", False)), rotary=rotary,
             source_transposed=model_cls.source_transposed,
             qk_norm_eps=config.norm_epsilon if config.get("qk_norm", False) else None,
-            qk_layernorm=bool(config.get("qk_layernorm", False)), **shard)
+            qk_layernorm=bool(config.get("qk_layernorm", False)), **attention_settings(config, layer_idx), **shard)
         self.post_layernorm = None if shared_norm else model_cls.make_norm(config, dtype)
         self.mlp = model_cls.make_mlp(config, layer_idx, engine_layout)
 
@@ -105,6 +148,8 @@ class Transformer(nn.Module):
                 config.vocab_size, embedding_dim, dtype=dtype,
                 tp_size=mapping.tp_size if parallel else 1, tp_rank=mapping.tp_rank if parallel else 0,
                 sharding_dim=config.embedding_sharding_dim)
+            if config.get("embedding_layernorm", False):  # BLOOM: normalise the embeddings first
+                self.ln_embed = LayerNorm(config.hidden_size, config.norm_epsilon, dtype=dtype)
             if config.position_embedding_type == "learned_absolute":
                 if not config.max_position_embeddings:
                     raise ConfigError("learned_absolute positions need max_position_embeddings")
@@ -115,10 +160,10 @@ class Transformer(nn.Module):
             rotary_dim = config.get("rotary_dim") or int(config.head_size * config.get("rotary_pct", 1.0))
             rotary = RotaryEmbedding(rotary_dim, config.get("rotary_base", 10000.0),
                                      config.max_position_embeddings, config.get("rotary_scaling"))
-        elif config.position_embedding_type != "learned_absolute":
+        elif config.position_embedding_type not in ("learned_absolute", "alibi"):
             raise ConfigError(
                 f"position_embedding_type {config.position_embedding_type!r} is not one of "
-                "['learned_absolute', 'rope_gpt_neox']")
+                "['learned_absolute', 'rope_gpt_neox', 'alibi']")
         self.rotary = rotary
         # Keyed by the global layer index, so a pipeline stage's names match the checkpoint's.
         self.layers = nn.ModuleDict({
@@ -183,6 +228,7 @@ class DecoderModelForCausalLM(nn.Module):
         self.engine_layout = engine_layout
         mapping = config.mapping
         self.transformer = Transformer(type(self), config, engine_layout)
+        self.final_logit_softcap = _positive(config, "final_logit_softcapping")  # Gemma 2
         self.vocab_size_padded = math.ceil(config.vocab_size / mapping.tp_size) * mapping.tp_size
         if mapping.is_last_pp_rank:
             self.lm_head = ColumnLinear(config.get("embedding_dim") or config.hidden_size, self.vocab_size_padded,
@@ -208,6 +254,8 @@ class DecoderModelForCausalLM(nn.Module):
         multiplier = self.config.get("embedding_multiplier")
         if multiplier:  # Gemma: rounded to the model dtype first, as Hugging Face does
             hidden = hidden * torch.tensor(multiplier, dtype=hidden.dtype)
+        if hasattr(t, "ln_embed"):
+            hidden = t.ln_embed(hidden)
         if hasattr(t, "position_embedding"):
             hidden = hidden + t.position_embedding(positions)
         native = native_decode_for(self, kv_caches, metadata)
@@ -218,9 +266,12 @@ class DecoderModelForCausalLM(nn.Module):
         return t.finish(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[n, vocab_size]`` for the given final hidden states ``[n, hidden]``."""
-        logits = self.lm_head(hidden)[..., : self.config.vocab_size]
-        return logits.float()
+        """float32 logits ``[n, vocab_size]`` for the given final hidden states ``[n, hidden]``
+        (soft-capped, ``cap * tanh(logits / cap)``, when the config sets ``final_logit_softcapping``)."""
+        logits = self.lm_head(hidden)[..., : self.config.vocab_size].float()
+        if self.final_logit_softcap is not None:
+            logits = self.final_logit_softcap * torch.tanh(logits / self.final_logit_softcap)
+        return logits
 
     def engine_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rewrite checkpoint tensors into this model's engine layout (fusions done once)."""

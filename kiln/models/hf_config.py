@@ -44,6 +44,16 @@ def hf_partial_rotary(hf: dict) -> float:
     return float(hf_get(hf, "partial_rotary_factor", "rotary_pct", default=params.get("partial_rotary_factor", 1.0)))
 
 
+def hf_sliding_window(hf: dict, *, default_types: list[str] | None = None) -> dict:
+    """The checkpoint fields of a sliding attention window: ``sliding_window`` (None: none) and
+    ``layer_types`` (which layers use it; None: all), from ``layer_types`` when the config lists
+    them (transformers >= 5), else ``default_types`` (the family's older rule)."""
+    window = hf.get("sliding_window")
+    if window is None:
+        return {"sliding_window": None, "layer_types": None}
+    return {"sliding_window": window, "layer_types": hf.get("layer_types") or default_types}
+
+
 def hf_dtype(hf: dict, requested: str | None) -> str:
     """The dtype to convert to: the requested one, or the checkpoint's own (float32 if unknown)."""
     if requested and requested != "auto":

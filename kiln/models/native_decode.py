@@ -5,9 +5,10 @@ is as much as the arithmetic of a few tokens. ``NativeDecodeStep`` hands every l
 ``kiln.kernels.decode_step``, which runs the same kernels in the same order (so the result
 is the same, bit for bit). It applies to a model only when every layer is exactly the
 shape that kernel computes: an RMSNorm of its own before attention and before the MLP
-(sequential, pre-norm: not OPT's post-norm nor a parallel layer), a fused qkv
-projection with rotate-half rotary (or none) and no q/k norm, a fused SiLU-gated MLP, one
-rank, fp32 or bf16 weights; any other model, the PyTorch attention backend, steps with a
+(sequential, pre-norm: not OPT's post-norm nor a parallel layer), a fused qkv projection
+with rotate-half rotary (or none) and no q/k norm, plain causal attention or a sliding
+window (no soft-capping, no ALiBi), a fused SiLU-gated MLP, one rank, fp32 or bf16 weights;
+any other model (Gemma 2, BLOOM...), the PyTorch attention backend, steps with a
 prompt chunk and steps of more tokens than its matmuls are best at
 (``NativeDecodeStep.max_tokens``) take the layer-by-layer path.
 """
@@ -33,12 +34,16 @@ def supports_native_decode(model) -> bool:
     if (dtype not in (torch.float32, torch.bfloat16) or model.config.mapping.world_size != 1
             or hasattr(t, "position_embedding") or kernels.native_library() is None):
         return False
+    scale = next(iter(t.layers.values())).attention.scale
     for layer in t.layers.values():
         attn, mlp = layer.attention, layer.mlp
         if not (type(layer) is DecoderLayer and type(layer.input_layernorm) is RmsNorm
                 and type(layer.post_layernorm) is RmsNorm and type(attn) is Attention
                 and type(mlp) is GatedMLP and mlp.fused and mlp.act is F.silu and attn.rotary is t.rotary
                 and attn.q_norm is None and not layer.parallel_residual and not layer.norm_after_residual):
+            return False
+        # The step passes each layer's sliding window on; soft-capping and ALiBi it does not compute.
+        if attn.softcap is not None or attn.alibi_slopes is not None or attn.scale != scale:
             return False
         if any(p.device.type != "cpu" or not p.is_contiguous() for p in layer.parameters()):
             return False
@@ -76,6 +81,7 @@ class NativeDecodeStep:
             entry.input_norm = layer.input_layernorm.weight.data_ptr()
             entry.post_norm = layer.post_layernorm.weight.data_ptr()
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
+            entry.window = attn.window or 0
             for field, linear in (("qkv", attn.qkv), ("dense", attn.dense), ("fused_fc", mlp.fused_fc),
                                   ("proj", mlp.proj)):
                 setattr(entry, field, _linear_weights(linear))

@@ -6,6 +6,13 @@ each) of all sequences are batched into one padded call; prompt chunks run one c
 ``NativePagedAttention`` runs the generation tokens through a C kernel that reads the
 paged cache in place instead of gathering it (``kiln.kernels``).
 
+A layer may ask for more than plain causal attention (``forward``'s keywords): a sliding
+window (a query attends to the last ``window`` positions, itself included, as Hugging Face's
+``kv_idx > q_idx - window``), attention logit soft-capping (``softcap * tanh(score / softcap)``
+after scaling) and ALiBi (``slope * (key position - query position)`` added per head). Plain
+layers keep the fast paths; these go through a masked path (a float mask, or explicit scores
+when soft-capped, which scaled_dot_product_attention cannot do).
+
 KV cache of one layer: ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads,
 head_size]``. For the reference backend, which reads whole blocks under a mask, blocks are
 zeroed when allocated, so it never meets stale NaN/inf values past a sequence's end.
@@ -43,6 +50,7 @@ class TorchPagedAttention:
                 q_pos = torch.arange(s_len - q_len, s_len)[:, None]
                 mask = torch.arange(s_len)[None, :] <= q_pos  # [q_len, s_len]
             st["chunks"].append((start, start + q_len, slots, mask))
+        st["relative"] = {}  # chunk or "decode" -> key position - query position (built when needed)
 
     def _prepare_decode(self, md: AttentionMetadata, decode: list[int]) -> None:
         bs, st = md.block_size, md.backend_state
@@ -54,9 +62,11 @@ class TorchPagedAttention:
         lens = torch.tensor([md.seq_lens[i] for i in decode])
         st["decode_tokens"] = torch.tensor([md.query_start_loc[i] for i in decode])
         st["decode_blocks"] = tables  # [num_decode, max_blocks]
+        st["decode_lens"] = lens
         st["decode_mask"] = (torch.arange(max_blocks * bs)[None, :] < lens[:, None])[:, None, None, :]
 
-    def _decode(self, q: torch.Tensor, kv_cache, st: dict, out: torch.Tensor, scale: float) -> None:
+    def _decode(self, q: torch.Tensor, kv_cache, st: dict, out: torch.Tensor, scale: float,
+                options: "AttentionOptions") -> None:
         k_cache, v_cache = kv_cache
         num_kv_heads, head = k_cache.shape[2], k_cache.shape[3]
         idx, tables = st["decode_tokens"], st["decode_blocks"]
@@ -64,13 +74,27 @@ class TorchPagedAttention:
         kd = k_cache[tables].view(n, -1, num_kv_heads, head).transpose(1, 2)  # [n, kv_heads, max_len, head]
         vd = v_cache[tables].view(n, -1, num_kv_heads, head).transpose(1, 2)
         qd = q[idx].unsqueeze(2)  # [n, heads, 1, head]
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=st["decode_mask"], scale=scale,
-                                           enable_gqa=q.shape[1] != num_kv_heads)
+        if options.plain:
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=st["decode_mask"], scale=scale,
+                                               enable_gqa=q.shape[1] != num_kv_heads)
+        else:
+            relative = st["relative"].get("decode")
+            if relative is None:  # [n, 1, 1, max_len]: the query is each sequence's last token
+                relative = torch.arange(kd.shape[2])[None, :] - (st["decode_lens"] - 1)[:, None]
+                relative = st["relative"]["decode"] = relative[:, None, None, :]
+            o = _attend(qd, kd, vd, relative, scale, options)
         out[idx] = o.squeeze(2)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, md: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, *, window: int | None = None, alibi_slopes: torch.Tensor | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """Attention of the step's tokens (after writing their K/V to the cache).
+
+        ``window``: attend to the last ``window`` positions only; ``alibi_slopes``: float32
+        ``[num_heads]`` ALiBi slopes of this rank's heads; ``softcap``: attention logit soft-cap.
+        """
         # q: [num_tokens, num_heads, head]; k, v: [num_tokens, num_kv_heads, head]
+        options = AttentionOptions(window, alibi_slopes, softcap)
         k_cache, v_cache = kv_cache
         num_kv_heads, head = k.shape[1], k.shape[2]
         flat_k = k_cache.view(-1, num_kv_heads, head)
@@ -80,18 +104,67 @@ class TorchPagedAttention:
         out = torch.empty(q.shape, dtype=q.dtype)
         st = md.backend_state
         if "decode_tokens" in st:
-            self._decode(q, kv_cache, st, out, scale)
+            self._decode(q, kv_cache, st, out, scale, options)
         group = q.shape[1] // num_kv_heads
-        for start, end, slots, mask in st["chunks"]:
+        for chunk, (start, end, slots, mask) in enumerate(st["chunks"]):
             kc, vc = (k[start:end], v[start:end]) if slots is None else (flat_k[slots], flat_v[slots])
             if group > 1:
                 # PyTorch's CPU flash-attention kernel takes neither enable_gqa nor 3-D inputs (both
                 # fall back to the math path, 4-15x slower): expand KV heads and add a batch dim.
                 kc, vc = kc.repeat_interleave(group, dim=1), vc.repeat_interleave(group, dim=1)
             qc, kc, vc = (t.transpose(0, 1).unsqueeze(0) for t in (q[start:end], kc, vc))  # [1, heads, len, head]
-            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=mask is None, scale=scale)
+            if options.plain or options.only_window_beyond(kc.shape[2]):
+                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=mask is None, scale=scale)
+            else:
+                relative = st["relative"].get(chunk)
+                if relative is None:  # [q_len, s_len]: the chunk's queries are the sequence's last tokens
+                    q_len, s_len = end - start, kc.shape[2]
+                    relative = torch.arange(s_len)[None, :] - torch.arange(s_len - q_len, s_len)[:, None]
+                    st["relative"][chunk] = relative
+                o = _attend(qc, kc, vc, relative, scale, options)
             out[start:end] = o[0].transpose(0, 1)
         return out
+
+
+class AttentionOptions:
+    """One layer's attention beyond plain causal: sliding window, ALiBi slopes, logit soft-cap."""
+
+    __slots__ = ("window", "alibi_slopes", "softcap", "plain")
+
+    def __init__(self, window: int | None, alibi_slopes: torch.Tensor | None, softcap: float | None):
+        self.window, self.alibi_slopes, self.softcap = window, alibi_slopes, softcap
+        self.plain = window is None and alibi_slopes is None and softcap is None
+
+    def only_window_beyond(self, length: int) -> bool:
+        """Whether the only option is a window no shorter than ``length`` keys (so it changes nothing)."""
+        return self.alibi_slopes is None and self.softcap is None and self.window >= length
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, relative: torch.Tensor, scale: float,
+            options: AttentionOptions) -> torch.Tensor:
+    """Attention of ``q`` ``[b, heads, q_len, head]`` over ``k``/``v`` ``[b, kv_heads, kv_len, head]``
+    where ``relative`` (broadcasting to ``[b, 1, q_len, kv_len]``) is each key's position minus its
+    query's: causal, windowed, ALiBi-biased and soft-capped as ``options`` say."""
+    allowed = relative <= 0
+    if options.window is not None:
+        allowed = allowed & (relative > -options.window)  # Hugging Face: kv_idx > q_idx - window
+    bias = None
+    if options.alibi_slopes is not None:
+        bias = options.alibi_slopes.view(-1, 1, 1) * relative.to(torch.float32)  # [b, heads, q_len, kv_len]
+    if options.softcap is None and (bias is None or q.dtype == torch.float32):
+        # (A bf16 float mask would round the ALiBi bias; those scores are computed below in fp32.)
+        mask = allowed if bias is None else bias.masked_fill(~allowed, float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if options.softcap is not None:
+        scores = options.softcap * torch.tanh(scores / options.softcap)
+    if bias is not None:
+        scores = scores + bias
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
 
 
 def _seq_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
@@ -116,10 +189,12 @@ class NativePagedAttention(TorchPagedAttention):
         st["decode_tokens"] = torch.tensor([md.query_start_loc[i] for i in decode], dtype=torch.int64)
         st["decode_lens"] = torch.tensor([md.seq_lens[i] for i in decode], dtype=torch.int64)
 
-    def _decode(self, q: torch.Tensor, kv_cache, st: dict, out: torch.Tensor, scale: float) -> None:
+    def _decode(self, q: torch.Tensor, kv_cache, st: dict, out: torch.Tensor, scale: float,
+                options: AttentionOptions) -> None:
         k_cache, v_cache = kv_cache
         paged_decode_attention(q, k_cache, v_cache, st["decode_tokens"], st["decode_blocks"],
-                               st["decode_lens"], out, scale, check=False)
+                               st["decode_lens"], out, scale, window=options.window,
+                               alibi_slopes=options.alibi_slopes, softcap=options.softcap, check=False)
 
 
 BACKENDS = {TorchPagedAttention.name: TorchPagedAttention, NativePagedAttention.name: NativePagedAttention}
