@@ -83,7 +83,8 @@ def run_latency(engine_dir: str, *, hf_gguf: str | None = None, hf_dir: str | No
             "prefill_tok_s": round(statistics.median(kiln_prefill), 1), "ttft_s": med(kiln_runs, "ttft_s"),
             "decode_tok_s": med(kiln_runs, "decode_tok_s"), "host_overhead_ms": med(kiln_runs, "host_overhead_ms"),
             "weight_bytes": weight_bytes, "peak_rss_mb": round(peak_rss_mb())}
-    kiln["bandwidth_fraction"] = round(weight_bytes * kiln["decode_tok_s"] / (machine["read_gbs"] * 1e9), 3)
+    # Three significant figures, not decimals: a tiny model's fraction is far below 0.001.
+    kiln["bandwidth_fraction"] = float(f"{weight_bytes * kiln['decode_tok_s'] / (machine['read_gbs'] * 1e9):.3g}")
     record = new_record("latency", engine=str(engine_dir), dtype=llm.engine.config.dtype, prompt_len=prompt_len,
                         prefill_len=prefill_len, new_tokens=new_tokens, rounds=rounds, machine=machine, kiln=kiln)
     if hf is not None:
