@@ -5,13 +5,19 @@
 * 40B/180B-style (``new_decoder_architecture``): ``num_kv_heads`` KV groups, two parallel norms
   (``ln_attn`` / ``ln_mlp``, or one with ``num_ln_in_parallel_attn`` 1), and
   ``query_key_value`` laid out per group [the group's q heads; its k; its v];
-* sequential (``parallel_attn`` false): ``input_layernorm`` then ``post_attention_layernorm``.
+* sequential (``parallel_attn`` false): ``input_layernorm`` then ``post_attention_layernorm``;
+* Falcon-RW (``alibi``): ALiBi biases instead of rotary. Its reference rounds each bias
+  (slope × position) to bfloat16, which kiln's float32 biases match exactly where the slopes
+  are powers of two (a power-of-two head count, up to 256 positions) and to about 2^-9 of the
+  bias otherwise.
 
 Without multi-query or the new architecture the fused rows are per head [q; k; v], as
 GPT-NeoX's. Per-group and per-head layouts are reordered to kiln's [q; k; v] and split by
 heads over tensor-parallel ranks on conversion (``QKVColumnLinear.interleaved_heads``).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -44,6 +50,11 @@ class FalconForCausalLM(DecoderModelForCausalLM):
         super().__init__(config, engine_layout)
         two_norms = config.get("parallel_residual") and not config.get("shared_layernorm")
         for layer in self.transformer.layers.values():
+            slopes = layer.attention.alibi_slopes
+            if slopes is not None:
+                # Falcon-RW adds the biases before scaling the scores (BLOOM after), from slopes
+                # rounded to bfloat16: the same biases as BLOOM's formula, rounded and scaled.
+                slopes.copy_(slopes.bfloat16().float() * layer.attention.scale)
             layer.attention.qkv.interleaved_heads = config.get("falcon_qkv_layout") == "per_group"
             if two_norms:  # the new architecture's parallel norms
                 layer.external_key_map = {"input_layernorm": "ln_attn", "post_layernorm": "ln_mlp"}
@@ -54,8 +65,6 @@ class FalconForCausalLM(DecoderModelForCausalLM):
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
-        if hf.get("alibi"):
-            raise ConfigError("Falcon with alibi=true (ALiBi attention biases, falcon-rw) is not supported yet")
         if hf.get("apply_residual_connection_post_layernorm"):
             raise ConfigError("Falcon with apply_residual_connection_post_layernorm=true is not supported")
         heads = hf_get(hf, "num_attention_heads", "n_head")
@@ -76,9 +85,11 @@ class FalconForCausalLM(DecoderModelForCausalLM):
                  "head_dim": hidden // heads, "num_hidden_layers": hf_get(hf, "num_hidden_layers", "n_layer"),
                  "intermediate_size": hf.get("ffn_hidden_size") or 4 * hidden,
                  "max_position_embeddings": hf.get("max_position_embeddings", 2048)}
-        return rope_decoder_config(
+        config = rope_decoder_config(
             named, dtype, mapping, "FalconForCausalLM", tied_default=True,
             hidden_act=hf_get(hf, "activation", default="gelu"),
             norm_epsilon=float(hf_get(hf, "layer_norm_epsilon", default=1e-5)),
             extra={"attn_bias": bias, "dense_bias": bias, "mlp_bias": bias, "parallel_residual": parallel,
                    "shared_layernorm": shared_norm, "falcon_qkv_layout": layout})
+        # Falcon-RW: ALiBi biases instead of rotary positions.
+        return dataclasses.replace(config, position_embedding_type="alibi") if hf.get("alibi") else config

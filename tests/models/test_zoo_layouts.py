@@ -39,6 +39,8 @@ CASES = {
     "falcon-7b-mqa": (make_falcon, {}, {}),
     "falcon-40b-gqa": (make_falcon, dict(new_arch=True, heads=4, kv_heads=2), {}),
     "falcon-sequential-bias": (make_falcon, dict(parallel_attn=False, bias=True, multi_query=False), {}),
+    # Falcon-RW: ALiBi, sequential, per-head qkv with bias (4 heads: slopes exact in bfloat16, as its reference rounds them)
+    "falcon-rw-alibi": (make_falcon, dict(alibi=True, parallel_attn=False, bias=True, multi_query=False), {}),
 }
 
 built = built_fixture(CASES)
@@ -70,6 +72,7 @@ LAYOUTS = {
                            falcon_qkv_layout="per_group"),
     "falcon-sequential-bias": dict(parallel_residual=False, num_key_value_heads=4, falcon_qkv_layout="per_group",
                                    attn_bias=True, mlp_bias=True),
+    "falcon-rw-alibi": dict(position_embedding_type="alibi", parallel_residual=False, falcon_qkv_layout="per_group"),
 }
 
 
@@ -198,7 +201,6 @@ FALCON = dict(architectures=["FalconForCausalLM"], vocab_size=256, hidden_size=6
 
 
 @pytest.mark.parametrize("model_cls, hf, field", [
-    (FalconForCausalLM, dict(FALCON, alibi=True), "alibi"),
     (FalconForCausalLM, dict(FALCON, new_decoder_architecture=True, parallel_attn=False), "parallel_attn"),
     (OPTForCausalLM, dict(architectures=["OPTForCausalLM"], vocab_size=256, hidden_size=64, num_hidden_layers=2,
                           num_attention_heads=4, max_position_embeddings=128, layer_norm_elementwise_affine=False),
@@ -206,7 +208,7 @@ FALCON = dict(architectures=["FalconForCausalLM"], vocab_size=256, hidden_size=6
     (FalconForCausalLM, dict(FALCON, apply_residual_connection_post_layernorm=True),
      "apply_residual_connection_post_layernorm"),
     (PhiForCausalLM, dict(architectures=["PhiForCausalLM"], model_type="phi-msft"), "phi-msft"),
-], ids=["falcon-alibi", "falcon-new-arch-sequential", "opt-norm-without-weights", "falcon-residual-post-norm",
+], ids=["falcon-new-arch-sequential", "opt-norm-without-weights", "falcon-residual-post-norm",
         "phi-msft"])
 def test_unsupported_options_name_their_field(model_cls, hf: dict, field: str) -> None:
     """Options these families do not implement are refused on conversion, naming the field."""

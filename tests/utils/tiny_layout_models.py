@@ -38,10 +38,11 @@ def make_phi(path: Path, *, partial_rotary: float = 0.4, qk_layernorm: bool = Fa
 
 def make_falcon(path: Path, *, new_arch: bool = False, multi_query: bool = True, parallel_attn: bool = True,
                 bias: bool = False, heads: int = 4, kv_heads: int | None = None, hidden: int = 64, layers: int = 2,
-                vocab: int = 256, seed: int = 0):
+                vocab: int = 256, seed: int = 0, alibi: bool = False):
     """A random Falcon: 7B-style by default (multi-query, parallel off one norm); ``new_arch``
-    for 40B-style KV groups with ``ln_attn`` / ``ln_mlp``; ``parallel_attn=False`` sequential."""
+    for 40B-style KV groups with ``ln_attn`` / ``ln_mlp``; ``parallel_attn=False`` sequential;
+    ``alibi`` for Falcon-RW's ALiBi biases."""
     return _save_random(path, "Falcon", seed, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                         num_attention_heads=heads, num_kv_heads=kv_heads, new_decoder_architecture=new_arch,
-                        multi_query=multi_query, parallel_attn=parallel_attn, bias=bias, alibi=False,
+                        multi_query=multi_query, parallel_attn=parallel_attn, bias=bias, alibi=alibi,
                         ffn_hidden_size=2 * hidden + 8, max_position_embeddings=256, activation="gelu", **IDS)
