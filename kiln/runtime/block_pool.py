@@ -1,7 +1,9 @@
 """BlockPool: fixed KV-cache blocks with reference counts and a prefix cache (pure Python).
 
 A block is free when its reference count is zero. ``fork`` shares blocks between
-sequences (beam search) by raising their counts.
+sequences (beam search) by raising their counts. A sequence's block table may hold
+``RELEASED`` where a block it no longer reads (out of a sliding window) went back to the
+pool; ``fork`` and ``free`` pass over those entries.
 
 Prefix caching (``enable_caching``): a full block is registered under a chained hash of its
 content (the previous block's hash and its own tokens), so a later sequence starting with
@@ -16,6 +18,9 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from kiln.errors import CapacityError
+
+
+RELEASED = -1  # a block-table entry whose block was returned to the pool
 
 
 def chain_hash(previous: int | None, tokens: tuple[int, ...]) -> int:
@@ -68,6 +73,8 @@ class BlockPool:
     def fork(self, blocks: list[int]) -> list[int]:
         """Share ``blocks`` with another owner."""
         for b in blocks:
+            if b == RELEASED:
+                continue
             if self._ref_counts[b] == 0:
                 raise ValueError(f"block {b} is not allocated")
             self._ref_counts[b] += 1
@@ -76,6 +83,8 @@ class BlockPool:
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; a block with none left becomes free."""
         for b in blocks:
+            if b == RELEASED:
+                continue
             if self._ref_counts[b] == 0:
                 raise ValueError(f"block {b} freed twice")
             self._ref_counts[b] -= 1

@@ -32,10 +32,22 @@ from kiln.runtime.sequence import FinishReason, Sequence
 KV_CACHE_MEMORY_FRACTION = 0.3  # of the memory available at start-up, when no size is given
 
 
+def common_window(model) -> int | None:
+    """The sliding window every layer keeps to (the widest), or None if a layer attends to all
+    positions: only then can blocks behind the window be released."""
+    windows = [layer.attention.window for layer in model.transformer.layers.values()]
+    return None if not windows or None in windows else max(windows)
+
+
 def default_num_blocks(engine: Engine, max_num_seqs: int, memory_fraction: float = KV_CACHE_MEMORY_FRACTION) -> int:
-    """Blocks for every sequence at full length, capped at a share of available memory."""
+    """Blocks for every sequence at full length (with a sliding window on every layer, the
+    window and one step), capped at a share of available memory."""
     build, config = engine.build_config, engine.config
-    wanted = max_num_seqs * -(-build.max_seq_len // build.tokens_per_block)
+    tokens = build.max_seq_len
+    window = common_window(engine.model)
+    if window is not None:  # as Scheduler.peak_blocks
+        tokens = min(tokens, window + build.max_num_tokens + build.tokens_per_block)
+    wanted = max_num_seqs * -(-tokens // build.tokens_per_block)
     attention = next(iter(engine.model.transformer.layers.values())).attention
     per_block = build.tokens_per_block * kv_bytes_per_token(
         len(engine.model.transformer.layers), attention.num_kv_heads, attention.head_size, torch_dtype(config.dtype))
@@ -86,7 +98,8 @@ class EngineCore:
             num_blocks = default_num_blocks(engine, self.max_num_seqs, memory_fraction)
         self.runner = ModelRunner(engine, num_blocks, attention_backend)
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, block, self.max_num_seqs, self.max_num_tokens, capacity_policy)
+        self.scheduler = Scheduler(self.pool, block, self.max_num_seqs, self.max_num_tokens, capacity_policy,
+                                   window=common_window(engine.model))
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._requests: dict[int, Request] = {}  # seq_id -> request, for live sequences

@@ -8,12 +8,16 @@ tokens in the KV cache::
     query_start_loc: 0          5          6          7                10
 
 Token ``t`` is written to cache slot ``slot_mapping[t]`` (``block * block_size + offset``).
+Block-table entries a sliding window released (``RELEASED``) are never attended to; they are
+replaced by the sequence's last block so no backend indexes the cache with them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from kiln.runtime.block_pool import RELEASED
 
 
 @dataclass
@@ -51,6 +55,7 @@ class AttentionMetadata:
         for n in query_lens:
             starts.append(starts[-1] + n)
         slots, token_seq_lens = [], []
+        block_tables = [_without_released(table) for table in block_tables]
         for q, s, table in zip(query_lens, seq_lens, block_tables):
             for pos in range(s - q, s):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
@@ -60,3 +65,11 @@ class AttentionMetadata:
                  block_size=block_size, token_seq_lens=torch.tensor(token_seq_lens, dtype=torch.int64))
         backend.prepare(md)
         return md
+
+
+def _without_released(table: list[int]) -> list[int]:
+    """``table`` with its released leading entries pointing at its last block (always live:
+    a step writes into it), which masks and windows then ignore."""
+    if not table or table[0] != RELEASED:
+        return table
+    return [table[-1] if block == RELEASED else block for block in table]

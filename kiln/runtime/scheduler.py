@@ -14,6 +14,11 @@ policies decide:
   (highest priority first, then arrival order) while the token budget and ``max_num_seqs``
   allow; long prompts are chunked.
 
+With a sliding window (every layer attending to its last ``window`` positions only), a
+block every position of which fell out of the window goes back to the pool after the step
+(its table entry becomes ``RELEASED``), so a sequence holds about ``window + step`` tokens of
+KV cache however long it grows.
+
 The step is ``out = scheduler.schedule(); res = runner.execute(out); scheduler.update(out, res)``.
 """
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kiln.errors import CapacityError, ConfigError
-from kiln.runtime.block_pool import BlockPool, chain_hash
+from kiln.runtime.block_pool import RELEASED, BlockPool, chain_hash
 from kiln.runtime.sequence import Sequence
 
 
@@ -71,7 +76,7 @@ CAPACITY_POLICIES = ("MAX_UTILIZATION", "GUARANTEED_NO_EVICT")
 
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_tokens: int,
-                 capacity_policy: str = "MAX_UTILIZATION"):
+                 capacity_policy: str = "MAX_UTILIZATION", window: int | None = None):
         if capacity_policy not in CAPACITY_POLICIES:
             raise ConfigError(f"capacity_policy {capacity_policy!r} is not one of {CAPACITY_POLICIES}")
         self.capacity_policy = capacity_policy
@@ -79,14 +84,23 @@ class Scheduler:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
+        self.window = window  # every layer's sliding window, when all have one: blocks behind it are released
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def peak_blocks(self, seq: Sequence) -> int:
+        """The most blocks ``seq`` holds at once: all its tokens', or with a sliding window,
+        those of a window and one step (plus the block the window starts inside)."""
+        blocks = self.blocks_for(seq.max_total_tokens)
+        if self.window is None:
+            return blocks
+        return min(blocks, self.blocks_for(self.window + self.max_num_tokens) + 1)
+
     def add(self, seq: Sequence) -> None:
-        needed = self.blocks_for(seq.max_total_tokens)
+        needed = self.peak_blocks(seq)
         if needed > self.pool.num_blocks:
             raise CapacityError(
                 f"request {seq.seq_id} may need {seq.max_total_tokens} tokens ({needed} KV blocks) but the "
@@ -150,6 +164,21 @@ class Scheduler:
         seq.block_ids, seq.block_hashes = [], []
         seq.num_computed_tokens = 0
 
+    def _release_out_of_window(self, seq: Sequence) -> None:
+        """Give back the blocks no later query of ``seq`` reads: the next token (position
+        ``num_computed_tokens``) reads from ``num_computed_tokens - window + 1`` on; one more
+        position is kept for a beam that recomputes its last token."""
+        ids = seq.block_ids
+        stop = min(max(seq.num_computed_tokens - self.window, 0) // self.block_size, len(ids))
+        start = min(seq.num_released_blocks, stop)
+        if start > 0 and ids[start - 1] != RELEASED:  # a stale hint (tables are copied between beams)
+            start = 0
+        for j in range(start, stop):
+            if ids[j] != RELEASED:
+                self.pool.free([ids[j]])
+                ids[j] = RELEASED
+        seq.num_released_blocks = max(stop, start)
+
     def _register_full_blocks(self, seq: Sequence) -> None:
         """Make the blocks this step filled findable by later sequences with the same prefix."""
         bs = self.block_size
@@ -162,8 +191,10 @@ class Scheduler:
 
     def _fits_to_the_end(self, seq: Sequence) -> bool:
         """Whether ``seq`` and every running sequence can all reach their maximum length."""
-        promised = sum(self.blocks_for(s.max_total_tokens) - len(s.block_ids) for s in self.running)
-        return promised + self.blocks_for(seq.max_total_tokens) - len(seq.block_ids) <= self.pool.num_free
+        def still_needed(s: Sequence) -> int:
+            return self.peak_blocks(s) - sum(b != RELEASED for b in s.block_ids)
+
+        return sum(still_needed(s) for s in self.running) + still_needed(seq) <= self.pool.num_free
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Make sure ``seq`` owns writable blocks for ``n`` more tokens; False if the pool lacks them.
@@ -203,7 +234,9 @@ class Scheduler:
             completes = chunk.completes
             seq.num_computed_tokens += chunk.num_tokens
             if self.pool.enable_caching:
-                self._register_full_blocks(seq)
+                self._register_full_blocks(seq)  # before any release: released blocks stay findable
+            if self.window is not None:
+                self._release_out_of_window(seq)
             if completes and seq.seq_id in result.tokens:
                 r = result.tokens[seq.seq_id]
                 seq.append_token(r.token, r.logprob, r.top_logprobs)

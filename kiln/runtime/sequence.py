@@ -35,6 +35,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained content hash of each full block
+    num_released_blocks: int = 0  # leading block_ids given back out of a sliding window (a hint)
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     current_top_p: float = 1.0  # top-p after decay (reference 003's top_p_decay rule)
