@@ -193,11 +193,12 @@ class DecoderModelForCausalLM(nn.Module):
     gated_mlp: ClassVar[bool] = True
     source_transposed: ClassVar[bool] = False  # external linear weights stored (in, out)
     hf_key_map: ClassVar[dict] = {}  # customized key dict for the weights loader
+    norm_class: ClassVar[type[nn.Module]] = RmsNorm  # the layer norms' class (LayerNorm, GemmaRmsNorm...)
     decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer  # a family with another layer shape overrides it
 
     @classmethod
     def make_norm(cls, config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
-        return RmsNorm(config.hidden_size, config.norm_epsilon, dtype=dtype)
+        return cls.norm_class(config.hidden_size, config.norm_epsilon, dtype=dtype)
 
     @classmethod
     def key_map_for(cls, external_keys: set[str]) -> dict:
@@ -228,6 +229,9 @@ class DecoderModelForCausalLM(nn.Module):
         self.engine_layout = engine_layout
         mapping = config.mapping
         self.transformer = Transformer(type(self), config, engine_layout)
+        if config.get("qkv_per_head"):  # the source's fused qkv rows come per head or KV group (GPT-NeoX, BLOOM)
+            for layer in self.transformer.layers.values():
+                layer.attention.qkv.interleaved_heads = True
         self.final_logit_softcap = _positive(config, "final_logit_softcapping")  # Gemma 2
         self.vocab_size_padded = math.ceil(config.vocab_size / mapping.tp_size) * mapping.tp_size
         if mapping.is_last_pp_rank:

@@ -4,8 +4,6 @@ tanh-GELU MLP, the LM head tied to the embedding table, and a fused ``query_key_
 whose rows are ordered per head (as GPT-NeoX's)."""
 from __future__ import annotations
 
-import torch
-
 from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
 from kiln.layers.normalization import LayerNorm
@@ -17,6 +15,7 @@ from kiln.models.registry import register_model
 
 @register_model("BloomForCausalLM")
 class BloomForCausalLM(DecoderModelForCausalLM):
+    norm_class = LayerNorm
     gated_mlp = False
     hf_key_map = {
         "transformer": "transformer",
@@ -32,15 +31,6 @@ class BloomForCausalLM(DecoderModelForCausalLM):
         "ln_f": "ln_f",
         "lm_head": "lm_head",
     }
-
-    def __init__(self, config: PretrainedConfig, engine_layout: bool = False):
-        super().__init__(config, engine_layout)
-        for layer in self.transformer.layers.values():
-            layer.attention.qkv.interleaved_heads = True
-
-    @classmethod
-    def make_norm(cls, config: PretrainedConfig, dtype: torch.dtype) -> LayerNorm:
-        return LayerNorm(config.hidden_size, config.norm_epsilon, dtype=dtype)
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
@@ -66,6 +56,6 @@ class BloomForCausalLM(DecoderModelForCausalLM):
             position_embedding_type="alibi",
             mapping=mapping,
             share_embedding_table=tied,
-            extra={"attn_bias": True, "dense_bias": True, "mlp_bias": True, "embedding_layernorm": True,
+            extra={"attn_bias": True, "dense_bias": True, "mlp_bias": True, "embedding_layernorm": True, "qkv_per_head": True,
                    "tie_word_embeddings": tied},
         )

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
 from kiln.layers.normalization import LayerNorm
@@ -32,6 +30,7 @@ from kiln.models.registry import register_model
 
 @register_model("FalconForCausalLM")
 class FalconForCausalLM(DecoderModelForCausalLM):
+    norm_class = LayerNorm
     gated_mlp = False
     hf_key_map = {
         "transformer": "transformer",
@@ -55,13 +54,8 @@ class FalconForCausalLM(DecoderModelForCausalLM):
                 # Falcon-RW adds the biases before scaling the scores (BLOOM after), from slopes
                 # rounded to bfloat16: the same biases as BLOOM's formula, rounded and scaled.
                 slopes.copy_(slopes.bfloat16().float() * layer.attention.scale)
-            layer.attention.qkv.interleaved_heads = config.get("falcon_qkv_layout") == "per_group"
             if two_norms:  # the new architecture's parallel norms
                 layer.external_key_map = {"input_layernorm": "ln_attn", "post_layernorm": "ln_mlp"}
-
-    @classmethod
-    def make_norm(cls, config: PretrainedConfig, dtype: torch.dtype) -> LayerNorm:
-        return LayerNorm(config.hidden_size, config.norm_epsilon, dtype=dtype)
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
@@ -75,11 +69,11 @@ class FalconForCausalLM(DecoderModelForCausalLM):
                 raise ConfigError("Falcon with new_decoder_architecture=true and parallel_attn=false is not supported")
             kv_heads = hf_get(hf, "num_kv_heads", "n_head_kv", default=heads)
             shared_norm = (hf.get("num_ln_in_parallel_attn") or 2) == 1
-            layout = "per_group"
+            per_group = True
         elif hf.get("multi_query", True):
-            kv_heads, shared_norm, layout = 1, parallel, "q_k_v"
+            kv_heads, shared_norm, per_group = 1, parallel, False
         else:  # per head [q; k; v]: groups of one query head
-            kv_heads, shared_norm, layout = heads, parallel, "per_group"
+            kv_heads, shared_norm, per_group = heads, parallel, True
         bias = bool(hf.get("bias", False))
         named = {**hf, "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
                  "head_dim": hidden // heads, "num_hidden_layers": hf_get(hf, "num_hidden_layers", "n_layer"),
@@ -90,6 +84,6 @@ class FalconForCausalLM(DecoderModelForCausalLM):
             hidden_act=hf_get(hf, "activation", default="gelu"),
             norm_epsilon=float(hf_get(hf, "layer_norm_epsilon", default=1e-5)),
             extra={"attn_bias": bias, "dense_bias": bias, "mlp_bias": bias, "parallel_residual": parallel,
-                   "shared_layernorm": shared_norm, "falcon_qkv_layout": layout})
+                   "shared_layernorm": shared_norm, "qkv_per_head": per_group})
         # Falcon-RW: ALiBi biases instead of rotary positions.
         return dataclasses.replace(config, position_embedding_type="alibi") if hf.get("alibi") else config

@@ -23,12 +23,9 @@ class GemmaRmsNorm(RmsNorm):
 
 @register_model("GemmaForCausalLM")
 class GemmaForCausalLM(DecoderModelForCausalLM):
+    norm_class = GemmaRmsNorm
     gated_mlp = True
     hf_key_map = {}  # LLaMA's names
-
-    @classmethod
-    def make_norm(cls, config: PretrainedConfig, dtype: torch.dtype) -> RmsNorm:
-        return GemmaRmsNorm(config.hidden_size, config.norm_epsilon, dtype=dtype)
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:

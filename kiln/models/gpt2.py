@@ -1,8 +1,6 @@
 """GPT-2: learned absolute positions, LayerNorm, gelu_new, Conv1D weights, tied lm_head."""
 from __future__ import annotations
 
-import torch
-
 from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
 from kiln.layers.normalization import LayerNorm
@@ -14,6 +12,7 @@ from kiln.models.registry import register_model
 
 @register_model("GPT2LMHeadModel", "GPT2ForCausalLM")
 class GPT2ForCausalLM(DecoderModelForCausalLM):
+    norm_class = LayerNorm
     gated_mlp = False
     source_transposed = True  # Conv1D stores (in, out)
     hf_key_map = {
@@ -31,10 +30,6 @@ class GPT2ForCausalLM(DecoderModelForCausalLM):
         "ln_f": "ln_f",
         "lm_head": "lm_head",
     }
-
-    @classmethod
-    def make_norm(cls, config: PretrainedConfig, dtype: torch.dtype) -> LayerNorm:
-        return LayerNorm(config.hidden_size, config.norm_epsilon, dtype=dtype)
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:

@@ -3,8 +3,6 @@ MLP in parallel off the layer's input (``use_parallel_residual``), and a fused
 ``query_key_value`` whose rows are ordered per head (q, k, v of head 0, then of head 1...)."""
 from __future__ import annotations
 
-import torch
-
 from kiln.config import PretrainedConfig
 from kiln.layers.normalization import LayerNorm
 from kiln.mapping import Mapping
@@ -15,6 +13,7 @@ from kiln.models.registry import register_model
 
 @register_model("GPTNeoXForCausalLM")
 class GPTNeoXForCausalLM(DecoderModelForCausalLM):
+    norm_class = LayerNorm
     gated_mlp = False
     hf_key_map = {
         "transformer": "gpt_neox",
@@ -28,19 +27,11 @@ class GPTNeoXForCausalLM(DecoderModelForCausalLM):
         "lm_head": "embed_out",
     }
 
-    def __init__(self, config: PretrainedConfig, engine_layout: bool = False):
-        super().__init__(config, engine_layout)
-        for layer in self.transformer.layers.values():
-            layer.attention.qkv.interleaved_heads = True
-
-    @classmethod
-    def make_norm(cls, config: PretrainedConfig, dtype: torch.dtype) -> LayerNorm:
-        return LayerNorm(config.hidden_size, config.norm_epsilon, dtype=dtype)
-
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
         extra = {"rotary_pct": hf_partial_rotary(hf), "attn_bias": bool(hf.get("attention_bias", True)),
-                 "dense_bias": True, "mlp_bias": True, "parallel_residual": bool(hf.get("use_parallel_residual", True))}
+                 "dense_bias": True, "mlp_bias": True, "parallel_residual": bool(hf.get("use_parallel_residual", True)),
+                 "qkv_per_head": True}
         if hf.get("rotary_emb_base"):  # older configs name the rotary base so
             extra["rotary_base"] = float(hf["rotary_emb_base"])
         return rope_decoder_config(hf, dtype, mapping, "GPTNeoXForCausalLM",

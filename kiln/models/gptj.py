@@ -8,8 +8,6 @@ so the runtime and its native kernels need nothing of their own (``adjacent_rota
 """
 from __future__ import annotations
 
-import torch
-
 from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
 from kiln.layers.normalization import LayerNorm
@@ -21,6 +19,7 @@ from kiln.models.registry import register_model
 
 @register_model("GPTJForCausalLM")
 class GPTJForCausalLM(DecoderModelForCausalLM):
+    norm_class = LayerNorm
     gated_mlp = False
     hf_key_map = {
         "transformer": "transformer",
@@ -40,10 +39,6 @@ class GPTJForCausalLM(DecoderModelForCausalLM):
         super().__init__(config, engine_layout)
         for layer in self.transformer.layers.values():
             layer.attention.qkv.adjacent_rotary_dims = config.rotary_dim
-
-    @classmethod
-    def make_norm(cls, config: PretrainedConfig, dtype: torch.dtype) -> LayerNorm:
-        return LayerNorm(config.hidden_size, config.norm_epsilon, dtype=dtype)
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:

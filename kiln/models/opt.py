@@ -30,6 +30,7 @@ class OPTPositionEmbedding(Embedding):
 
 @register_model("OPTForCausalLM")
 class OPTForCausalLM(DecoderModelForCausalLM):
+    norm_class = LayerNorm
     gated_mlp = False
     hf_key_map = {
         "transformer": "model.decoder",
@@ -51,10 +52,6 @@ class OPTForCausalLM(DecoderModelForCausalLM):
         if table is not None:
             self.transformer.position_embedding = OPTPositionEmbedding(
                 table.num_embeddings, table.embedding_dim, dtype=table.weight.dtype)
-
-    @classmethod
-    def make_norm(cls, config: PretrainedConfig, dtype: torch.dtype) -> LayerNorm:
-        return LayerNorm(config.hidden_size, config.norm_epsilon, dtype=dtype)
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:

@@ -4,8 +4,6 @@ everywhere (q/k/v, ``dense``, the gelu_new MLP, the lm_head), partial rotary
 (``qk_layernorm``)."""
 from __future__ import annotations
 
-import torch
-
 from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
 from kiln.layers.normalization import LayerNorm
@@ -17,6 +15,7 @@ from kiln.models.registry import register_model
 
 @register_model("PhiForCausalLM")
 class PhiForCausalLM(DecoderModelForCausalLM):
+    norm_class = LayerNorm
     gated_mlp = False
     hf_key_map = {
         "qkv": ["q_proj", "k_proj", "v_proj"],
@@ -27,10 +26,6 @@ class PhiForCausalLM(DecoderModelForCausalLM):
         "proj": "fc2",
         "ln_f": "final_layernorm",
     }
-
-    @classmethod
-    def make_norm(cls, config: PretrainedConfig, dtype: torch.dtype) -> LayerNorm:
-        return LayerNorm(config.hidden_size, config.norm_epsilon, dtype=dtype)
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:

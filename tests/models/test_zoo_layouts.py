@@ -67,12 +67,12 @@ LAYOUTS = {
     "phi2": dict(parallel_residual=True, shared_layernorm=True, rotary_pct=0.4, qk_layernorm=False, lm_head_bias=True),
     "phi2-qk-layernorm-gqa": dict(qk_norm=True, qk_layernorm=True, num_key_value_heads=2, rotary_pct=0.5),
     "falcon-7b-mqa": dict(parallel_residual=True, shared_layernorm=True, num_key_value_heads=1,
-                          falcon_qkv_layout="q_k_v", attn_bias=False),
+                          qkv_per_head=False, attn_bias=False),
     "falcon-40b-gqa": dict(parallel_residual=True, shared_layernorm=False, num_key_value_heads=2,
-                           falcon_qkv_layout="per_group"),
-    "falcon-sequential-bias": dict(parallel_residual=False, num_key_value_heads=4, falcon_qkv_layout="per_group",
+                           qkv_per_head=True),
+    "falcon-sequential-bias": dict(parallel_residual=False, num_key_value_heads=4, qkv_per_head=True,
                                    attn_bias=True, mlp_bias=True),
-    "falcon-rw-alibi": dict(position_embedding_type="alibi", parallel_residual=False, falcon_qkv_layout="per_group"),
+    "falcon-rw-alibi": dict(position_embedding_type="alibi", parallel_residual=False, qkv_per_head=True),
 }
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kiln.errors import RequestError
-from kiln.runtime import Engine, GenerationInput, GenerationSession, SamplingConfig
+from kiln.runtime import Engine, GenerationInput, GenerationSession
 from tests.utils.compare import hf_greedy
 from tests.utils.tiny_models import make_llama
 
