@@ -1,0 +1,1 @@
+"""Accuracy evaluation (``kiln eval``): summarization ROUGE, perplexity, parity with Hugging Face."""
