@@ -67,19 +67,28 @@ def decoder_linears(model: torch.nn.Module) -> list:
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: every parameter once, except an untied input
-    embedding (a lookup reads one row)."""
+    """Bytes of weights one batch-1 decode step reads: every parameter once, except an untied
+    input embedding (a lookup reads one row) and, in a mixture of experts, the experts a token
+    is not routed to (``top_k`` of ``num_experts`` are read)."""
+    from kiln.layers.moe import ExpertLinear, MixtureOfExperts
+
     seen, total = set(), 0
     embedding = getattr(getattr(model, "transformer", None), "vocab_embedding", None)
     lm_head = getattr(model, "lm_head", None)
     skip = None
     if embedding is not None and lm_head is not None and embedding.weight.data_ptr() != lm_head.weight.data_ptr():
         skip = embedding.weight.data_ptr()
+    read_fraction = {}  # an expert tensor's parameter -> the share of it one token reads
+    for block in model.modules():
+        if isinstance(block, MixtureOfExperts):
+            for module in block.modules():
+                if isinstance(module, ExpertLinear):
+                    read_fraction[id(module.weight)] = block.top_k / block.num_experts
     for p in model.parameters():
         if p.data_ptr() in seen or p.data_ptr() == skip:
             continue
         seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
+        total += int(p.numel() * p.element_size() * read_fraction.get(id(p), 1.0))
     return total
 
 

@@ -249,3 +249,16 @@ def test_grouped_experts_equal_a_per_token_loop(dtype: torch.dtype, fused: bool)
     assert torch.bincount(probs.topk(top_k).indices.flatten(), minlength=experts).min() > 0
     rel = 1e-5 if dtype == torch.float32 else 3e-2
     assert (out - expected).abs().max() <= rel * expected.abs().max()
+
+
+def test_bench_counts_only_the_experts_a_token_reads(built) -> None:
+    """kiln bench's bytes per decode step: every weight once, but of the experts only top_k of
+    num_experts (2 of 4 here), and no untied input embedding."""
+    from kiln.bench.common import weight_bytes_per_token
+
+    case = built("mixtral")
+    hf, model = case.hf, Engine(case.engine_dir).model
+    expert = sum(p.numel() for name, p in hf.named_parameters() if ".experts." in name)
+    embedding = hf.model.embed_tokens.weight.numel()
+    total = sum(p.numel() for p in hf.parameters())
+    assert weight_bytes_per_token(model) == 4 * (total - embedding - expert // 2)
