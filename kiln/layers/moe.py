@@ -105,9 +105,10 @@ class ExpertLinear(nn.Module):
 
     def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """``x W_e^T`` for rows ``x`` ``[n, in]`` routed to expert ``expert``."""
-        return self._expert_views()[expert].matmul(x, None)
+        return self.expert_linears()[expert].matmul(x, None)
 
-    def _expert_views(self) -> list[Linear]:
+    def expert_linears(self) -> list[Linear]:
+        """One :class:`Linear` per expert, viewing its slice of ``weight`` (built on first use)."""
         w = self.weight
         key = (w.data_ptr(), tuple(w.shape), w.dtype)
         if self._views_key != key:  # weights are assigned at load time: rebuild the views then

@@ -51,7 +51,14 @@ def _prepack_linear_weights(model) -> None:
     lazily, the copies would land on 4 KiB pages and in the first request's time."""
     from kiln import kernels
     from kiln.layers.linear import Linear
+    from kiln.layers.moe import ExpertLinear
 
-    linears = [m for m in model.modules() if isinstance(m, Linear) and kernels.amx_supported(m.weight)]
+    linears = []
+    for module in model.modules():
+        if isinstance(module, Linear):
+            linears.append(module)
+        elif isinstance(module, ExpertLinear):  # each expert's matmul is a Linear viewing its slice
+            linears.extend(module.expert_linears())
+    linears = [m for m in linears if kernels.amx_supported(m.weight)]
     for linear, buffer in zip(linears, host_memory.empty_many([m.weight.numel() for m in linears], torch.bfloat16)):
         linear.amx_weight(out=buffer)
