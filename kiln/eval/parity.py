@@ -64,7 +64,7 @@ def load_prompts(spec: str, max_samples: int | None) -> list[Prompt]:
                     raise ConfigError(f"--prompts {path} line {number}: expected an object with a non-empty "
                                       "string \"prompt\"")
             else:
-                text = line.rstrip("\n")
+                text = line.rstrip("\r\n")
             prompts.append(Prompt(text))
     if not prompts:
         raise ConfigError(f"--prompts {path}: no prompts")
