@@ -56,8 +56,9 @@ def add_parser(sub) -> None:
     par.add_argument("--max_tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
     par.add_argument("--top_k", type=int, default=5, help="log-probabilities compared per position (default 5)")
     par.add_argument("--tolerance", type=float, default=1e-3,
-                     help="largest prompt-logit difference, relative to the logit scale, still called equal "
-                          "(default 1e-3; float32 engines agree to ~1e-5, bfloat16 ones to ~1e-2)")
+                     help="largest prompt-logit difference, relative to the largest HF logit, still called "
+                          "equal; the per-layer hidden states use it too (default 1e-3; float32 engines agree "
+                          "to ~1e-5, bfloat16 ones to a few 1e-2)")
     for q, name in ((summ, "summarize"), (ppl, "perplexity"), (par, "parity")):
         q.set_defaults(handler=run, eval_module=name)
 

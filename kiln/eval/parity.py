@@ -1,0 +1,359 @@
+"""``kiln eval parity``: kiln beside Hugging Face on the same prompts, down to the first layer that drifts.
+
+Three checks per prompt, each cheaper to read than the next:
+
+1. greedy tokens of both, and the first-divergence rule at the first differing position: is
+   each side's token in the other's top-k there, and how far apart are the two candidates'
+   log-probs on each side (a near-tie swap is numerics; a token outside the top-k is a bug);
+2. the largest prompt-logit difference, relative to the largest HF logit, against --tolerance;
+3. when either check fails, the hidden state after every layer (kiln through forward hooks on
+   its layers, HF through ``output_hidden_states``) on the prompt plus the tokens both sides
+   agreed on: the first layer whose relative difference exceeds --tolerance is where it drifts.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.errors import ConfigError
+from kiln.eval.common import format_table
+
+DEFAULT_SAMPLES = 8
+MAX_TOP_K = 20  # SamplingParams.logprobs' limit
+
+
+@dataclass
+class Prompt:
+    """A prompt as given: plain text, or a user message rendered with the chat template."""
+
+    text: str
+    chat: bool = False
+
+
+# -- inputs ------------------------------------------------------------------------------------
+
+def load_prompts(spec: str, max_samples: int | None) -> list[Prompt]:
+    """The prompts of ``--prompts``: a ``.jsonl`` of {"prompt"}, a text file (one per line), or
+    'sharegpt' (first human turns, as chat messages), the first ``max_samples`` of them."""
+    limit = DEFAULT_SAMPLES if max_samples is None else max_samples
+    if limit < 1:
+        raise ConfigError(f"--max_samples must be >= 1, got {max_samples}")
+    if spec == "sharegpt":
+        from kiln.data.sharegpt import first_turns
+
+        return [Prompt(human, chat=True) for human, _ in first_turns(limit)]
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(f"--prompts {path}: no such file (give a text or .jsonl file, or 'sharegpt')")
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"--prompts {path} line {number}: not JSON ({e.msg})") from None
+                text = record.get("prompt") if isinstance(record, dict) else None
+                if not isinstance(text, str) or not text:
+                    raise ConfigError(f"--prompts {path} line {number}: expected an object with a non-empty "
+                                      "string \"prompt\"")
+            else:
+                text = line.rstrip("\r\n")
+            prompts.append(Prompt(text))
+    if not prompts:
+        raise ConfigError(f"--prompts {path}: no prompts")
+    return prompts[:limit]
+
+
+def encode_prompts(tokenizer, prompts: list[Prompt], limit: int) -> list[list[int]]:
+    """Token ids of each prompt (chat ones through the template when the tokenizer has one), cut
+    to ``limit`` tokens."""
+    from kiln.tokenizer import chat_prompt_ids
+
+    encoded = []
+    for p in prompts:
+        if p.chat and getattr(tokenizer, "chat_template", None):
+            ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": p.text}])
+        else:
+            ids = tokenizer(p.text)["input_ids"]
+        encoded.append(ids[:limit])
+    return encoded
+
+
+# -- kiln ----------------------------------------------------------------------------------------
+
+def kiln_greedy(llm, prompts: list[list[int]], max_tokens: int, top_k: int) -> list[tuple[list[int], list[dict]]]:
+    """(tokens, per-token {id: logprob} of the top-k and the chosen token) of greedy generation."""
+    from kiln.runtime.sampling_params import SamplingParams
+
+    # ignore_eos: both sides generate exactly max_tokens (HF is run without an end id too)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=top_k)
+    return [(out.outputs[0].token_ids, out.outputs[0].logprobs) for out in llm.generate(prompts, params)]
+
+
+@torch.inference_mode()
+def kiln_prompt_logits(llm, ids: list[int]) -> torch.Tensor:
+    """float32 logits ``[len(ids), vocab]`` of the prompt from the runtime's context logits
+    (one packed prefill step, or its chunks)."""
+    from kiln.runtime.sampling_params import SamplingParams
+
+    request = llm.core.add_request(ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), None,
+                                   return_context_logits=True)
+    while not request.is_finished:
+        llm.core.step()
+    return torch.cat(request.context_logits).float()
+
+
+@torch.inference_mode()
+def kiln_hidden_states(llm, ids: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """(the input of the first layer followed by each layer's output, each ``[len(ids), hidden]``
+    float32; the last layer's output through the final norm, or None without one)."""
+    transformer = llm.engine.model.transformer
+    layers = [transformer.layers[key] for key in sorted(transformer.layers, key=int)]
+    captured: list[list[torch.Tensor]] = [[] for _ in range(len(layers) + 1)]
+
+    def keep(index: int, value) -> None:
+        value = value[0] if isinstance(value, tuple) else value
+        captured[index].append(value.detach().float().clone())
+
+    handles = [layers[0].register_forward_pre_hook(lambda module, args: keep(0, args[0]))]
+    for i, layer in enumerate(layers, 1):
+        handles.append(layer.register_forward_hook(lambda module, args, out, i=i: keep(i, out)))
+    try:
+        kiln_prompt_logits(llm, ids)  # one request on an idle engine: its prefill chunks are all that runs
+    finally:
+        for handle in handles:
+            handle.remove()
+    states = [torch.cat(chunks) for chunks in captured]
+    normed = transformer.ln_f(states[-1].to(transformer.ln_f.weight.dtype)).float() \
+        if hasattr(transformer, "ln_f") else None
+    return states, normed
+
+
+# -- Hugging Face --------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def hf_greedy(hf, ids: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor], torch.Tensor]:
+    """(greedy tokens, full log-prob rows per generated token, float32 prompt logits) from
+    step-by-step forward passes with HF's KV cache; no generation config (penalties...) applies."""
+    out = hf(input_ids=torch.tensor([ids]), use_cache=True)
+    prompt_logits = out.logits[0].float()
+    logits, past = prompt_logits[-1], out.past_key_values
+    tokens, rows = [], []
+    for step in range(max_tokens):
+        logprobs = logits.log_softmax(-1)
+        token = int(logprobs.argmax())
+        tokens.append(token)
+        rows.append(logprobs)
+        if step + 1 < max_tokens:
+            out = hf(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            logits, past = out.logits[0, -1].float(), out.past_key_values
+    return tokens, rows, prompt_logits
+
+
+@torch.inference_mode()
+def hf_hidden_states(hf, ids: list[int]) -> tuple[list[torch.Tensor], bool]:
+    """(HF's hidden states: the embeddings, then after each layer, float32 ``[len(ids), hidden]``;
+    whether its last entry is after the final norm, as transformers 5 records it for LMs)."""
+    out = hf.base_model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    states = [h[0].float() for h in out.hidden_states]
+    return states, bool(torch.equal(out.hidden_states[-1], out.last_hidden_state))
+
+
+# -- comparison ----------------------------------------------------------------------------------
+
+def relative_max_diff(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
+    """(max |ours - ref|, max |ref|, their ratio)."""
+    diff = (ours - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    return diff, scale, diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+def first_divergence(kiln_tokens: list[int], kiln_logprobs: list[dict], hf_tokens: list[int],
+                     hf_rows: list[torch.Tensor], top_k: int) -> dict | None:
+    """None when the tokens are identical; else the first differing position, both tokens,
+    whether each is in the other side's top-k there, and the log-prob gap of the two candidates
+    on each side (kiln's only when HF's token is among kiln's reported top-k)."""
+    p = next((i for i, (a, b) in enumerate(zip(kiln_tokens, hf_tokens)) if a != b), None)
+    if p is None:
+        return None
+    ours, theirs = kiln_tokens[p], hf_tokens[p]
+    kiln_top = kiln_logprobs[p]
+    kiln_top_ids = sorted(kiln_top, key=kiln_top.get, reverse=True)[:top_k]
+    hf_row = hf_rows[p]
+    hf_top_ids = hf_row.topk(top_k).indices.tolist()
+    return {"position": p, "kiln_token": ours, "hf_token": theirs,
+            "kiln_token_in_hf_top_k": ours in hf_top_ids, "hf_token_in_kiln_top_k": theirs in kiln_top_ids,
+            "kiln_gap": abs(kiln_top[ours] - kiln_top[theirs]) if theirs in kiln_top else None,
+            "hf_gap": abs(hf_row[ours] - hf_row[theirs]).item(),
+            "kiln_top_k": {str(t): kiln_top[t] for t in kiln_top_ids},
+            "hf_top_k": {str(t): hf_row[t].item() for t in hf_top_ids}}
+
+
+def compare_layers(kiln_states: list[torch.Tensor], kiln_normed: torch.Tensor | None, hf_states: list[torch.Tensor],
+                   hf_last_normed: bool, tolerance: float) -> dict:
+    """Per-layer relative max-abs differences and the first layer beyond ``tolerance``."""
+    if len(kiln_states) != len(hf_states):
+        raise ConfigError(f"kiln has {len(kiln_states) - 1} layers, the HF model {len(hf_states) - 1}: "
+                          "--hf_model_dir is not the engine's model")
+    num_layers = len(kiln_states) - 1
+    rows = []
+    for index, (ours, ref) in enumerate(zip(kiln_states, hf_states)):
+        label = "embeddings" if index == 0 else str(index - 1)
+        if index == num_layers and hf_last_normed and kiln_normed is not None:
+            ours, label = kiln_normed, f"{index - 1} + final norm"  # HF's last entry is after its final norm
+        diff, scale, rel = relative_max_diff(ours, ref)
+        rows.append({"layer": index - 1, "label": label, "max_abs_diff": diff, "max_abs_hf": scale,
+                     "relative_diff": rel, "drifts": rel > tolerance})
+    first = next((r for r in rows if r["drifts"]), None)
+    return {"num_layers": num_layers, "hf_last_entry_after_final_norm": hf_last_normed, "rows": rows,
+            "first_drifting_layer": None if first is None else first["layer"],
+            "first_drifting_label": None if first is None else first["label"]}
+
+
+def prompt_verdict(divergence: dict | None, logits_equal: bool) -> str:
+    """'identical', 'top-k swap' (a divergence both sides rank in their top-k) or 'mismatch'."""
+    if not logits_equal:
+        return "mismatch"
+    if divergence is None:
+        return "identical"
+    both = divergence["kiln_token_in_hf_top_k"] and divergence["hf_token_in_kiln_top_k"]
+    return "top-k swap" if both else "mismatch"
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+def _sci(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"
+
+
+def _token(tokenizer, token_id: int) -> str:
+    text = repr(tokenizer.decode([token_id]))
+    return text if len(text) <= 14 else text[:11] + "...'"
+
+
+def run(args) -> int:
+    """``kiln eval parity``: print the report, write --output_json; exit code 0 for a completed
+    comparison (it is a report, whatever it finds)."""
+    from kiln.eval.common import load_hf_model, write_json
+    from kiln.eval.perplexity import engine_build_config, open_engine
+
+    # Every flag and input is checked before either model loads.
+    build = engine_build_config(args.engine_dir, args.tokenizer_dir)
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max_tokens must be >= 1, got {args.max_tokens}")
+    if not 1 <= args.top_k <= MAX_TOP_K:
+        raise ConfigError(f"--top_k must be in [1, {MAX_TOP_K}], got {args.top_k}")
+    if not args.tolerance >= 0:
+        raise ConfigError(f"--tolerance must be >= 0, got {args.tolerance}")
+    limit = min(build.max_input_len, build.max_seq_len - args.max_tokens)
+    if limit < 1:
+        raise ConfigError(f"--max_tokens {args.max_tokens} leaves no room for a prompt under the engine's "
+                          f"max_seq_len {build.max_seq_len}")
+    if not Path(args.hf_model_dir).exists():
+        raise ConfigError(f"--hf_model_dir {args.hf_model_dir}: no such directory or file")
+    prompts = load_prompts(args.prompts, args.max_samples)
+
+    llm = open_engine(args.engine_dir, args.tokenizer_dir)
+    dtype = llm.engine.config.dtype
+    hf, hf_load_seconds = load_hf_model(args.hf_model_dir, dtype)
+    if hf.config.vocab_size < llm.engine.config.vocab_size:
+        raise ConfigError(f"--hf_model_dir {args.hf_model_dir}: vocabulary {hf.config.vocab_size} is smaller "
+                          f"than the engine's {llm.engine.config.vocab_size}; not the engine's model")
+    encoded = encode_prompts(llm.tokenizer, prompts, limit)
+
+    started = time.perf_counter()
+    kiln_outputs = kiln_greedy(llm, encoded, args.max_tokens, args.top_k)
+    kiln_logits = [kiln_prompt_logits(llm, ids) for ids in encoded]
+    kiln_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    hf_outputs = [hf_greedy(hf, ids, args.max_tokens) for ids in encoded]
+    hf_seconds = time.perf_counter() - started
+
+    results = []
+    for index, (ids, (k_tokens, k_logprobs), (h_tokens, h_rows, h_logits), k_logits) in enumerate(
+            zip(encoded, kiln_outputs, hf_outputs, kiln_logits)):
+        vocab = min(k_logits.shape[-1], h_logits.shape[-1])  # HF may pad its vocabulary
+        diff, scale, rel = relative_max_diff(k_logits[:, :vocab], h_logits[:, :vocab])
+        divergence = first_divergence(k_tokens, k_logprobs, h_tokens, h_rows, args.top_k)
+        results.append({
+            "index": index, "prompt": prompts[index].text, "chat_template": prompts[index].chat,
+            "prompt_token_ids": ids, "kiln_tokens": k_tokens, "hf_tokens": h_tokens,
+            "identical": divergence is None, "divergence": divergence,
+            "max_abs_logit_diff": diff, "max_abs_hf_logit": scale, "relative_logit_diff": rel,
+            "logits_equal": rel <= args.tolerance, "verdict": prompt_verdict(divergence, rel <= args.tolerance)})
+
+    layers = None
+    suspects = [r for r in results if r["verdict"] == "mismatch"]
+    if suspects:
+        # The worst prompt, with the tokens both sides agreed on: the context where they part.
+        worst = max(suspects, key=lambda r: r["relative_logit_diff"])
+        agreed = worst["kiln_tokens"][: worst["divergence"]["position"]] if worst["divergence"] else []
+        ids = (worst["prompt_token_ids"] + agreed)[: build.max_input_len]
+        kiln_states, kiln_normed = kiln_hidden_states(llm, ids)
+        hf_states, hf_last_normed = hf_hidden_states(hf, ids)
+        layers = {"prompt_index": worst["index"], "num_tokens": len(ids),
+                  **compare_layers(kiln_states, kiln_normed, hf_states, hf_last_normed, args.tolerance)}
+
+    if all(r["verdict"] == "identical" for r in results):
+        verdict = "identical"
+    elif not suspects:
+        verdict = "top-k swaps only"
+    else:
+        verdict = "mismatch"
+    summary = {"verdict": verdict, "prompts": len(results),
+               "identical": sum(r["verdict"] == "identical" for r in results),
+               "top_k_swaps": sum(r["verdict"] == "top-k swap" for r in results),
+               "mismatches": len(suspects),
+               "max_relative_logit_diff": max(r["relative_logit_diff"] for r in results),
+               "first_drifting_layer": None if layers is None else layers["first_drifting_layer"],
+               "kiln_seconds": kiln_seconds, "hf_seconds": hf_seconds, "hf_load_seconds": hf_load_seconds}
+    print(_report(results, layers, summary, llm.tokenizer, args))
+    if args.output_json:
+        write_json(args.output_json, {
+            "command": "parity", "engine_dir": str(args.engine_dir), "hf_model_dir": str(args.hf_model_dir),
+            "dtype": dtype, "prompts_source": args.prompts, "max_tokens": args.max_tokens, "top_k": args.top_k,
+            "tolerance": args.tolerance, "summary": summary, "prompts": results, "layers": layers})
+    return 0
+
+
+def _report(results: list[dict], layers: dict | None, summary: dict, tokenizer, args) -> str:
+    """The one-screen report: a row per prompt, the verdict, the layer table when computed."""
+    rows = []
+    for r in results:
+        d = r["divergence"]
+        row = [r["index"], len(r["prompt_token_ids"])]
+        if d is None:
+            row += ["identical", "-", "-", "-", "-", "-"]
+        else:
+            both = "yes" if d["kiln_token_in_hf_top_k"] and d["hf_token_in_kiln_top_k"] else "no"
+            row += [f"diverged at {d['position']}", _token(tokenizer, d["kiln_token"]), _token(tokenizer, d["hf_token"]),
+                    both, _sci(d["kiln_gap"]), _sci(d["hf_gap"])]
+        rows.append(row + [_sci(r["relative_logit_diff"]), r["verdict"]])
+    lines = [format_table(["prompt", "tokens", "greedy tokens", "kiln token", "HF token", f"both in top-{args.top_k}",
+                           "kiln gap", "HF gap", "logit diff (rel)", "verdict"], rows)]
+    lines.append(f"verdict: {summary['verdict']} ({summary['identical']} identical, {summary['top_k_swaps']} "
+                 f"top-k swaps, {summary['mismatches']} mismatches of {summary['prompts']} prompts; "
+                 f"{args.max_tokens} greedy tokens each; largest relative logit diff "
+                 f"{summary['max_relative_logit_diff']:.2e}, tolerance {args.tolerance:g})")
+    if layers is not None:
+        lines.append("")
+        lines.append(f"hidden states on prompt {layers['prompt_index']} ({layers['num_tokens']} tokens), "
+                     "relative max |kiln - HF| after each layer:")
+        lines.append(format_table(["layer", "max |diff|", "max |HF|", "relative", "drifts"],
+                                  [[row["label"], _sci(row["max_abs_diff"]), _sci(row["max_abs_hf"]),
+                                    _sci(row["relative_diff"]), "yes" if row["drifts"] else ""]
+                                   for row in layers["rows"]]))
+        if layers["first_drifting_label"] is None:
+            lines.append("no layer drifts beyond the tolerance on this prompt: the difference arises in the "
+                         "logits or in decoding")
+        else:
+            lines.append(f"first drifting layer: {layers['first_drifting_label']} "
+                         f"(of {layers['num_layers']} layers, counted from 0)")
+    return "\n".join(lines)
