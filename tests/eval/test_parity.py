@@ -118,3 +118,16 @@ def test_bad_inputs_exit_2_naming_the_flag(tiny_eval_model, prompts_file, tmp_pa
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and names in err, err
     assert not out.exists()
+
+
+def test_long_layer_tables_keep_to_one_screen():
+    """30 layers: the table shows the first two rows, two either side of the first drifting
+    layer and the last, with gaps marked; a short table is shown whole."""
+    from kiln.eval.parity import _layer_rows_to_show
+
+    rows = [{"label": str(i), "drifts": i >= 12} for i in range(31)]
+    shown = [None if r is None else r["label"] for r in _layer_rows_to_show(rows)]
+    assert shown == ["0", "1", None, "10", "11", "12", "13", "14", None, "30"]
+    assert _layer_rows_to_show(rows[:5]) == rows[:5]
+    calm = [{"label": str(i), "drifts": False} for i in range(31)]
+    assert [None if r is None else r["label"] for r in _layer_rows_to_show(calm)] == ["0", "1", None, "30"]
