@@ -25,8 +25,9 @@ def add_parser(sub) -> None:
                            description="Greedy generation and top-k log-probabilities of kiln and HF on the "
                                        "same prompts: the first differing token, whether each side's choice is "
                                        "in the other's top-k there and the logprob gap, the largest prompt "
-                                       "logit difference; when they disagree beyond tolerance, hidden states "
-                                       "layer by layer show the first layer that drifts.")
+                                       "logit difference; when they disagree beyond tolerance, every layer "
+                                       "is run on HF's input to it and compared with HF's output, which "
+                                       "names the first layer that computes differently.")
     for q in (summ, ppl, par):
         q.add_argument("--engine_dir", required=True, help="kiln engine to evaluate")
         q.add_argument("--tokenizer_dir", help="tokenizer to use (default: the one stored in the engine)")
@@ -61,7 +62,8 @@ def add_parser(sub) -> None:
     par.add_argument("--top_k", type=int, default=5, help="log-probabilities compared per position (default 5)")
     par.add_argument("--tolerance", type=float, default=None,
                      help="largest prompt-logit difference, relative to the largest HF logit, still called "
-                          "equal; each layer's hidden states are held to it too, as ||kiln - HF|| / ||HF|| "
+                          "equal; each layer, fed HF's input to it, is held to it too, as ||kiln - HF|| over the "
+                          "size of the layer's own update "
                           "(default: 1e-3 for a float32 engine, which agrees to ~1e-5; 0.1 for bfloat16 or "
                           "float16, whose rounding alone moves logits by a few 1e-2)")
     for q, name in ((summ, "summarize"), (ppl, "perplexity"), (par, "parity")):

@@ -6,9 +6,12 @@ Three checks per prompt, each cheaper to read than the next:
    each side's token in the other's top-k there, and how far apart are the two candidates'
    log-probs on each side (a near-tie swap is numerics; a token outside the top-k is a bug);
 2. the largest prompt-logit difference, relative to the largest HF logit, against --tolerance;
-3. when either check fails, the hidden state after every layer (kiln through forward hooks on
-   its layers, HF through ``output_hidden_states``) on the prompt plus the tokens both sides
-   agreed on: the first layer whose relative difference exceeds --tolerance is where it drifts.
+3. when either check fails, every layer in isolation on the prompt plus the tokens both sides
+   agreed on: kiln's layer ``i`` is fed HF's input to layer ``i`` (``output_hidden_states``)
+   and its output is compared with HF's, relative to the size of the layer's own update
+   (``HF output - HF input``). Errors do not accumulate from layer to layer and the residual
+   stream's outlier channels do not hide them, so the first layer beyond --tolerance is the
+   one that computes differently.
 """
 from __future__ import annotations
 
@@ -114,29 +117,43 @@ def kiln_prompt_logits(llm, ids: list[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def kiln_hidden_states(llm, ids: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """(the input of the first layer followed by each layer's output, each ``[len(ids), hidden]``
-    float32; the last layer's output through the final norm, or None without one)."""
+def kiln_layer_outputs(llm, ids: list[int], inputs: list[torch.Tensor]
+                       ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+    """kiln's own embeddings of ``ids``, then the output of each layer ``i`` given ``inputs[i]``
+    (HF's input to that layer) instead of kiln's, and the last of them through the final norm
+    (None without one); float32 ``[len(ids), hidden]``."""
     transformer = llm.engine.model.transformer
     layers = [transformer.layers[key] for key in sorted(transformer.layers, key=int)]
-    captured: list[list[torch.Tensor]] = [[] for _ in range(len(layers) + 1)]
+    embeddings: list[torch.Tensor] = []
+    outputs: list[list[torch.Tensor]] = [[] for _ in layers]
+    consumed = [0] * len(layers)  # tokens each layer has taken so far (a long prompt runs in chunks)
 
-    def keep(index: int, value) -> None:
-        value = value[0] if isinstance(value, tuple) else value
-        captured[index].append(value.detach().float().clone())
+    def substitute(i: int, args: tuple) -> tuple:
+        hidden = args[0]
+        if i == 0:
+            embeddings.append(hidden.detach().float().clone())
+        n = hidden.shape[0]
+        fed = inputs[i][consumed[i]:consumed[i] + n].to(hidden.dtype)
+        consumed[i] += n
+        return (fed, *args[1:])
 
-    handles = [layers[0].register_forward_pre_hook(lambda module, args: keep(0, args[0]))]
-    for i, layer in enumerate(layers, 1):
+    def keep(i: int, out) -> None:
+        out = out[0] if isinstance(out, tuple) else out
+        outputs[i].append(out.detach().float().clone())
+
+    handles = []
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(lambda module, args, i=i: substitute(i, args)))
         handles.append(layer.register_forward_hook(lambda module, args, out, i=i: keep(i, out)))
     try:
         kiln_prompt_logits(llm, ids)  # one request on an idle engine: its prefill chunks are all that runs
     finally:
         for handle in handles:
             handle.remove()
-    states = [torch.cat(chunks) for chunks in captured]
+    states = [torch.cat(chunks) for chunks in outputs]
     normed = transformer.ln_f(states[-1].to(transformer.ln_f.weight.dtype)).float() \
         if hasattr(transformer, "ln_f") else None
-    return states, normed
+    return torch.cat(embeddings), states, normed
 
 
 # -- Hugging Face --------------------------------------------------------------------------------
@@ -199,36 +216,34 @@ def first_divergence(kiln_tokens: list[int], kiln_logprobs: list[dict], hf_token
             "hf_top_k": {str(t): hf_row[t].item() for t in hf_top_ids}}
 
 
-def relative_norm_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||ours - ref|| / ||ref||`` (Frobenius). Hidden states carry a few huge outlier
-    channels in real models (|h| ~ 1e4 in SmolLM2's middle layers), which would swamp a
-    max-abs ratio; the norm weighs every channel."""
-    scale = ref.norm().item()
-    diff = (ours - ref).norm().item()
-    return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
-
-
-def compare_layers(kiln_states: list[torch.Tensor], kiln_normed: torch.Tensor | None, hf_states: list[torch.Tensor],
-                   hf_last_normed: bool, tolerance: float) -> dict:
-    """Per-layer differences (max-abs for the record; the relative norm decides) and the first
-    layer beyond ``tolerance``."""
-    if len(kiln_states) != len(hf_states):
-        raise ConfigError(f"kiln has {len(kiln_states) - 1} layers, the HF model {len(hf_states) - 1}: "
+def compare_layers(kiln_embeddings: torch.Tensor, kiln_outputs: list[torch.Tensor], kiln_normed: torch.Tensor | None,
+                   hf_states: list[torch.Tensor], hf_last_normed: bool, tolerance: float) -> dict:
+    """One row for the embeddings and one per layer fed HF's input: max |kiln - HF| and the
+    relative difference ``||kiln - HF|| / ||HF update||`` that decides (for the embeddings and
+    a row after the final norm, relative to ``||HF||``); the first row beyond ``tolerance``."""
+    if len(kiln_outputs) + 1 != len(hf_states):
+        raise ConfigError(f"kiln has {len(kiln_outputs)} layers, the HF model {len(hf_states) - 1}: "
                           "--hf_model_dir is not the engine's model")
-    num_layers = len(kiln_states) - 1
-    rows = []
-    for index, (ours, ref) in enumerate(zip(kiln_states, hf_states)):
-        label = "embeddings" if index == 0 else str(index - 1)
-        if index == num_layers and hf_last_normed and kiln_normed is not None:
-            ours, label = kiln_normed, f"{index - 1} + final norm"  # HF's last entry is after its final norm
-        diff, scale, _ = relative_max_diff(ours, ref)
-        rel = relative_norm_diff(ours, ref)
-        rows.append({"layer": index - 1, "label": label, "max_abs_diff": diff, "max_abs_hf": scale,
-                     "relative_diff": rel, "drifts": rel > tolerance})
+    num_layers = len(kiln_outputs)
+    rows = [_layer_row(-1, "embeddings", kiln_embeddings, hf_states[0], hf_states[0].norm().item(), tolerance)]
+    for i, ours in enumerate(kiln_outputs):
+        ref, label = hf_states[i + 1], str(i)
+        scale = (ref - hf_states[i]).norm().item()  # the size of this layer's own update
+        if i == num_layers - 1 and hf_last_normed and kiln_normed is not None:
+            ours, label = kiln_normed, f"{i} + final norm"  # HF's last entry is after its final norm
+            scale = ref.norm().item()
+        rows.append(_layer_row(i, label, ours, ref, scale, tolerance))
     first = next((r for r in rows if r["drifts"]), None)
     return {"num_layers": num_layers, "hf_last_entry_after_final_norm": hf_last_normed, "rows": rows,
             "first_drifting_layer": None if first is None else first["layer"],
             "first_drifting_label": None if first is None else first["label"]}
+
+
+def _layer_row(layer: int, label: str, ours: torch.Tensor, ref: torch.Tensor, scale: float, tolerance: float) -> dict:
+    diff = (ours - ref).norm().item()
+    rel = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+    return {"layer": layer, "label": label, "max_abs_diff": (ours - ref).abs().max().item(),
+            "relative_diff": rel, "drifts": rel > tolerance}
 
 
 def prompt_verdict(divergence: dict | None, logits_equal: bool) -> str:
@@ -312,10 +327,11 @@ def run(args) -> int:
         worst = max(suspects, key=lambda r: r["relative_logit_diff"])
         agreed = worst["kiln_tokens"][: worst["divergence"]["position"]] if worst["divergence"] else []
         ids = (worst["prompt_token_ids"] + agreed)[: build.max_input_len]
-        kiln_states, kiln_normed = kiln_hidden_states(llm, ids)
         hf_states, hf_last_normed = hf_hidden_states(hf, ids)
+        kiln_embeddings, kiln_outputs, kiln_normed = kiln_layer_outputs(llm, ids, hf_states[:-1])
         layers = {"prompt_index": worst["index"], "num_tokens": len(ids),
-                  **compare_layers(kiln_states, kiln_normed, hf_states, hf_last_normed, args.tolerance)}
+                  **compare_layers(kiln_embeddings, kiln_outputs, kiln_normed, hf_states, hf_last_normed,
+                                   args.tolerance)}
 
     if all(r["verdict"] == "identical" for r in results):
         verdict = "identical"
@@ -360,12 +376,12 @@ def _report(results: list[dict], layers: dict | None, summary: dict, tokenizer, 
                  f"{summary['max_relative_logit_diff']:.2e}, tolerance {args.tolerance:g})")
     if layers is not None:
         lines.append("")
-        lines.append(f"hidden states on prompt {layers['prompt_index']} ({layers['num_tokens']} tokens) after "
-                     "each layer, relative = ||kiln - HF|| / ||HF||:")
+        lines.append(f"each layer fed HF's input on prompt {layers['prompt_index']} ({layers['num_tokens']} tokens); "
+                     "relative = ||kiln - HF|| / ||HF layer update||:")
         shown = _layer_rows_to_show(layers["rows"])
-        table = [[row["label"], _sci(row["max_abs_diff"]), _sci(row["max_abs_hf"]), _sci(row["relative_diff"]),
-                  "yes" if row["drifts"] else ""] if row is not None else ["...", "", "", "", ""] for row in shown]
-        lines.append(format_table(["layer", "max |diff|", "max |HF|", "relative", "drifts"], table))
+        table = [[row["label"], _sci(row["max_abs_diff"]), _sci(row["relative_diff"]), "yes" if row["drifts"] else ""]
+                 if row is not None else ["...", "", "", ""] for row in shown]
+        lines.append(format_table(["layer", "max |diff|", "relative", "drifts"], table))
         if layers["first_drifting_label"] is None:
             lines.append("no layer drifts beyond the tolerance on this prompt: the difference arises in the "
                          "logits or in decoding")

@@ -67,6 +67,7 @@ def test_perturbed_layer_is_found(tiny_eval_model, perturbed_engine, prompts_fil
     assert list(rows) == ["embeddings", "0", "1", "2 + final norm"]
     assert rows["embeddings"]["relative_diff"] < 1e-6 and rows["0"]["relative_diff"] < 1e-5
     assert rows["1"]["relative_diff"] > 1e-2
+    assert rows["2 + final norm"]["relative_diff"] < 1e-5  # fed HF's input, the layer after is exact again
     assert layers["first_drifting_layer"] == 1 == summary["first_drifting_layer"]
     report = capsys.readouterr().out
     assert "verdict: mismatch" in report and "first drifting layer: 1 (of 3 layers" in report
