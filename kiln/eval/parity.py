@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from kiln.errors import ConfigError
 from kiln.eval.common import format_table
@@ -301,10 +302,10 @@ def run(args) -> int:
 
     started = time.perf_counter()
     kiln_outputs = kiln_greedy(llm, encoded, args.max_tokens, args.top_k)
-    kiln_logits = [kiln_prompt_logits(llm, ids) for ids in encoded]
+    kiln_logits = [kiln_prompt_logits(llm, ids) for ids in tqdm(encoded, desc="kiln prompt logits", unit="prompt")]
     kiln_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    hf_outputs = [hf_greedy(hf, ids, args.max_tokens) for ids in encoded]
+    hf_outputs = [hf_greedy(hf, ids, args.max_tokens) for ids in tqdm(encoded, desc="HF", unit="prompt")]
     hf_seconds = time.perf_counter() - started
 
     results = []
