@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 from kiln.errors import ConfigError
 
@@ -52,3 +53,16 @@ def format_table(header: list[str], rows: list[list]) -> str:
     for r in cells:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
     return "\n".join(lines)
+
+
+def jsonl_records(path: Path, flag: str) -> Iterator[tuple[int, object]]:
+    """``(line number, parsed value)`` of each non-blank line of a JSONL file; a line that is
+    not JSON is a ConfigError naming ``flag``, the file and the line."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{flag} {path} line {number}: not JSON ({e.msg})") from None

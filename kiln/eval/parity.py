@@ -15,7 +15,6 @@ Three checks per prompt, each cheaper to read than the next:
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from kiln.errors import ConfigError
-from kiln.eval.common import format_table
+from kiln.eval.common import format_table, jsonl_records
 
 DEFAULT_SAMPLES = 8
 MAX_TOP_K = 20  # SamplingParams.logprobs' limit
@@ -57,22 +56,16 @@ def load_prompts(spec: str, max_samples: int | None) -> list[Prompt]:
     if not path.is_file():
         raise ConfigError(f"--prompts {path}: no such file (give a text or .jsonl file, or 'sharegpt')")
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if path.suffix == ".jsonl":
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"--prompts {path} line {number}: not JSON ({e.msg})") from None
-                text = record.get("prompt") if isinstance(record, dict) else None
-                if not isinstance(text, str) or not text:
-                    raise ConfigError(f"--prompts {path} line {number}: expected an object with a non-empty "
-                                      "string \"prompt\"")
-            else:
-                text = line.rstrip("\r\n")
+    if path.suffix == ".jsonl":
+        for number, record in jsonl_records(path, "--prompts"):
+            text = record.get("prompt") if isinstance(record, dict) else None
+            if not isinstance(text, str) or not text:
+                raise ConfigError(f"--prompts {path} line {number}: expected an object with a non-empty "
+                                  "string \"prompt\"")
             prompts.append(Prompt(text))
+    else:
+        with open(path, encoding="utf-8") as f:
+            prompts = [Prompt(line.rstrip("\r\n")) for line in f if line.strip()]
     if not prompts:
         raise ConfigError(f"--prompts {path}: no prompts")
     return prompts[:limit]

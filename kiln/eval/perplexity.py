@@ -8,13 +8,13 @@ no context and is never scored, so a text of ``n`` tokens scores ``n - 1``.
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.errors import ConfigError
+from kiln.eval.common import jsonl_records
 
 DEFAULT_SHAREGPT_SAMPLES = 50
 MIN_SHAREGPT_REPLY_CHARS = 200  # shorter answers ("Sure!", one line of code) say little about a model
@@ -96,19 +96,12 @@ def load_texts(dataset: str, max_samples: int | None) -> list[str]:
 
 def _jsonl_texts(path: Path) -> list[str]:
     texts = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--dataset {path} line {number}: not JSON ({e.msg})") from None
-            text = record.get("text") if isinstance(record, dict) else None
-            if not isinstance(text, str) or not text:
-                raise ConfigError(f"--dataset {path} line {number}: expected an object with a non-empty "
-                                  "string \"text\"")
-            texts.append(text)
+    for number, record in jsonl_records(path, "--dataset"):
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str) or not text:
+            raise ConfigError(f"--dataset {path} line {number}: expected an object with a non-empty "
+                              "string \"text\"")
+        texts.append(text)
     if not texts:
         raise ConfigError(f"--dataset {path}: no records")
     return texts

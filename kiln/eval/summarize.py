@@ -14,7 +14,6 @@ timed generate calls, prompt processing included, after an untimed warm-up of a 
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from kiln.errors import ConfigError, KilnError
-from kiln.eval.common import format_table, load_hf_model, write_json
+from kiln.eval.common import format_table, jsonl_records, load_hf_model, write_json
 from kiln.eval.rouge import ROUGE_KEYS, mean_scores, rouge_scores
 
 DEFAULT_MAX_SAMPLES = 50
@@ -39,26 +38,19 @@ def read_jsonl(path: str | Path, limit: int) -> list[dict]:
     if not path.is_file():
         raise ConfigError(f"--dataset {path}: {'not a file' if path.exists() else 'no such file'}")
     records = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if len(records) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--dataset {path} line {number}: not JSON ({e.msg})") from None
-            fields = ("article", "highlights")
-            if not isinstance(record, dict) or not all(isinstance(record.get(k), str) and record[k].strip()
-                                                       for k in fields):
-                raise ConfigError(f"--dataset {path} line {number}: a record needs non-empty string fields "
-                                  f"\"article\" and \"highlights\"")
-            instruction = record.get("instruction")
-            if instruction is not None and not isinstance(instruction, str):
-                raise ConfigError(f"--dataset {path} line {number}: \"instruction\" must be a string")
-            records.append({"id": str(record.get("id", f"line {number}")), "article": record["article"],
-                            "highlights": record["highlights"], "instruction": instruction or DEFAULT_INSTRUCTION})
+    for number, record in jsonl_records(path, "--dataset"):
+        fields = ("article", "highlights")
+        if not isinstance(record, dict) or not all(isinstance(record.get(k), str) and record[k].strip()
+                                                   for k in fields):
+            raise ConfigError(f"--dataset {path} line {number}: a record needs non-empty string fields "
+                              f"\"article\" and \"highlights\"")
+        instruction = record.get("instruction")
+        if instruction is not None and not isinstance(instruction, str):
+            raise ConfigError(f"--dataset {path} line {number}: \"instruction\" must be a string")
+        records.append({"id": str(record.get("id", f"line {number}")), "article": record["article"],
+                        "highlights": record["highlights"], "instruction": instruction or DEFAULT_INSTRUCTION})
+        if len(records) == limit:  # lines past the limit are not read
+            break
     if not records:
         raise ConfigError(f"--dataset {path}: no records")
     return records
