@@ -14,6 +14,7 @@ from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 from kiln.models import get_model_class
 from kiln.quantization import quantize_model
+from kiln.quantization.gptq import gptq_settings
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,8 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     ranks along ``embedding_sharding_dim`` (0: vocabulary, 1: hidden), as reference 001
     describes; otherwise every rank holds it whole. ``quantization`` (a weight-only
     ``quant_algo``: W8A16, W4A16) quantizes the linear layers' weights by round-to-nearest
-    (``kiln.quantization``). The output appears all at once when everything succeeded
+    (``kiln.quantization``). A GPTQ checkpoint (``quantization_config`` in config.json) is
+    imported into the same layout as W4A16_GPTQ (``kiln.quantization.gptq``). The output appears all at once when everything succeeded
     (nothing half-written).
     """
     source = open_source(model_dir)
@@ -43,6 +45,9 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     if hf is None:
         raise ConfigError(f"{model_dir}: no Hugging Face config.json found next to the weights")
     model_cls = get_model_class(hf_architecture(hf, str(model_dir)), source=str(model_dir))
+    if gptq_settings(hf, str(model_dir)) is not None and quantization is not None and quantization.quant_algo:
+        raise ConfigError(f"{model_dir}: a GPTQ checkpoint is already quantized (imported as W4A16_GPTQ); "
+                          f"drop --quant_algo {quantization.quant_algo}")
     world = Mapping(world_size=tp_size * pp_size, tp_size=tp_size, pp_size=pp_size)
     with atomic_output_dir(output_dir) as tmp:
         config = None

@@ -165,7 +165,9 @@ class ModelWeightsLoader:
                     raise CheckpointError(
                         f"{self.source.path}: {key!r} made from {self.translate(key)} has shape "
                         f"{list(tensor.shape)}, expected {list(expected.shape)} for this config")
-                weights[key] = tensor.to(param.dtype) if tensor.is_floating_point() else tensor
+                # Cast to the dtype of the parameter produced (a postprocess may add others: scales).
+                dtype = (expected if expected is not None else param).dtype
+                weights[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
         return weights
 
     @staticmethod

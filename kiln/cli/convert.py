@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from kiln.quantization.weight_only import WEIGHT_ONLY_ALGOS
+from kiln.quantization.weight_only import ROUND_TO_NEAREST_ALGOS
 
 
 def add_parser(sub) -> None:
@@ -21,10 +21,11 @@ def add_parser(sub) -> None:
                    help="split the embedding table over the tp ranks too (default: whole on every rank)")
     p.add_argument("--embedding_sharding_dim", type=int, choices=[0, 1], default=0,
                    help="with --use_parallel_embedding: 0 splits the vocabulary, 1 the hidden size (default 0)")
-    p.add_argument("--quant_algo", choices=sorted(WEIGHT_ONLY_ALGOS), default=None,
+    p.add_argument("--quant_algo", choices=sorted(ROUND_TO_NEAREST_ALGOS), default=None,
                    help="weight-only quantization of the linear layers, round to nearest: W8A16 (int8, a scale "
                         "per output channel) or W4A16 (4-bit, a scale per --group_size inputs); engines built "
-                        "from it compute in bfloat16 (default: none)")
+                        "from it compute in bfloat16 (default: none; a GPTQ checkpoint is detected from its "
+                        "config.json and imported as W4A16_GPTQ without this option)")
     p.add_argument("--group_size", type=int, default=64,
                    help="W4A16: input features sharing a scale, a multiple of 32 (default 64)")
     p.add_argument("--has_zero_point", action="store_true",

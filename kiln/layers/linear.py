@@ -173,6 +173,8 @@ class Linear(nn.Module):
     fused_part: tuple[int, int] | None = None
 
     def load_spec(self, param_name: str, num_external: int) -> list[ShardSpec]:
+        if self.weight_postprocess is not None and param_name == "weight":
+            return [ShardSpec()] * num_external  # pre-quantized tensors are read whole (tp 1 only)
         if self.fused_part is not None and param_name in ("weight", "bias"):
             index, count = self.fused_part
             rows = self.out_features * (self.tp_size if self.tp_dim == 0 else 1)
@@ -183,7 +185,13 @@ class Linear(nn.Module):
             spec = spec.transposed()
         return [spec] * num_external
 
+    # Set for a weight stored pre-quantized in several external tensors (kiln.quantization.gptq):
+    # turns them into this layer's quantized parameters.
+    weight_postprocess = None
+
     def postprocess(self, key: str, weights: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
+        if self.weight_postprocess is not None and key.endswith(".weight"):
+            return self.weight_postprocess(key, weights)
         if self.source_transposed and key.endswith("weight"):
             weights = [w.t() for w in weights]
         # Several external tensors (q, k, v) are concatenated along the output features.
@@ -266,7 +274,7 @@ class QKVColumnLinear(ColumnLinear):
     adjacent_rotary_dims: int = 0
 
     def load_spec(self, param_name: str, num_external: int) -> list[ShardSpec]:
-        if self.interleaved_heads:
+        if self.interleaved_heads or (self.weight_postprocess is not None and param_name == "weight"):
             return [ShardSpec()] * num_external
         dim = 0 if not (self.source_transposed and param_name == "weight") else 1
         q = (self.q_size, self.tp_size, self.tp_rank)

@@ -304,6 +304,7 @@ class DecoderModelForCausalLM(nn.Module):
         from kiln.checkpoint.loader import ModelWeightsLoader, translate_key
         from kiln.checkpoint.sources import open_source
         from kiln.mapping import Mapping
+        from kiln.quantization.gptq import gptq_settings, use_gptq_layout
 
         source = open_source(source) if isinstance(source, (str, Path)) else source
         hf = source.hf_config()
@@ -330,6 +331,10 @@ class DecoderModelForCausalLM(nn.Module):
             if lm_head_key not in external and config.get("tie_word_embeddings"):
                 # Tied weights stored once: the lm_head rows come from the embedding table.
                 lm_head.external_key_map = {"lm_head": embedding.rpartition(".")[0]}
+        gptq = gptq_settings(hf, str(source.path))
+        if gptq is not None:  # pre-quantized linears load straight into kiln's W4A16 layout
+            model.config = dataclasses.replace(model.config, quantization=use_gptq_layout(
+                model, gptq, external, loader.key_map, str(source.path)))
         loader.fill(model, loader.generate_weights(model, progress=progress))
         return model
 

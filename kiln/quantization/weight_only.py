@@ -28,7 +28,10 @@ from kiln.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-WEIGHT_ONLY_ALGOS = {"W8A16": 8, "W4A16": 4}
+# W4A16_GPTQ: W4A16's layout, imported from a GPTQ checkpoint (kiln.quantization.gptq), never
+# produced by round-to-nearest here.
+WEIGHT_ONLY_ALGOS = {"W8A16": 8, "W4A16": 4, "W4A16_GPTQ": 4}
+ROUND_TO_NEAREST_ALGOS = ("W8A16", "W4A16")
 DEFAULT_EXCLUDED = ("lm_head",)
 
 
@@ -117,6 +120,9 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> QuantConfig | None:
     """
     from kiln import kernels
 
+    if quant.quant_algo in WEIGHT_ONLY_ALGOS and quant.quant_algo not in ROUND_TO_NEAREST_ALGOS:
+        raise ConfigError(f"quantization.quant_algo {quant.quant_algo!r}: round-to-nearest quantization makes "
+                          f"{list(ROUND_TO_NEAREST_ALGOS)}; W4A16_GPTQ comes from converting a GPTQ checkpoint")
     bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo)
     excluded = list(DEFAULT_EXCLUDED if quant.exclude_modules is None else quant.exclude_modules)
     quantized = 0
