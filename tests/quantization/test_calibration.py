@@ -1,0 +1,45 @@
+"""Calibration statistics: what kiln's float model feeds each linear equals what HF's feeds
+the same linear on the same tokens."""
+from __future__ import annotations
+
+import torch
+
+from kiln.models.llama import LlamaForCausalLM
+from kiln.quantization.calibration import InputStats, calibration_texts, collect_linear_inputs
+from tests.utils.tiny_models import make_llama
+
+
+def test_linear_input_stats_equal_hf_hooked_inputs(tmp_path):
+    hf = make_llama(tmp_path / "hf", layers=2)
+    model = LlamaForCausalLM.from_hugging_face(tmp_path / "hf", dtype="float32")
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 17)]
+    stats = collect_linear_inputs(model, prompts, ["transformer.layers.1.attention.qkv", "transformer.layers.0.mlp.proj"])
+    seen = {"q": [], "down": []}
+    handles = [hf.model.layers[1].self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen["q"].append(a[0][0])),
+               hf.model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda m, a: seen["down"].append(a[0][0]))]
+    with torch.no_grad():
+        for p in prompts:
+            hf(torch.tensor([p]))
+    for h in handles:
+        h.remove()
+    for name, key in (("transformer.layers.1.attention.qkv", "q"), ("transformer.layers.0.mlp.proj", "down")):
+        rows = torch.cat(seen[key])
+        s = stats[name]
+        assert s.rows == rows.shape[0] == 26
+        torch.testing.assert_close(s.absmax, rows.abs().amax(0), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(s.abs_mean, rows.abs().mean(0), rtol=1e-5, atol=1e-6)
+        assert s.rows_sample().shape == (26, rows.shape[1])
+
+
+def test_row_sample_is_capped_and_spread():
+    stats = InputStats(max_sample=10)
+    for _ in range(3):
+        stats.observe(torch.arange(40.0).repeat(4, 1).t())
+    assert stats.rows_sample().shape[0] == 10 and stats.rows == 120
+
+
+def test_sharegpt_calibration_texts_are_long_replies_in_file_order():
+    texts = calibration_texts("sharegpt", 4)
+    assert len(texts) == 4 and all(len(t) >= 200 for t in texts)
+    assert calibration_texts("sharegpt", 4) == texts
+
