@@ -109,6 +109,16 @@ class Linear(nn.Module):
             setattr(self, name, nn.Parameter(tensor, requires_grad=False))
         self.quant_bits, self.group_size, self.tile_order = bits, group_size, tile_order
 
+    def use_prequant_scale(self, factor: torch.Tensor | None = None) -> None:
+        """Give a quantized layer AWQ's ``prequant_scaling_factor`` (float32 ``[in_features]``,
+        the given ``factor`` or an empty one): its input is multiplied by it before the matmul."""
+        shape = (self.in_features,)
+        tensor = factor if factor is not None else torch.empty(shape, dtype=torch.float32, device=self.weight.device)
+        if tuple(tensor.shape) != shape or tensor.dtype != torch.float32:
+            raise ValueError(f"prequant_scaling_factor: expected torch.float32 {list(shape)}, "
+                             f"got {tensor.dtype} {list(tensor.shape)}")
+        self.prequant_scaling_factor = nn.Parameter(tensor, requires_grad=False)
+
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight a quantized layer stands for (row-major codes only)."""
         from kiln.quantization.weight_only import dequantize
@@ -119,6 +129,9 @@ class Linear(nn.Module):
         return dequantize(tensors, self.quant_bits, self.group_size)
 
     def _quantized_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        prequant = getattr(self, "prequant_scaling_factor", None)
+        if prequant is not None:  # AWQ: the codes hold W diag(s), so the input is divided by s (one multiply)
+            x = (x * prequant).to(x.dtype)
         if not self.tile_order:  # a checkpoint's layout: a reference path, not a fast one
             return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
         y = kernels.quant_linear(x.reshape(-1, self.in_features).to(torch.bfloat16), self.weight,

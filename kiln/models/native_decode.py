@@ -51,6 +51,8 @@ def supports_native_decode(model) -> bool:
             quantized = getattr(module, "quant_bits", None) is not None
             if quantized and not (module.tile_order and dtype == torch.bfloat16):
                 return False
+            if hasattr(module, "prequant_scaling_factor"):  # the native step has no AWQ input multiply
+                return False
             floats = [p for name, p in module.named_parameters(recurse=False)
                       if not (quantized and name in ("weight", "weights_scaling_factor", "zero"))]
             if any(p.dtype != dtype for p in floats):
