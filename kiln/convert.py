@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
@@ -14,6 +15,8 @@ from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 from kiln.models import get_model_class
 from kiln.quantization import quantize_model
+from kiln.quantization.awq import AWQ_ALGO, awq_quantize_model, calibration_tokens, check_awq_request
+from kiln.quantization.calibration import DEFAULT_CALIB_SIZE
 from kiln.quantization.gptq import gptq_settings
 
 logger = logging.getLogger(__name__)
@@ -29,7 +32,8 @@ def hf_architecture(hf_config: dict, where: str) -> str:
 def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str | None = None,
                        tp_size: int = 1, pp_size: int = 1, customized_key_dict: dict | None = None,
                        use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
-                       quantization: QuantConfig | None = None, progress: bool = True) -> Path:
+                       quantization: QuantConfig | None = None, progress: bool = True,
+                       calib_dataset: str = "sharegpt", calib_size: int = DEFAULT_CALIB_SIZE) -> Path:
     """Write ``config.json`` and ``rank{N}.safetensors`` for every rank, plus the tokenizer.
 
     With ``use_parallel_embedding`` the embedding table is split over the tensor-parallel
@@ -37,7 +41,10 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     describes; otherwise every rank holds it whole. ``quantization`` (a weight-only
     ``quant_algo``: W8A16, W4A16) quantizes the linear layers' weights by round-to-nearest
     (``kiln.quantization``). A GPTQ checkpoint (``quantization_config`` in config.json) is
-    imported into the same layout as W4A16_GPTQ (``kiln.quantization.gptq``). The output appears all at once when everything succeeded
+    imported into the same layout as W4A16_GPTQ (``kiln.quantization.gptq``). ``W4A16_AWQ``
+    first runs the float model on ``calib_size`` texts of ``calib_dataset`` (``sharegpt`` or a
+    file), tokenized by the source's tokenizer, to pick each linear's AWQ input scale
+    (``kiln.quantization.awq``). The output appears all at once when everything succeeded
     (nothing half-written).
     """
     source = open_source(model_dir)
@@ -49,6 +56,15 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
         raise ConfigError(f"{model_dir}: a GPTQ checkpoint is already quantized (imported as W4A16_GPTQ); "
                           f"drop --quant_algo {quantization.quant_algo}")
     world = Mapping(world_size=tp_size * pp_size, tp_size=tp_size, pp_size=pp_size)
+    calibration = None
+    if quantization is not None and quantization.quant_algo == AWQ_ALGO:
+        check_awq_request(quantization, world.world_size, str(model_dir))
+        if getattr(source, "save_tokenizer", None) is None:
+            calibration = calibration_tokens(Path(model_dir), calib_dataset, calib_size)
+        else:  # a GGUF source's tokenizer is inside the file: saved to a scratch dir to load it
+            with tempfile.TemporaryDirectory() as tokenizer_dir:
+                source.save_tokenizer(Path(tokenizer_dir))
+                calibration = calibration_tokens(tokenizer_dir, calib_dataset, calib_size)
     with atomic_output_dir(output_dir) as tmp:
         config = None
         for rank in tqdm(range(world.world_size), desc="converting ranks", disable=not progress or world.world_size == 1):
@@ -57,7 +73,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
                 config_overrides={"use_parallel_embedding": use_parallel_embedding,
                                   "embedding_sharding_dim": embedding_sharding_dim})
             if quantization is not None and quantization.quant_algo is not None:
-                model.config = _quantize(model, quantization, str(model_dir))
+                model.config = _quantize(model, quantization, str(model_dir), calibration, progress)
             write_rank_weights(tmp, rank, model.checkpoint_weights())
             config = model.config
             del model
@@ -66,9 +82,14 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     return Path(output_dir)
 
 
-def _quantize(model, quantization: QuantConfig, where: str):
-    """Quantize ``model`` in place; its config records what was quantized (see ``quantize_model``)."""
-    recorded = quantize_model(model, quantization)
+def _quantize(model, quantization: QuantConfig, where: str, calibration: list[list[int]] | None = None,
+              progress: bool = False):
+    """Quantize ``model`` in place (AWQ: calibrated on the token lists ``calibration``); its
+    config records what was quantized (see ``quantize_model``)."""
+    if quantization.quant_algo == AWQ_ALGO:
+        recorded = awq_quantize_model(model, quantization, calibration, progress=progress)
+    else:
+        recorded = quantize_model(model, quantization)
     if recorded is None:
         raise ConfigError(f"{where}: --quant_algo {quantization.quant_algo} found no linear layer to quantize")
     return dataclasses.replace(model.config, quantization=recorded)

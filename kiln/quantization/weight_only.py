@@ -29,9 +29,11 @@ from kiln.errors import ConfigError
 log = logging.getLogger(__name__)
 
 # W4A16_GPTQ: W4A16's layout, imported from a GPTQ checkpoint (kiln.quantization.gptq), never
-# produced by round-to-nearest here.
-WEIGHT_ONLY_ALGOS = {"W8A16": 8, "W4A16": 4, "W4A16_GPTQ": 4}
+# produced by round-to-nearest here. W4A16_AWQ: W4A16's layout of W diag(s) plus a
+# ``prequant_scaling_factor`` 1/s per linear (kiln.quantization.awq, calibrated at convert time).
+WEIGHT_ONLY_ALGOS = {"W8A16": 8, "W4A16": 4, "W4A16_GPTQ": 4, "W4A16_AWQ": 4}
 ROUND_TO_NEAREST_ALGOS = ("W8A16", "W4A16")
+PREQUANT_ALGOS = ("W4A16_AWQ",)
 DEFAULT_EXCLUDED = ("lm_head",)
 
 
@@ -108,24 +110,19 @@ def use_weight_only_layout(model: nn.Module, quant: QuantConfig, tile_order: boo
     bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo)
     for _, linear in quantized_modules(model, quant):
         linear.use_weight_only(bits, quant.group_size, quant.has_zero_point, tile_order=tile_order)
+        if quant.quant_algo in PREQUANT_ALGOS:
+            linear.use_prequant_scale()
 
 
-def quantize_model(model: nn.Module, quant: QuantConfig) -> QuantConfig | None:
-    """Quantize the float weights of ``model``'s linears in place (round to nearest).
-
-    Returns ``quant`` as the checkpoint must record it: ``exclude_modules`` names every linear
-    left in float (excluded, or of a shape the kernels cannot tile, with a warning), so a model
-    built from it gets the same layout; None if no linear was quantized. Raises for a group
-    size that does not divide a layer's input features.
-    """
+def quantizable_modules(model: nn.Module, quant: QuantConfig) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+    """The linears ``quantize_model`` quantizes, and the names it leaves in float: excluded ones
+    plus those of a shape the kernels cannot tile (with a warning). Raises a ConfigError for a
+    group size that does not divide a layer's input features."""
     from kiln import kernels
 
-    if quant.quant_algo in WEIGHT_ONLY_ALGOS and quant.quant_algo not in ROUND_TO_NEAREST_ALGOS:
-        raise ConfigError(f"quantization.quant_algo {quant.quant_algo!r}: round-to-nearest quantization makes "
-                          f"{list(ROUND_TO_NEAREST_ALGOS)}; W4A16_GPTQ comes from converting a GPTQ checkpoint")
     bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo)
     excluded = list(DEFAULT_EXCLUDED if quant.exclude_modules is None else quant.exclude_modules)
-    quantized = 0
+    chosen = []
     for name, linear in quantized_modules(model, quant):
         out_features, in_features = linear.weight.shape
         if bits == 4 and in_features % quant.group_size:
@@ -136,7 +133,36 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> QuantConfig | None:
                         (out_features, in_features))
             excluded.append(name)
             continue
-        tensors = quantize_weight(linear.weight, bits, quant.group_size, quant.has_zero_point)
+        chosen.append((name, linear))
+    return chosen, excluded
+
+
+def quantize_model(model: nn.Module, quant: QuantConfig,
+                   prequant_scales: dict[str, torch.Tensor] | None = None) -> QuantConfig | None:
+    """Quantize the float weights of ``model``'s linears in place (round to nearest).
+
+    ``prequant_scales`` (W4A16_AWQ, from ``kiln.quantization.awq``): each linear's per input
+    channel ``s``; its codes then hold ``W diag(s)`` and its ``prequant_scaling_factor`` is 1/s.
+    Returns ``quant`` as the checkpoint must record it: ``exclude_modules`` names every linear
+    left in float (see ``quantizable_modules``), so a model built from it gets the same layout;
+    None if no linear was quantized.
+    """
+    awq = quant.quant_algo in PREQUANT_ALGOS
+    if quant.quant_algo in WEIGHT_ONLY_ALGOS and quant.quant_algo not in ROUND_TO_NEAREST_ALGOS and not (
+            awq and prequant_scales is not None):
+        raise ConfigError(f"quantization.quant_algo {quant.quant_algo!r}: round-to-nearest quantization makes "
+                          f"{list(ROUND_TO_NEAREST_ALGOS)}; W4A16_GPTQ comes from converting a GPTQ checkpoint, "
+                          "W4A16_AWQ from a calibrated convert (kiln.quantization.awq)")
+    bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo)
+    chosen, excluded = quantizable_modules(model, quant)
+    for name, linear in chosen:
+        weight = linear.weight.float()
+        if awq:
+            weight = weight * prequant_scales[name][None, :]
+        tensors = quantize_weight(weight, bits, quant.group_size, quant.has_zero_point)
         linear.use_weight_only(bits, quant.group_size, quant.has_zero_point, tensors)
-        quantized += 1
-    return dataclasses.replace(quant, exclude_modules=excluded) if quantized else None
+        if awq:
+            linear.use_prequant_scale((1.0 / prequant_scales[name]).float().contiguous())
+    if not chosen:
+        return None
+    return dataclasses.replace(quant, exclude_modules=excluded, pre_quant_scale=awq)

@@ -107,7 +107,7 @@ def test_bad_quantization_requests_are_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match="group_size"):
         convert_and_build(tmp_path / "hf", tmp_path / "a", quantization=QuantConfig(quant_algo="W4A16", group_size=48))
     with pytest.raises(ConfigError, match="not implemented yet"):
-        convert_and_build(tmp_path / "hf", tmp_path / "b", quantization=QuantConfig(quant_algo="W4A16_AWQ"))
+        convert_and_build(tmp_path / "hf", tmp_path / "b", quantization=QuantConfig(quant_algo="W4A8_AWQ"))
     from kiln.build import build_engine
     from kiln.convert import convert_checkpoint
 

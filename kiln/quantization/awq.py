@@ -1,0 +1,135 @@
+"""Activation-aware weight quantization (AWQ, ``W4A16_AWQ``), calibrated at convert time.
+
+A few input channels of a linear layer carry much larger activations than the rest; their
+weights matter more. AWQ scales each input channel's weight column by ``s`` before the 4-bit
+round-to-nearest (so the important columns lose less to rounding) and divides the input by
+``s`` at run time: ``y = Q(W diag(s)) (x / s)``. Per input channel ``s = mean|x| ** alpha``
+(normalised so its extremes multiply to 1), with ``alpha`` picked from a grid by the output
+error on a sample of calibration rows. ``alpha = 0`` is plain round-to-nearest, so the search
+never does worse than W4A16 on those rows.
+
+Linears that read the same input (a gated MLP's ``fc`` and ``gate``) get one scale: the
+engine fuses them into one matmul with one input multiply.
+
+Checkpoint tensors: W4A16's (``weight`` codes of ``W diag(s)``, ``weights_scaling_factor``,
+``zero``) plus ``prequant_scaling_factor`` = 1/s, float32 ``[in_features]`` (reference 002).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from kiln.config import QuantConfig
+from kiln.errors import ConfigError
+from kiln.quantization.calibration import InputStats, calibration_texts, calibration_token_ids, collect_linear_inputs
+from kiln.quantization.weight_only import dequantize, quantizable_modules, quantize_model, quantize_weight
+
+log = logging.getLogger(__name__)
+
+AWQ_ALGO = "W4A16_AWQ"
+AWQ_GROUP_SIZES = (64, 128)
+DEFAULT_GRID = 20
+
+
+def awq_scale(abs_mean: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Per input channel ``s = abs_mean ** alpha`` divided by sqrt(max * min) (so the weight's
+    overall range stays put); all ones for ``alpha = 0``."""
+    s = abs_mean.float().clamp(min=1e-4).pow(alpha)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def _rtn(weight: torch.Tensor, group_size: int, has_zero_point: bool) -> torch.Tensor:
+    """W4A16 round-to-nearest of ``weight``, dequantized (float32)."""
+    return dequantize(quantize_weight(weight, 4, group_size, has_zero_point), 4, group_size)
+
+
+def search_scale(weights: list[torch.Tensor], rows: torch.Tensor, abs_mean: torch.Tensor, group_size: int,
+                 has_zero_point: bool, grid: int = DEFAULT_GRID) -> tuple[torch.Tensor, float, float, float]:
+    """The AWQ scale ``s`` for linears ``weights`` (``[out_i, in]`` each) sharing the input
+    ``rows`` ``[n, in]``: ``alpha`` in ``{0, 1/grid, ..., (grid-1)/grid}`` minimising the summed
+    squared error ``||W x - Q(W diag(s)) (x / s)||^2``. Returns ``(s, alpha, error, rtn_error)``
+    (``rtn_error``: alpha 0, plain round-to-nearest)."""
+    x = rows.float()
+    w = torch.cat([wi.float() for wi in weights])  # one search for the group: the errors add up
+    reference = x @ w.t()
+    best = None
+    rtn_error = float("nan")
+    for i in range(grid):
+        alpha = i / grid
+        s = awq_scale(abs_mean, alpha)
+        error = ((x / s) @ _rtn(w * s, group_size, has_zero_point).t() - reference).pow(2).sum().item()
+        if i == 0:
+            rtn_error = error
+        if best is None or error < best[2]:
+            best = (s, alpha, error)
+    return best[0], best[1], best[2], rtn_error
+
+
+def _input_groups(names: list[str], stats: dict[str, InputStats]) -> list[list[str]]:
+    """``names`` grouped by shared input: siblings (same parent module) that saw identical rows."""
+    groups: list[list[str]] = []
+    for name in names:
+        parent = name.rpartition(".")[0]
+        sample = stats[name].rows_sample()
+        for group in groups:
+            first = group[0]
+            if (first.rpartition(".")[0] == parent and stats[first].rows == stats[name].rows
+                    and torch.equal(stats[first].rows_sample(), sample)):
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+    return groups
+
+
+def check_awq_request(quant: QuantConfig, world_size: int, where: str) -> None:
+    """ConfigErrors for AWQ settings kiln cannot honour, raised before any calibration."""
+    if quant.group_size not in AWQ_GROUP_SIZES:
+        raise ConfigError(f"{where}: {AWQ_ALGO} takes --group_size {' or '.join(map(str, AWQ_GROUP_SIZES))}, "
+                          f"got {quant.group_size}")
+    if world_size != 1:
+        raise ConfigError(f"{where}: {AWQ_ALGO} calibrates the whole float model; convert with --tp_size 1 "
+                          f"--pp_size 1 (got {world_size} ranks)")
+
+
+def awq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[list[int]],
+                       grid: int = DEFAULT_GRID, progress: bool = False) -> QuantConfig | None:
+    """Calibrate ``model`` (float, one rank) on ``token_lists``, search each input group's AWQ
+    scale and quantize its linears in place. Returns what ``quantize_model`` returns."""
+    chosen, _ = quantizable_modules(model, quant)  # raises for a group size not dividing a layer
+    names = [name for name, _ in chosen]
+    if not names:
+        return None
+    if not token_lists:
+        raise ConfigError(f"{AWQ_ALGO}: no calibration text of 2 tokens or more")
+    stats = collect_linear_inputs(model, token_lists, names, progress=progress)
+    modules = dict(chosen)
+    scales: dict[str, torch.Tensor] = {}
+    gains = []
+    for group in _input_groups(names, stats):
+        st = stats[group[0]]
+        s, alpha, error, rtn_error = search_scale([modules[n].weight for n in group], st.rows_sample(), st.abs_mean,
+                                                  quant.group_size, quant.has_zero_point, grid)
+        log.debug("AWQ %s: alpha %.2f, output error %.4g (round-to-nearest %.4g)", "+".join(group), alpha, error,
+                  rtn_error)
+        gains.append(error / rtn_error if rtn_error > 0 else 1.0)
+        for name in group:
+            scales[name] = s
+    log.info("AWQ: %d input groups, output error %.1f%% of round-to-nearest's on average", len(gains),
+             100 * sum(gains) / len(gains))
+    return quantize_model(model, quant, prequant_scales=scales)
+
+
+def calibration_tokens(tokenizer_dir, dataset: str, size: int) -> list[list[int]]:
+    """Token ids of ``size`` calibration texts of ``dataset`` (see ``calibration_texts``), by
+    the tokenizer saved in ``tokenizer_dir``."""
+    from kiln.tokenizer import load_tokenizer
+
+    texts = calibration_texts(dataset, size)
+    try:
+        tokenizer = load_tokenizer(tokenizer_dir)
+    except ConfigError as e:
+        raise ConfigError(f"{AWQ_ALGO} calibration needs the source model's tokenizer: {e}") from None
+    return calibration_token_ids(tokenizer, texts)
