@@ -135,6 +135,9 @@ def smoothquant_model(model: nn.Module, quant: QuantConfig, token_lists: list[li
                           "tp_size 1 and pp_size 1")
     if not token_lists:
         raise ConfigError(f"{SMOOTHQUANT_ALGO}: the calibration texts gave no prompt of 2 or more tokens")
+    longest = model.config.max_position_embeddings
+    if longest:  # a prompt beyond the model's positions would calibrate on activations it never sees
+        token_lists = [ids[:longest] for ids in token_lists]
     groups = smoothing_groups(model, quantized_modules(model, quant))
     if not groups:
         return None
