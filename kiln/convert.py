@@ -14,10 +14,11 @@ from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 from kiln.models import get_model_class
-from kiln.quantization import quantize_model
-from kiln.quantization.awq import AWQ_ALGO, awq_quantize_model, calibration_tokens, check_awq_request
+from kiln.quantization import SMOOTHQUANT_ALGO, quantize_model
+from kiln.quantization.awq import AWQ_ALGO, awq_quantize_model, check_awq_request
 from kiln.quantization.calibration import DEFAULT_CALIB_SIZE
 from kiln.quantization.gptq import gptq_settings
+from kiln.quantization.smoothquant import DEFAULT_ALPHA, smoothquant_model
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,8 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
                        tp_size: int = 1, pp_size: int = 1, customized_key_dict: dict | None = None,
                        use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
                        quantization: QuantConfig | None = None, progress: bool = True,
-                       calib_dataset: str = "sharegpt", calib_size: int = DEFAULT_CALIB_SIZE) -> Path:
+                       smoothquant_alpha: float = DEFAULT_ALPHA, calib_dataset: str = "sharegpt",
+                       calib_size: int = DEFAULT_CALIB_SIZE) -> Path:
     """Write ``config.json`` and ``rank{N}.safetensors`` for every rank, plus the tokenizer.
 
     With ``use_parallel_embedding`` the embedding table is split over the tensor-parallel
@@ -42,10 +44,11 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     ``quant_algo``: W8A16, W4A16) quantizes the linear layers' weights by round-to-nearest
     (``kiln.quantization``). A GPTQ checkpoint (``quantization_config`` in config.json) is
     imported into the same layout as W4A16_GPTQ (``kiln.quantization.gptq``). ``W4A16_AWQ``
-    first runs the float model on ``calib_size`` texts of ``calib_dataset`` (``sharegpt`` or a
-    file), tokenized by the source's tokenizer, to pick each linear's AWQ input scale
-    (``kiln.quantization.awq``). The output appears all at once when everything succeeded
-    (nothing half-written).
+    (``kiln.quantization.awq``) and ``W8A8_SQ_PER_CHANNEL`` (SmoothQuant,
+    ``kiln.quantization.smoothquant``, smoothing with ``smoothquant_alpha``) first run the float
+    model on ``calib_size`` texts of ``calib_dataset`` (``sharegpt`` or a file), tokenized by the
+    source's tokenizer. The output appears all at once when everything succeeded (nothing
+    half-written).
     """
     source = open_source(model_dir)
     hf = source.hf_config()
@@ -57,14 +60,14 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
                           f"drop --quant_algo {quantization.quant_algo}")
     world = Mapping(world_size=tp_size * pp_size, tp_size=tp_size, pp_size=pp_size)
     calibration = None
-    if quantization is not None and quantization.quant_algo == AWQ_ALGO:
-        check_awq_request(quantization, world.world_size, str(model_dir))
-        if getattr(source, "save_tokenizer", None) is None:
-            calibration = calibration_tokens(Path(model_dir), calib_dataset, calib_size)
-        else:  # a GGUF source's tokenizer is inside the file: saved to a scratch dir to load it
-            with tempfile.TemporaryDirectory() as tokenizer_dir:
-                source.save_tokenizer(Path(tokenizer_dir))
-                calibration = calibration_tokens(tokenizer_dir, calib_dataset, calib_size)
+    if quantization is not None and quantization.quant_algo in (AWQ_ALGO, SMOOTHQUANT_ALGO):
+        if quantization.quant_algo == AWQ_ALGO:
+            check_awq_request(quantization, world.world_size, str(model_dir))
+        elif world.world_size != 1:
+            raise ConfigError(f"--quant_algo {SMOOTHQUANT_ALGO} calibrates the whole model in one process: "
+                              "use --tp_size 1 --pp_size 1")
+        calibration = _calibration_tokens(source, Path(model_dir), calib_dataset, calib_size,
+                                          quantization.quant_algo)
     with atomic_output_dir(output_dir) as tmp:
         config = None
         for rank in tqdm(range(world.world_size), desc="converting ranks", disable=not progress or world.world_size == 1):
@@ -73,7 +76,8 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
                 config_overrides={"use_parallel_embedding": use_parallel_embedding,
                                   "embedding_sharding_dim": embedding_sharding_dim})
             if quantization is not None and quantization.quant_algo is not None:
-                model.config = _quantize(model, quantization, str(model_dir), calibration, progress)
+                model.config = _quantize(model, quantization, str(model_dir), calibration, smoothquant_alpha,
+                                         progress)
             write_rank_weights(tmp, rank, model.checkpoint_weights())
             config = model.config
             del model
@@ -82,12 +86,33 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     return Path(output_dir)
 
 
+def _calibration_tokens(source, model_dir: Path, dataset: str, size: int, algo: str) -> list[list[int]]:
+    """The calibration prompts' token ids, through the model's own tokenizer (a GGUF's is saved
+    to a temporary directory first)."""
+    from kiln.quantization.calibration import calibration_texts, calibration_token_ids
+    from kiln.tokenizer import load_tokenizer
+
+    texts = calibration_texts(dataset, size)
+    with tempfile.TemporaryDirectory(prefix="kiln-calib-tokenizer-") as tmp:
+        try:
+            if getattr(source, "save_tokenizer", None) is not None:
+                source.save_tokenizer(Path(tmp))
+                tokenizer = load_tokenizer(tmp)
+            else:
+                tokenizer = load_tokenizer(model_dir if model_dir.is_dir() else model_dir.parent)
+        except ConfigError as e:
+            raise ConfigError(f"{algo} calibration needs the source model's tokenizer: {e}") from None
+        return calibration_token_ids(tokenizer, texts)
+
+
 def _quantize(model, quantization: QuantConfig, where: str, calibration: list[list[int]] | None = None,
-              progress: bool = False):
-    """Quantize ``model`` in place (AWQ: calibrated on the token lists ``calibration``); its
-    config records what was quantized (see ``quantize_model``)."""
+              smoothquant_alpha: float = DEFAULT_ALPHA, progress: bool = False):
+    """Quantize ``model`` in place (AWQ and SmoothQuant: calibrated on the token lists
+    ``calibration``); its config records what was quantized (see ``quantize_model``)."""
     if quantization.quant_algo == AWQ_ALGO:
         recorded = awq_quantize_model(model, quantization, calibration, progress=progress)
+    elif quantization.quant_algo == SMOOTHQUANT_ALGO:
+        recorded = smoothquant_model(model, quantization, calibration or [], smoothquant_alpha, progress)
     else:
         recorded = quantize_model(model, quantization)
     if recorded is None:

@@ -11,7 +11,7 @@ from kiln.checkpoint.format import (atomic_output_dir, copy_tokenizer_files, rea
 from kiln.config import BuildConfig, PretrainedConfig
 from kiln.errors import BuildError, preview
 from kiln.models import get_model_class
-from kiln.quantization import use_weight_only_layout
+from kiln.quantization import WEIGHT_ONLY_ALGOS, use_weight_only_layout
 
 
 def validate_limits(config: PretrainedConfig, build: BuildConfig) -> None:
@@ -89,9 +89,11 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_confi
     validate_limits(config, build_config)
     if dtype is not None and dtype not in ENGINE_DTYPES:
         raise BuildError(f"dtype {dtype!r} is not one of {', '.join(ENGINE_DTYPES)}")
-    if config.quantization.quant_algo is not None and dtype is None:
+    # Weight-only kernels compute in bf16; SmoothQuant W8A8 (int8 matmul, float32 scales) in any dtype.
+    weight_only = config.quantization.quant_algo in WEIGHT_ONLY_ALGOS
+    if weight_only and dtype is None:
         dtype = "bfloat16"
-    if config.quantization.quant_algo is not None and dtype != "bfloat16":
+    if weight_only and dtype != "bfloat16":
         raise BuildError(f"a {config.quantization.quant_algo} checkpoint builds into a bfloat16 engine (its kernels "
                          f"compute in bf16); got dtype {dtype}")
     cast = getattr(torch, dtype) if dtype and dtype != config.dtype else None

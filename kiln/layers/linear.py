@@ -83,6 +83,7 @@ class Linear(nn.Module):
                      if bias else None)
 
     quant_bits: int | None = None  # 8 or 4 once use_weight_only() switched the weight to codes
+    act_quant: bool = False  # True once use_w8a8() switched to SmoothQuant W8A8 (int8 activations too)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -119,6 +120,22 @@ class Linear(nn.Module):
                              f"got {tensor.dtype} {list(tensor.shape)}")
         self.prequant_scaling_factor = nn.Parameter(tensor, requires_grad=False)
 
+    def use_w8a8(self, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Replace the float weight by SmoothQuant W8A8 parameters (kiln.quantization.smoothquant):
+        int8 ``weight`` ``[out, in]``, float32 ``weights_scaling_factor`` ``[out]`` and
+        ``prequant_scaling_factor`` ``[in]``; the given ``tensors``, or empty ones of those shapes.
+        Checkpoint and engine share the layout (``torch._int_mm`` takes row-major codes)."""
+        out_features, in_features = self.weight.shape
+        shapes = {"weight": ((out_features, in_features), torch.int8),
+                  "weights_scaling_factor": ((out_features,), torch.float32),
+                  "prequant_scaling_factor": ((in_features,), torch.float32)}
+        for name, (shape, dtype) in shapes.items():
+            tensor = tensors[name] if tensors is not None else torch.empty(shape, dtype=dtype, device=self.weight.device)
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise ValueError(f"{name}: expected {dtype} {list(shape)}, got {tensor.dtype} {list(tensor.shape)}")
+            setattr(self, name, nn.Parameter(tensor, requires_grad=False))
+        self.act_quant = True
+
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight a quantized layer stands for (row-major codes only)."""
         from kiln.quantization.weight_only import dequantize
@@ -145,6 +162,10 @@ class Linear(nn.Module):
         tiles (a copy of the weight packed once), or through oneDNN (weight packed once)."""
         if self.quant_bits is not None:
             return self._quantized_matmul(x, bias)
+        if self.act_quant:
+            from kiln.quantization.smoothquant import w8a8_linear
+
+            return w8a8_linear(x, self.weight, self.weights_scaling_factor, self.prequant_scaling_factor, bias)
         w = self.weight
         if (x.dim() == 2 and x.shape[0] <= (kernels.SKINNY_MAX_ROWS if x.dtype == torch.float32 else 1)
                 and kernels.skinny_linear_supported(x, w, bias)):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln import kernels
+from kiln.errors import ConfigError
 from kiln.layers.activation import get_activation
 from kiln.layers.linear import ColumnLinear, RowLinear
 
@@ -63,11 +64,11 @@ class GatedMLP(nn.Module):
             fc, gate = weights.pop(f"{prefix}fc.{name}", None), weights.pop(f"{prefix}gate.{name}", None)
             if fc is not None:
                 out[f"{prefix}fused_fc.{name}"] = torch.cat([fc, gate], dim=0)
-        # AWQ: fc and gate read the same input, so they were calibrated with one shared factor.
+        # AWQ and SmoothQuant: fc and gate read one input, scaled by one factor; the fused linear keeps one copy.
         fc, gate = (weights.pop(f"{prefix}{part}.prequant_scaling_factor", None) for part in ("fc", "gate"))
         if fc is not None:
             if gate is None or not torch.equal(fc, gate):
-                raise ValueError(f"{prefix}fc and {prefix}gate: the fused matmul needs one shared "
-                                 "prequant_scaling_factor")
+                raise ConfigError(f"{prefix}fc and {prefix}gate need one shared prequant_scaling_factor "
+                                  "to be fused")
             out[f"{prefix}fused_fc.prequant_scaling_factor"] = fc
         return out

@@ -284,7 +284,12 @@ class DecoderModelForCausalLM(nn.Module):
             rewrite = getattr(module, "engine_weights", None)
             if rewrite is not None and module is not self:
                 weights.update(rewrite(f"{name}.", weights))
-        # Weight-only quantized codes (int8: 8-bit, uint8: 4-bit pairs) go into the kernel's tile order.
+        # Weight-only quantized codes (int8: 8-bit, uint8: 4-bit pairs) go into the kernel's tile order;
+        # SmoothQuant W8A8 codes stay row-major for torch._int_mm.
+        from kiln.quantization.weight_only import SMOOTHQUANT_ALGO
+
+        if self.config.quantization.quant_algo == SMOOTHQUANT_ALGO:
+            return weights
         for key in [k for k in weights if k.endswith(".weight") and f"{k[:-6]}weights_scaling_factor" in weights]:
             codes = weights[key]
             weights[key] = kernels.quant_pack(codes, 8 if codes.dtype == torch.int8 else 4)

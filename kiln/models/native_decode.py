@@ -48,6 +48,8 @@ def supports_native_decode(model) -> bool:
         if any(p.device.type != "cpu" or not p.is_contiguous() for p in layer.parameters()):
             return False
         for module in layer.modules():
+            if getattr(module, "act_quant", False):  # SmoothQuant W8A8: decode_step has no int8-activation matmul
+                return False
             quantized = getattr(module, "quant_bits", None) is not None
             if quantized and not (module.tile_order and dtype == torch.bfloat16):
                 return False

@@ -35,6 +35,8 @@ WEIGHT_ONLY_ALGOS = {"W8A16": 8, "W4A16": 4, "W4A16_GPTQ": 4, "W4A16_AWQ": 4}
 ROUND_TO_NEAREST_ALGOS = ("W8A16", "W4A16")
 PREQUANT_ALGOS = ("W4A16_AWQ",)
 DEFAULT_EXCLUDED = ("lm_head",)
+SMOOTHQUANT_ALGO = "W8A8_SQ_PER_CHANNEL"  # int8 activations too: kiln.quantization.smoothquant
+IMPLEMENTED_ALGOS = (*WEIGHT_ONLY_ALGOS, SMOOTHQUANT_ALGO)
 
 
 def quantize_weight(weight: torch.Tensor, bits: int, group_size: int = 64,
@@ -92,9 +94,9 @@ def quantized_modules(model: nn.Module, quant: QuantConfig) -> list[tuple[str, n
 
     if quant.quant_algo is None:
         return []
-    if quant.quant_algo not in WEIGHT_ONLY_ALGOS:
+    if quant.quant_algo not in IMPLEMENTED_ALGOS:
         raise ConfigError(f"quantization.quant_algo {quant.quant_algo!r} is not implemented yet; kiln runs "
-                          f"{sorted(WEIGHT_ONLY_ALGOS)}")
+                          f"{sorted(IMPLEMENTED_ALGOS)}")
     patterns = DEFAULT_EXCLUDED if quant.exclude_modules is None else tuple(quant.exclude_modules)
     owners: dict[int, int] = {}
     for module in model.modules():
@@ -106,7 +108,12 @@ def quantized_modules(model: nn.Module, quant: QuantConfig) -> list[tuple[str, n
 
 def use_weight_only_layout(model: nn.Module, quant: QuantConfig, tile_order: bool) -> None:
     """Give the quantized linears of a model built on the meta device their quantized
-    parameters (shapes only), so a quantized checkpoint or (``tile_order``) engine loads into it."""
+    parameters (shapes only), so a quantized checkpoint or (``tile_order``) engine loads into it.
+    SmoothQuant W8A8 linears get theirs too (one layout for checkpoint and engine)."""
+    if quant.quant_algo == SMOOTHQUANT_ALGO:
+        for _, linear in quantized_modules(model, quant):
+            linear.use_w8a8()
+        return
     bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo)
     for _, linear in quantized_modules(model, quant):
         linear.use_weight_only(bits, quant.group_size, quant.has_zero_point, tile_order=tile_order)
@@ -147,6 +154,9 @@ def quantize_model(model: nn.Module, quant: QuantConfig,
     left in float (see ``quantizable_modules``), so a model built from it gets the same layout;
     None if no linear was quantized.
     """
+    if quant.quant_algo == SMOOTHQUANT_ALGO:
+        raise ConfigError(f"quantization.quant_algo {SMOOTHQUANT_ALGO} needs calibration: use "
+                          "kiln.quantization.smoothquant.smoothquant_model (kiln convert does)")
     awq = quant.quant_algo in PREQUANT_ALGOS
     if quant.quant_algo in WEIGHT_ONLY_ALGOS and quant.quant_algo not in ROUND_TO_NEAREST_ALGOS and not (
             awq and prequant_scales is not None):

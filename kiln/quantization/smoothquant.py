@@ -1,0 +1,154 @@
+"""SmoothQuant W8A8 (``W8A8_SQ_PER_CHANNEL``): int8 weights with one scale per output channel,
+int8 activations with one scale per token computed at run time, and smoothing factors from
+calibration that move activation outliers into the weights.
+
+For linears sharing one input (the fused ``qkv``; the gated MLP's ``fc`` and ``gate``;
+``dense``; ``proj``), input channel ``j`` gets ``s_j = max|x_j|^alpha / max|W_:,j|^(1-alpha)``
+(``max|x_j|`` over the calibration tokens, ``max|W_:,j|`` over the group's weights). Since
+``x W^T = (x / s)(W diag(s))^T``, the weight ``W diag(s)`` is quantized and the input is
+multiplied by ``1 / s`` at run time. Checkpoint tensors of such a linear (names from
+reference 002):
+
+* ``weight``: int8 codes ``[out, in]`` of ``W diag(s)``, -127..127;
+* ``weights_scaling_factor``: float32 ``[out]``, ``W diag(s) ~= weight * scale[:, None]``;
+* ``prequant_scaling_factor``: float32 ``[in]``, ``1 / s`` (``fc`` and ``gate`` hold equal ones,
+  the engine's fused ``fc`` one copy).
+
+``1 / s`` stays an explicit factor instead of being folded into the preceding norm's weight:
+every linear then works alike (``dense`` and ``proj`` have no norm in front of them, and a
+norm feeding both attention and MLP could not take two factors). No static
+``activation_scaling_factor`` is stored: activations are scaled per token at run time.
+
+At run time ``x' = x * prequant``, ``a_t = max|x'_t| / 127``, ``q = round(x' / a_t)``;
+``y = (q @ codes^T) * a_t * scale (+ bias)`` with the integer product in int32 through
+``torch._int_mm`` (exact emulation where torch lacks it, see :func:`int8_matmul`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+
+from kiln.config import QuantConfig
+from kiln.errors import ConfigError
+from kiln.quantization.weight_only import SMOOTHQUANT_ALGO
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ALPHA = 0.5
+_EPS = 1e-5  # floor of both maxima: an all-zero channel gets a finite factor
+
+
+def smoothing_factors(act_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
+    """``s`` (float32 ``[in]``) for linears of weights ``[out_i, in]`` sharing inputs whose
+    per-channel max magnitude is ``act_absmax``; ``alpha`` in [0, 1] is the share of the
+    activation range moved into the weights."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ConfigError(f"--smoothquant_alpha must lie in [0, 1], got {alpha}")
+    w_absmax = torch.stack([w.detach().float().abs().amax(dim=0) for w in weights]).amax(dim=0)
+    s = act_absmax.float().clamp(min=_EPS) ** alpha / w_absmax.clamp(min=_EPS) ** (1.0 - alpha)
+    return s.clamp(min=_EPS)
+
+
+def quantize_w8a8_weight(weight: torch.Tensor, smoother: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors (see the module doc) of float ``weight`` ``[out, in]`` smoothed by ``s``."""
+    w = weight.detach().float() * smoother.float()[None, :]
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+    codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return {"weight": codes, "weights_scaling_factor": scale,
+            "prequant_scaling_factor": (1.0 / smoother.float()).contiguous()}
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token int8 codes ``[m, in]`` of float ``x`` ``[m, in]`` and their float32 scales ``[m, 1]``."""
+    x = x.float()
+    scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+    return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+def int8_matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b^T`` of int8 ``a`` ``[m, k]`` and ``b`` ``[n, k]`` as int32, computed in float64
+    (exact: every partial sum is an integer below 2^53 for any k under 5e11)."""
+    return (a.double() @ b.double().t()).to(torch.int32)
+
+
+_HAS_INT_MM = hasattr(torch, "_int_mm")
+
+
+def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b^T`` (int8 ``[m, k]`` by int8 ``[n, k]``) in int32: ``torch._int_mm`` on CPU, which
+    in torch 2.13 takes every shape (1 row, odd k and n included, checked by the tests);
+    the exact float64 emulation on other devices (CUDA's kernel wants m > 16 and multiples
+    of 8) or a torch without it."""
+    if _HAS_INT_MM and a.device.type == "cpu":
+        return torch._int_mm(a.contiguous(), b.t())
+    return int8_matmul_reference(a, b)
+
+
+def w8a8_linear(x: torch.Tensor, codes: torch.Tensor, weights_scale: torch.Tensor, prequant: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T (+ bias)`` for a SmoothQuant linear (``x`` ``[..., in]``; output in ``x``'s dtype)."""
+    rows = x.reshape(-1, x.shape[-1]).float() * prequant
+    q, a = quantize_activations(rows)
+    y = int8_matmul(q, codes).float() * a * weights_scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], codes.shape[0])
+
+
+def smoothing_groups(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
+    """``modules`` grouped by shared input: a (checkpoint-layout) gated MLP's ``fc`` and ``gate``
+    form one group, every other linear its own."""
+    from kiln.layers.mlp import GatedMLP
+
+    chosen = {name for name, _ in modules}
+    groups, done = [], set()
+    for name, module in model.named_modules():
+        if isinstance(module, GatedMLP) and not module.fused:
+            members = [f"{name}.fc", f"{name}.gate"]
+            present = [m for m in members if m in chosen]
+            if len(present) == 1:  # one excluded: a shared factor would not suit both
+                raise ConfigError(f"{present[0]}: fc and gate share their input, so --exclude_modules must "
+                                  "exclude both or neither for SmoothQuant")
+            if present:
+                groups.append([(m, model.get_submodule(m)) for m in present])
+                done.update(present)
+    groups += [[(name, module)] for name, module in modules if name not in done]
+    return groups
+
+
+@torch.inference_mode()
+def smoothquant_model(model: nn.Module, quant: QuantConfig, token_lists: list[list[int]],
+                      alpha: float = DEFAULT_ALPHA, progress: bool = False) -> QuantConfig | None:
+    """Calibrate float ``model`` on ``token_lists``, then smooth and quantize its linears in place.
+
+    Returns ``quant`` as the checkpoint must record it (``exclude_modules`` names every linear
+    left in float), None if no linear was quantized.
+    """
+    from kiln.quantization.calibration import collect_linear_inputs
+    from kiln.quantization.weight_only import DEFAULT_EXCLUDED, quantized_modules
+
+    if model.config.mapping.world_size != 1:
+        raise ConfigError(f"{SMOOTHQUANT_ALGO} calibrates the whole model in one process: convert with "
+                          "tp_size 1 and pp_size 1")
+    if not token_lists:
+        raise ConfigError(f"{SMOOTHQUANT_ALGO}: the calibration texts gave no prompt of 2 or more tokens")
+    longest = model.config.max_position_embeddings
+    if longest:  # a prompt beyond the model's positions would calibrate on activations it never sees
+        token_lists = [ids[:longest] for ids in token_lists]
+    groups = smoothing_groups(model, quantized_modules(model, quant))
+    if not groups:
+        return None
+    # One observer per group: its members see the same input.
+    stats = collect_linear_inputs(model, token_lists, [group[0][0] for group in groups],
+                                  progress=progress)
+    for group in groups:
+        s = smoothing_factors(stats[group[0][0]].absmax, [linear.weight for _, linear in group], alpha)
+        for _, linear in group:
+            linear.use_w8a8(quantize_w8a8_weight(linear.weight, s))
+    excluded = list(DEFAULT_EXCLUDED if quant.exclude_modules is None else quant.exclude_modules)
+    log.info("%s: %d linears smoothed (alpha %.2f) and quantized", SMOOTHQUANT_ALGO,
+             sum(len(g) for g in groups), alpha)
+    return dataclasses.replace(quant, exclude_modules=excluded)
