@@ -21,22 +21,30 @@ from kiln.errors import ConfigError
 DEFAULT_CALIB_SIZE = 64
 DEFAULT_CALIB_LEN = 512
 MIN_REPLY_CHARS = 200  # shorter replies ("Sure!") say little about the activations
+# The first replies (by the same rule) are held out for evaluation: kiln eval perplexity's
+# ShareGPT texts come from there, so calibration never sees them.
+HELD_OUT_REPLIES = 500
 
 
 def calibration_texts(dataset: str, size: int) -> list[str]:
-    """``size`` texts: ``sharegpt`` (model replies, file order) or a ``.jsonl`` of ``{"text"}`` /
-    a plain text file (one text) given by the user."""
+    """``size`` texts: ``sharegpt`` (model replies in file order, after the ``HELD_OUT_REPLIES``
+    kept for evaluation) or a ``.jsonl`` of ``{"text"}`` / a plain text file (one text) given by
+    the user."""
     if size < 1:
         raise ConfigError(f"--calib_size must be >= 1, got {size}")
     if dataset == "sharegpt":
         from kiln.data.sharegpt import first_turns
 
-        texts = []
+        texts, skipped = [], 0
         for _, reply in first_turns():
-            if len(reply) >= MIN_REPLY_CHARS:
-                texts.append(reply)
-                if len(texts) == size:
-                    break
+            if len(reply.strip()) < MIN_REPLY_CHARS:
+                continue
+            if skipped < HELD_OUT_REPLIES:
+                skipped += 1
+                continue
+            texts.append(reply)
+            if len(texts) == size:
+                break
         return texts
     path = Path(dataset)
     if not path.is_file():

@@ -38,8 +38,12 @@ def test_row_sample_is_capped_and_spread():
     assert stats.rows_sample().shape[0] == 10 and stats.rows == 120
 
 
-def test_sharegpt_calibration_texts_are_long_replies_in_file_order():
+def test_sharegpt_calibration_texts_are_long_replies_held_out_from_evaluation():
+    """Deterministic, long replies, none of them among kiln eval perplexity's ShareGPT texts."""
+    from kiln.eval.perplexity import load_texts
+
     texts = calibration_texts("sharegpt", 4)
     assert len(texts) == 4 and all(len(t) >= 200 for t in texts)
     assert calibration_texts("sharegpt", 4) == texts
+    assert not set(texts) & set(load_texts("sharegpt", 500))
 
