@@ -16,7 +16,7 @@ from kiln.mapping import Mapping
 from kiln.models import get_model_class
 from kiln.quantization import SMOOTHQUANT_ALGO, quantize_model
 from kiln.quantization.awq import AWQ_ALGO, awq_quantize_model, check_awq_request
-from kiln.quantization.calibration import DEFAULT_CALIB_SIZE
+from kiln.quantization.calibration import DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
 from kiln.quantization.gptq import gptq_settings
 from kiln.quantization.smoothquant import DEFAULT_ALPHA, smoothquant_model
 
@@ -35,7 +35,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
                        use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
                        quantization: QuantConfig | None = None, progress: bool = True,
                        smoothquant_alpha: float = DEFAULT_ALPHA, calib_dataset: str = "sharegpt",
-                       calib_size: int = DEFAULT_CALIB_SIZE) -> Path:
+                       calib_size: int = DEFAULT_CALIB_SIZE, calib_max_len: int = DEFAULT_CALIB_LEN) -> Path:
     """Write ``config.json`` and ``rank{N}.safetensors`` for every rank, plus the tokenizer.
 
     With ``use_parallel_embedding`` the embedding table is split over the tensor-parallel
@@ -46,9 +46,11 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     imported into the same layout as W4A16_GPTQ (``kiln.quantization.gptq``). ``W4A16_AWQ``
     (``kiln.quantization.awq``) and ``W8A8_SQ_PER_CHANNEL`` (SmoothQuant,
     ``kiln.quantization.smoothquant``, smoothing with ``smoothquant_alpha``) first run the float
-    model on ``calib_size`` texts of ``calib_dataset`` (``sharegpt`` or a file), tokenized by the
-    source's tokenizer. The output appears all at once when everything succeeded (nothing
-    half-written).
+    model on ``calib_size`` texts of ``calib_dataset`` (``sharegpt`` or a file, each cut to
+    ``calib_max_len`` tokens), tokenized by the source's tokenizer. A ``kv_cache_quant_algo`` of
+    INT8 records an INT8 KV cache with static per-layer K/V scales calibrated on the same texts
+    (``kiln.quantization.kv_cache``). The output appears all at once when everything succeeded
+    (nothing half-written).
     """
     source = open_source(model_dir)
     hf = source.hf_config()
@@ -58,6 +60,13 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     if gptq_settings(hf, str(model_dir)) is not None and quantization is not None and quantization.quant_algo:
         raise ConfigError(f"{model_dir}: a GPTQ checkpoint is already quantized (imported as W4A16_GPTQ); "
                           f"drop --quant_algo {quantization.quant_algo}")
+    kv_algo = quantization.kv_cache_quant_algo if quantization is not None else None
+    if kv_algo is not None and kv_algo != "INT8":
+        raise ConfigError(f"--kv_cache_quant_algo {kv_algo}: not implemented; kiln quantizes the KV cache to INT8")
+    if kv_algo is not None and tp_size * pp_size != 1:
+        # Calibration runs the whole float model; kiln runs single-rank engines anyway.
+        raise ConfigError(f"--kv_cache_quant_algo {kv_algo}: converts a single-rank checkpoint (tp_size = "
+                          f"pp_size = 1), got tp_size={tp_size} pp_size={pp_size}")
     world = Mapping(world_size=tp_size * pp_size, tp_size=tp_size, pp_size=pp_size)
     calibration = None
     if quantization is not None and quantization.quant_algo in (AWQ_ALGO, SMOOTHQUANT_ALGO):
@@ -66,10 +75,11 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
         elif world.world_size != 1:
             raise ConfigError(f"--quant_algo {SMOOTHQUANT_ALGO} calibrates the whole model in one process: "
                               "use --tp_size 1 --pp_size 1")
-        calibration = _calibration_tokens(source, Path(model_dir), calib_dataset, calib_size,
+        calibration = _calibration_tokens(source, Path(model_dir), calib_dataset, calib_size, calib_max_len,
                                           quantization.quant_algo)
     with atomic_output_dir(output_dir) as tmp:
         config = None
+        _save_tokenizer(source, Path(model_dir), tmp)  # first: calibration tokenizes with it (GGUF's too)
         for rank in tqdm(range(world.world_size), desc="converting ranks", disable=not progress or world.world_size == 1):
             model = model_cls.from_hugging_face(
                 source, dtype, world.with_rank(rank), customized_key_dict, progress=progress,
@@ -78,15 +88,17 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
             if quantization is not None and quantization.quant_algo is not None:
                 model.config = _quantize(model, quantization, str(model_dir), calibration, smoothquant_alpha,
                                          progress)
+            if kv_algo is not None:  # calibrated on the model the engine runs (weights quantized already)
+                _calibrate_kv_cache(model, tmp, calib_dataset, calib_size, calib_max_len, progress)
             write_rank_weights(tmp, rank, model.checkpoint_weights())
             config = model.config
             del model
         write_config(tmp, config.to_dict())
-        _save_tokenizer(source, Path(model_dir), tmp)
     return Path(output_dir)
 
 
-def _calibration_tokens(source, model_dir: Path, dataset: str, size: int, algo: str) -> list[list[int]]:
+def _calibration_tokens(source, model_dir: Path, dataset: str, size: int, max_len: int,
+                        algo: str) -> list[list[int]]:
     """The calibration prompts' token ids, through the model's own tokenizer (a GGUF's is saved
     to a temporary directory first)."""
     from kiln.quantization.calibration import calibration_texts, calibration_token_ids
@@ -102,7 +114,7 @@ def _calibration_tokens(source, model_dir: Path, dataset: str, size: int, algo: 
                 tokenizer = load_tokenizer(model_dir if model_dir.is_dir() else model_dir.parent)
         except ConfigError as e:
             raise ConfigError(f"{algo} calibration needs the source model's tokenizer: {e}") from None
-        return calibration_token_ids(tokenizer, texts)
+        return calibration_token_ids(tokenizer, texts, max_len)
 
 
 def _quantize(model, quantization: QuantConfig, where: str, calibration: list[list[int]] | None = None,
@@ -118,6 +130,20 @@ def _quantize(model, quantization: QuantConfig, where: str, calibration: list[li
     if recorded is None:
         raise ConfigError(f"{where}: --quant_algo {quantization.quant_algo} found no linear layer to quantize")
     return dataclasses.replace(model.config, quantization=recorded)
+
+
+def _calibrate_kv_cache(model, tokenizer_dir: Path, dataset: str, size: int, max_len: int, progress: bool) -> None:
+    """Give ``model`` its INT8 KV cache scales and record INT8 in its quantization config."""
+    from kiln.quantization.calibration import calibration_texts, calibration_token_ids
+    from kiln.quantization.kv_cache import calibrate_kv_cache_scales, set_kv_cache_scales
+    from kiln.tokenizer import load_tokenizer
+
+    token_lists = calibration_token_ids(load_tokenizer(tokenizer_dir), calibration_texts(dataset, size), max_len)
+    if not token_lists:
+        raise ConfigError(f"--calib_dataset {dataset}: no text of at least 2 tokens to calibrate the KV cache on")
+    set_kv_cache_scales(model, calibrate_kv_cache_scales(model, token_lists, progress))
+    model.config = dataclasses.replace(model.config, quantization=dataclasses.replace(
+        model.config.quantization, kv_cache_quant_algo="INT8"))
 
 
 def _save_tokenizer(source, model_dir: Path, out: Path) -> None:

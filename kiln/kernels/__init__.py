@@ -45,7 +45,8 @@ LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-_DECODE_ARGTYPES = [_PTR, _I64] + [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, _I64, _PTR, ctypes.c_float, ctypes.c_int]
+_DECODE_ARGTYPES = ([_PTR, _I64] + [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, _I64, _PTR]
+                    + [ctypes.c_float] * 3 + [ctypes.c_int])
 
 
 def _cpu_flags() -> str:
@@ -108,7 +109,7 @@ def native_library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as e:
         log.warning("native kernels unavailable (%s): using the PyTorch paths", e)
         return None
-    for name in ("kiln_paged_decode_attention_f32", "kiln_paged_decode_attention_bf16"):
+    for name in (*_DECODE_KERNELS.values(), *_DECODE_KERNELS_INT8_KV.values()):
         fn = getattr(lib, name)
         fn.argtypes = _DECODE_ARGTYPES
         fn.restype = ctypes.c_int
@@ -197,6 +198,9 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
 
 
 _DECODE_KERNELS = {torch.float32: "kiln_paged_decode_attention_f32", torch.bfloat16: "kiln_paged_decode_attention_bf16"}
+# Variants over an int8 K/V cache (INT8 KV cache), by the query's dtype.
+_DECODE_KERNELS_INT8_KV = {torch.float32: "kiln_paged_decode_attention_f32_i8",
+                           torch.bfloat16: "kiln_paged_decode_attention_bf16_i8"}
 
 
 def supports_decode_attention(dtype: torch.dtype) -> bool:
@@ -207,7 +211,8 @@ def supports_decode_attention(dtype: torch.dtype) -> bool:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_index: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
                            scale: float, *, window: int | None = None, alibi_slopes: torch.Tensor | None = None,
-                           softcap: float | None = None, check: bool = True) -> None:
+                           softcap: float | None = None, kv_scales: tuple[float, float] | list[float] | None = None,
+                           check: bool = True) -> None:
     """Attention of one query token per sequence over its paged K/V, written into ``out``.
 
     ``q``/``out``: ``[num_tokens, num_heads, head_size]`` (``q``'s tokens may be strided, e.g. a
@@ -218,14 +223,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``alibi_slopes``: float32 ``[num_heads]``, adds ``slope * (key position - query position)``
     to each score; ``softcap``: scores become ``softcap * tanh(score / softcap)`` (after
     scaling, before ALiBi).
+    ``kv_scales``: ``(k_scale, v_scale)`` of an int8 cache (INT8 KV cache: codes times scale are
+    the K/V); None for a cache of ``q``'s dtype.
     ``check=False`` skips the argument checks (the attention backend, on its hot path, builds
     every argument itself).
     """
     lib = native_library()
     if lib is None or q.dtype not in _DECODE_KERNELS:
         raise RuntimeError(f"no native decode attention kernel for {q.dtype}")
+    kernel = _DECODE_KERNELS[q.dtype] if kv_scales is None else _DECODE_KERNELS_INT8_KV[q.dtype]
+    k_scale, v_scale = (1.0, 1.0) if kv_scales is None else kv_scales
     if check:
-        _check_decode_arguments(q, k_cache, v_cache, token_index, block_tables, seq_lens, out)
+        _check_decode_arguments(q, k_cache, v_cache, token_index, block_tables, seq_lens, out,
+                                q.dtype if kv_scales is None else torch.int8)
         if alibi_slopes is not None and (alibi_slopes.dtype != torch.float32 or not alibi_slopes.is_contiguous()
                                          or tuple(alibi_slopes.shape) != (q.shape[1],)):
             raise ValueError(f"alibi_slopes: expected a contiguous float32 [{q.shape[1]}] tensor")
@@ -233,21 +243,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             raise ValueError(f"window: expected a positive number of tokens, got {window}")
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_size = k_cache.shape
-    rc = getattr(lib, _DECODE_KERNELS[q.dtype])(
+    rc = getattr(lib, kernel)(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), token_index.data_ptr(),
         block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), num_seqs, q.shape[1], num_kv_heads,
         head_size, block_size, block_tables.shape[1], scale, window or 0,
-        alibi_slopes.data_ptr() if alibi_slopes is not None else None, softcap or 0.0, torch.get_num_threads())
+        alibi_slopes.data_ptr() if alibi_slopes is not None else None, softcap or 0.0, k_scale, v_scale,
+        torch.get_num_threads())
     if rc == 1:
         raise ValueError(f"paged_decode_attention: {q.shape[1]} query heads do not group onto {num_kv_heads} KV heads")
     if rc == 2:
         raise MemoryError("paged_decode_attention: no memory for the context-split scratch buffer")
 
 
-def _check_decode_arguments(q, k_cache, v_cache, token_index, block_tables, seq_lens, out) -> None:
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if t.dtype != q.dtype or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"{name}: expected a contiguous CPU {q.dtype} tensor")
+def _check_decode_arguments(q, k_cache, v_cache, token_index, block_tables, seq_lens, out,
+                            cache_dtype: torch.dtype) -> None:
+    for name, t, dtype in (("k_cache", k_cache, cache_dtype), ("v_cache", v_cache, cache_dtype), ("out", out, q.dtype)):
+        if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name}: expected a contiguous CPU {dtype} tensor")
     if q.device.type != "cpu" or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         raise ValueError("q: expected a CPU tensor whose heads are contiguous within a token")
     for name, t in (("token_index", token_index), ("block_tables", block_tables), ("seq_lens", seq_lens)):

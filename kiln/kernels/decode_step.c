@@ -110,7 +110,8 @@ int kiln_decode_step_##SUFFIX(T *hidden, int64_t m, const kiln_decoder_layer *la
         int rc = 0;                                                                                \
         TIMED(ATTENTION, rc = kiln_paged_decode_attention_##SUFFIX(                                \
             qkv, qkv_width, k_cache, v_cache, token_index, block_tables, seq_lens, attn, m, d->heads, \
-            d->kv_heads, D, d->block_size, d->max_blocks, d->scale, L->window, NULL, 0.f, num_threads));\
+            d->kv_heads, D, d->block_size, d->max_blocks, d->scale, L->window, NULL, 0.f, 1.f, 1.f,          \
+            num_threads));                                                                         \
         if (rc != 0) return rc;                                                                    \
         TIMED(LINEAR, linear_##SUFFIX(attn, &L->dense, out, m, H, q_size, num_threads));            \
         TIMED(OTHER, {                                                                             \

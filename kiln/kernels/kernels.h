@@ -23,7 +23,7 @@ int kiln_paged_decode_attention_##SUFFIX(const T *q, int64_t q_stride, const T *
                                         int64_t num_kv_heads, int64_t head_size,                  \
                                         int64_t block_size, int64_t max_blocks, float scale,      \
                                         int64_t window, const float *alibi_slopes, float softcap, \
-                                        int num_threads);
+                                        float k_scale, float v_scale, int num_threads);
 
 int kiln_amx_available(void);
 /* The bf16 tiles of output blocks nb0 .. nb0 + blocks - 1 (16 columns each; kblocks k-blocks of

@@ -8,7 +8,8 @@
  * Layouts (row-major, contiguous):
  *   q, out        [num_tokens, num_heads, head_size]   rows picked by token_index; q's rows
  *                 may be strided (q_stride elements apart: a view into the fused qkv output)
- *   k/v cache     [num_blocks, block_size, num_kv_heads, head_size]
+ *   k/v cache     [num_blocks, block_size, num_kv_heads, head_size]   q's type, or int8 codes
+ *                 (the _i8 variants) dequantized by k_scale / v_scale
  *   block_tables  [num_seqs, max_blocks] int64
  *   seq_lens      [num_seqs] int64  (tokens in the cache, the new one included)
  * Query heads are grouped onto KV heads as in GQA: head h reads KV head h / (H / KVH).
@@ -40,6 +41,9 @@
 #include <immintrin.h>
 
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)p)));
+}
 static inline __m512 load16_bf16(const bf16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
 }
@@ -77,6 +81,7 @@ static inline __attribute__((always_inline)) int64_t scores16_##SUFFIX(         
     return t;                                                                                      \
 }
 DEFINE_SCORES16(f32, float)
+DEFINE_SCORES16(i8, int8_t)
 #if defined(__AVX512BF16__)
 /* bf16 K against q rounded to bf16 (exact: q came from bf16), with AVX512-BF16 dot products
  * (fp32 accumulation): no K conversion at all. */
@@ -106,6 +111,7 @@ DEFINE_SCORES16(bf16, bf16_t)
 #else
 #define scores16_f32(q, kb, stride, ntok, D, out) ((int64_t)0)
 #define scores16_bf16(q, kb, stride, ntok, D, out) ((int64_t)0)
+#define scores16_i8(q, kb, stride, ntok, D, out) ((int64_t)0)
 #endif
 
 /* acc = acc * rescale + sum_t p[t] V[t] with AVX512-BF16 dot products over token pairs:
@@ -190,9 +196,9 @@ static inline void adjust_scores(float *sg, int64_t ntok, float scale, float sof
  * before `first` (outside a sliding window) are skipped; `slopes` are the group's ALiBi slopes.
  * Inlined with a constant head size where possible, so the d-loops unroll and q/acc stay in
  * vector registers across the token loops. */
-#define DEFINE_DECODE_KERNEL(NAME, T, LOAD, STORE, VEC_SCORES, VEC_PV)                                     \
+#define DEFINE_DECODE_KERNEL(NAME, T, LOAD, STORE, KT, KLOAD, VEC_SCORES, VEC_PV)                                     \
 static inline __attribute__((always_inline)) void NAME##_part(                                     \
-        const T *q, const T *k_cache, const T *v_cache, const int64_t *table, int64_t len,         \
+        const T *q, const KT *k_cache, const KT *v_cache, const int64_t *table, int64_t len,       \
         int64_t b_begin, int64_t b_end, int64_t group, int64_t token_stride, int64_t kvh,          \
         int64_t block_size, float scale, const int64_t D, int64_t first, const float *slopes,      \
         float softcap, float *run_max, float *run_sum, float *acc) {                               \
@@ -208,18 +214,18 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
         /* The window's first token may lie mid-block: start the block there. */                   \
         const int64_t t0 = b * block_size < first ? first - b * block_size : 0;                    \
         const int64_t ntok = (len - b * block_size < block_size ? len - b * block_size : block_size) - t0;\
-        const T *kb = k_cache + (table[b] * block_size + t0) * token_stride + kvh * D;             \
-        const T *vb = v_cache + (table[b] * block_size + t0) * token_stride + kvh * D;             \
+        const KT *kb = k_cache + (table[b] * block_size + t0) * token_stride + kvh * D;            \
+        const KT *vb = v_cache + (table[b] * block_size + t0) * token_stride + kvh * D;            \
         for (int64_t g = 0; g < group; ++g) {                                                      \
             const float *qg = qf + g * D;                                                          \
             float *sg = scores + g * block_size;                                                   \
             float m = run_max[g];                                                                  \
             int64_t t = VEC_SCORES(qg, kb, token_stride, ntok, D, sg);                             \
             for (; t < ntok; ++t) {                                                                \
-                const T *kt = kb + t * token_stride;                                               \
+                const KT *kt = kb + t * token_stride;                                              \
                 float dot = 0.f;                                                                   \
                 _Pragma("omp simd reduction(+:dot)")                                               \
-                for (int64_t d = 0; d < D; ++d) dot += qg[d] * LOAD(kt[d]);                        \
+                for (int64_t d = 0; d < D; ++d) dot += qg[d] * KLOAD(kt[d]);                       \
                 sg[t] = dot;                                                                       \
             }                                                                                      \
             if (softcap > 0.f || slopes) {                                                         \
@@ -239,10 +245,10 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
             float a[D];                                                                            \
             for (int64_t d = 0; d < D; ++d) a[d] = ag[d] * rescale;                                \
             for (int64_t i = 0; i < ntok; ++i) {                                                   \
-                const T *vt = vb + i * token_stride;                                               \
+                const KT *vt = vb + i * token_stride;                                              \
                 const float p = sg[i];                                                             \
                 _Pragma("omp simd")                                                                \
-                for (int64_t d = 0; d < D; ++d) a[d] += p * LOAD(vt[d]);                           \
+                for (int64_t d = 0; d < D; ++d) a[d] += p * KLOAD(vt[d]);                          \
             }                                                                                      \
             for (int64_t d = 0; d < D; ++d) ag[d] = a[d];                                          \
         }                                                                                          \
@@ -252,7 +258,7 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
 }                                                                                                  \
                                                                                                    \
 /* NAME##_part with the head size as a compile-time constant for the common sizes. */            \
-static void NAME##_part_any(const T *q, const T *k_cache, const T *v_cache, const int64_t *table,  \
+static void NAME##_part_any(const T *q, const KT *k_cache, const KT *v_cache, const int64_t *table,\
         int64_t len, int64_t b_begin, int64_t b_end, int64_t group, int64_t token_stride,          \
         int64_t kvh, int64_t block_size, float scale, int64_t D, int64_t first, const float *slopes,\
         float softcap, float *run_max, float *run_sum, float *acc) {                               \
@@ -271,11 +277,11 @@ static void NAME##_part_any(const T *q, const T *k_cache, const T *v_cache, cons
     }                                                                                              \
 }                                                                                                  \
                                                                                                    \
-int NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,                         \
+int NAME(const T *q, int64_t q_stride, const KT *k_cache, const KT *v_cache,                       \
          const int64_t *token_index, const int64_t *block_tables, const int64_t *seq_lens, T *out, \
          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,             \
          int64_t block_size, int64_t max_blocks, float scale, int64_t window,                      \
-         const float *alibi_slopes, float softcap, int num_threads) {                              \
+         const float *alibi_slopes, float softcap, float k_scale, float v_scale, int num_threads) { \
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_size <= 0 || block_size <= 0)  \
         return 1;                                                                                  \
     const int64_t group = num_heads / num_kv_heads, D = head_size;                                 \
@@ -300,22 +306,24 @@ int NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,      
                 float *st = parts + ((s * splits + sp) * num_kv_heads + kvh) * state;              \
                 const T *qs = q + token_index[s] * q_stride + kvh * group * D;                     \
                 NAME##_part_any(qs, k_cache, v_cache, block_tables + s * max_blocks, seq_lens[s],  \
-                                b0, b1, group, token_stride, kvh, block_size, scale, D, first,     \
+                                b0, b1, group, token_stride, kvh, block_size, scale * k_scale, D,  \
+                                first,                                                             \
                                 alibi_slopes ? alibi_slopes + kvh * group : NULL, softcap, st,     \
                                 st + group, st + 2 * group);                                       \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
     merge_parts(parts, splits, num_seqs, num_kv_heads, group, D, out, token_index, num_heads,     \
-                sizeof(T) == 2, num_threads);                                                      \
+                sizeof(T) == 2, v_scale, num_threads);                                             \
     return 0;                                                                                      \
 }
 
 /* out = the merged, normalised attention of each sequence's ranges: with M the largest
- * running max, sum = sum_s l_s e^(m_s - M) and acc = sum_s acc_s e^(m_s - M). */
+ * running max, sum = sum_s l_s e^(m_s - M) and acc = sum_s acc_s e^(m_s - M); times v_scale
+ * (an int8 V cache's scale: acc is linear in V, so the codes are summed and scaled once). */
 static void merge_parts(const float *parts, int64_t splits, int64_t num_seqs, int64_t num_kv_heads,
                         int64_t group, int64_t D, void *out, const int64_t *token_index, int64_t num_heads,
-                        int out_bf16, int num_threads) {
+                        int out_bf16, float v_scale, int num_threads) {
     const int64_t state = group * (D + 2);
     _Pragma("omp parallel for collapse(2) if(num_seqs * num_kv_heads >= 16) num_threads(num_threads)")
     for (int64_t s = 0; s < num_seqs; ++s) {
@@ -335,7 +343,7 @@ static void merge_parts(const float *parts, int64_t splits, int64_t num_seqs, in
                     const float *a = st + 2 * group + g * D;
                     for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * w;
                 }
-                const float inv = sum > 0.f ? 1.f / sum : 0.f;
+                const float inv = sum > 0.f ? v_scale / sum : 0.f;
                 const int64_t o = (token_index[s] * num_heads + kvh * group + g) * D;
                 for (int64_t d = 0; d < D; ++d) {
                     if (out_bf16) ((bf16_t *)out)[o + d] = bf16_store(acc[d] * inv);
@@ -346,5 +354,16 @@ static void merge_parts(const float *parts, int64_t splits, int64_t num_seqs, in
     }
 }
 
-DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_f32, float, f32_load, f32_store, scores16_f32, no_vec_pv)
-DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_bf16, bf16_t, bf16_load, bf16_store, scores16_bf16, pv_bf16)
+static inline float i8_load(int8_t x) { return (float)x; }
+
+/* Float caches pass k_scale = v_scale = 1. An int8 cache holds round(x / scale) codes: K's
+ * scale folds into the score scale and V's into the final normalisation, so the loops read
+ * codes and convert them to fp32 on the fly (no dequantized copy). */
+DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_f32, float, f32_load, f32_store, float, f32_load, scores16_f32,
+                     no_vec_pv)
+DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_bf16, bf16_t, bf16_load, bf16_store, bf16_t, bf16_load,
+                     scores16_bf16, pv_bf16)
+DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_f32_i8, float, f32_load, f32_store, int8_t, i8_load, scores16_i8,
+                     no_vec_pv)
+DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_bf16_i8, bf16_t, bf16_load, bf16_store, int8_t, i8_load,
+                     scores16_i8, no_vec_pv)

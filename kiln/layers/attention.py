@@ -39,7 +39,8 @@ class Attention(nn.Module):
 
     ``scale`` defaults to ``head_size ** -0.5``; ``window`` (a sliding window, in tokens),
     ``softcap`` (attention logit soft-cap) and ``alibi`` (ALiBi biases instead of positions in
-    q/k) are passed to the attention backend.
+    q/k) are passed to the attention backend, and so are the INT8 KV cache scales
+    (``kv_cache_scaling_factor``) when the model has them.
     """
 
     def __init__(self, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int,
@@ -69,6 +70,12 @@ class Attention(nn.Module):
         norm = LayerNorm if qk_layernorm else RmsNorm
         self.q_norm = norm(head_size, qk_norm_eps, dtype=dtype) if qk_norm_eps is not None else None
         self.k_norm = norm(head_size, qk_norm_eps, dtype=dtype) if qk_norm_eps is not None else None
+        # INT8 KV cache: float32 [2], the static per-tensor scales of K (after rotary) and V.
+        self.register_parameter("kv_cache_scaling_factor", None)
+
+    def use_kv_cache_scales(self) -> None:
+        """Give the layer its INT8 KV cache scales (filled from a checkpoint or by calibration)."""
+        self.kv_cache_scaling_factor = nn.Parameter(torch.ones(2, dtype=torch.float32), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:
         # hidden: [num_tokens, hidden_size]
@@ -90,5 +97,6 @@ class Attention(nn.Module):
             else:
                 q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         out = metadata.backend.forward(q, k, v, kv_cache, metadata, self.scale, window=self.window,
-                                       alibi_slopes=self.alibi_slopes, softcap=self.softcap)  # [tokens, heads, head]
+                                       alibi_slopes=self.alibi_slopes, softcap=self.softcap,
+                                       kv_scales=self.kv_cache_scaling_factor)  # [tokens, heads, head]
         return self.dense(out.reshape(num_tokens, q_size))

@@ -229,6 +229,9 @@ class DecoderModelForCausalLM(nn.Module):
         self.engine_layout = engine_layout
         mapping = config.mapping
         self.transformer = Transformer(type(self), config, engine_layout)
+        if config.quantization.kv_cache_quant_algo is not None:  # static K/V scales per layer
+            for layer in self.transformer.layers.values():
+                layer.attention.use_kv_cache_scales()
         if config.get("qkv_per_head"):  # the source's fused qkv rows come per head or KV group (GPT-NeoX, BLOOM)
             for layer in self.transformer.layers.values():
                 layer.attention.qkv.interleaved_heads = True

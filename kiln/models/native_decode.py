@@ -7,7 +7,8 @@ is the same, bit for bit). It applies to a model only when every layer is exactl
 shape that kernel computes: an RMSNorm of its own before attention and before the MLP
 (sequential, pre-norm: not OPT's post-norm nor a parallel layer), a fused qkv projection
 with rotate-half rotary (or none) and no q/k norm, plain causal attention or a sliding
-window (no soft-capping, no ALiBi), a fused SiLU-gated MLP, one rank, fp32 or bf16 weights;
+window (no soft-capping, no ALiBi), a fused SiLU-gated MLP, one rank, fp32 or bf16 weights,
+a float KV cache (an INT8 KV cache decodes layer by layer, through the int8 attention kernel);
 any other model (Gemma 2, BLOOM...), the PyTorch attention backend, steps with a
 prompt chunk and steps of more tokens than its matmuls are best at
 (``NativeDecodeStep.max_tokens``) take the layer-by-layer path.
@@ -33,6 +34,8 @@ def supports_native_decode(model) -> bool:
     dtype = t.vocab_embedding.weight.dtype if hasattr(t, "vocab_embedding") else None
     if (dtype not in (torch.float32, torch.bfloat16) or model.config.mapping.world_size != 1
             or hasattr(t, "position_embedding") or kernels.native_library() is None):
+        return False
+    if model.config.quantization.kv_cache_quant_algo is not None:  # decode_step writes and reads float caches only
         return False
     scale = next(iter(t.layers.values())).attention.scale
     for layer in t.layers.values():

@@ -105,8 +105,10 @@ class InputStats:
 
 
 @torch.inference_mode()
-def run_prompts(model: nn.Module, token_lists: list[list[int]], progress: bool = False) -> None:
-    """Run ``model`` (a kiln model, any layout) on each prompt as one packed prefill step."""
+def run_prompts(model: nn.Module, token_lists: list[list[int]], progress: bool = False,
+                backend=None) -> None:
+    """Run ``model`` (a kiln model, any layout) on each prompt as one packed prefill step, through
+    ``backend`` (default: the reference PyTorch attention; an observer may subclass it)."""
     from tqdm import tqdm
 
     from kiln.models.base import torch_dtype
@@ -119,7 +121,7 @@ def run_prompts(model: nn.Module, token_lists: list[list[int]], progress: bool =
     caches = [(torch.zeros(1, longest, attention.num_kv_heads, attention.head_size, dtype=dtype),
                torch.zeros(1, longest, attention.num_kv_heads, attention.head_size, dtype=dtype))
               for _ in model.transformer.layers]
-    backend = TorchPagedAttention()
+    backend = backend or TorchPagedAttention()
     for ids in tqdm(token_lists, desc="calibrating", unit="text", disable=not progress):
         n = len(ids)
         md = AttentionMetadata.build(backend, [n], [n], [[0]], longest)

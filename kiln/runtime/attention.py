@@ -14,7 +14,9 @@ layers keep the fast paths; these go through a masked path (a float mask, or exp
 when soft-capped, which scaled_dot_product_attention cannot do).
 
 KV cache of one layer: ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads,
-head_size]``. For the reference backend, which reads whole blocks under a mask, blocks are
+head_size]``. An INT8 KV cache holds ``round(x / scale)`` codes with the layer's static K and V
+scales (``kv_scales``): written quantized, read back dequantized (the native kernel scales on
+the fly); a fresh prompt attends to its own unquantized K/V, as the reference's context phase. For the reference backend, which reads whole blocks under a mask, blocks are
 zeroed when allocated, so it never meets stale NaN/inf values past a sequence's end.
 """
 from __future__ import annotations
@@ -66,13 +68,16 @@ class TorchPagedAttention:
         st["decode_mask"] = (torch.arange(max_blocks * bs)[None, :] < lens[:, None])[:, None, None, :]
 
     def _decode(self, q: torch.Tensor, kv_cache, st: dict, out: torch.Tensor, scale: float,
-                options: "AttentionOptions") -> None:
+                options: "AttentionOptions", kv_scales: torch.Tensor | None) -> None:
         k_cache, v_cache = kv_cache
         num_kv_heads, head = k_cache.shape[2], k_cache.shape[3]
         idx, tables = st["decode_tokens"], st["decode_blocks"]
         n = tables.shape[0]
-        kd = k_cache[tables].view(n, -1, num_kv_heads, head).transpose(1, 2)  # [n, kv_heads, max_len, head]
-        vd = v_cache[tables].view(n, -1, num_kv_heads, head).transpose(1, 2)
+        kd, vd = k_cache[tables], v_cache[tables]
+        if kv_scales is not None:
+            kd, vd = dequantize_kv(kd, kv_scales[0], q.dtype), dequantize_kv(vd, kv_scales[1], q.dtype)
+        kd = kd.view(n, -1, num_kv_heads, head).transpose(1, 2)  # [n, kv_heads, max_len, head]
+        vd = vd.view(n, -1, num_kv_heads, head).transpose(1, 2)
         qd = q[idx].unsqueeze(2)  # [n, heads, 1, head]
         if options.plain:
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=st["decode_mask"], scale=scale,
@@ -87,11 +92,12 @@ class TorchPagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, md: AttentionMetadata,
                 scale: float, *, window: int | None = None, alibi_slopes: torch.Tensor | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the step's tokens (after writing their K/V to the cache).
 
         ``window``: attend to the last ``window`` positions only; ``alibi_slopes``: float32
-        ``[num_heads]`` ALiBi slopes of this rank's heads; ``softcap``: attention logit soft-cap.
+        ``[num_heads]`` ALiBi slopes of this rank's heads; ``softcap``: attention logit soft-cap;
+        ``kv_scales``: float32 ``[2]``, the K and V scales of an int8 cache (None: a float cache).
         """
         # q: [num_tokens, num_heads, head]; k, v: [num_tokens, num_kv_heads, head]
         options = AttentionOptions(window, alibi_slopes, softcap)
@@ -99,15 +105,24 @@ class TorchPagedAttention:
         num_kv_heads, head = k.shape[1], k.shape[2]
         flat_k = k_cache.view(-1, num_kv_heads, head)
         flat_v = v_cache.view(-1, num_kv_heads, head)
-        flat_k.index_copy_(0, md.slot_mapping, k)
-        flat_v.index_copy_(0, md.slot_mapping, v)
+        if kv_scales is None:
+            flat_k.index_copy_(0, md.slot_mapping, k)
+            flat_v.index_copy_(0, md.slot_mapping, v)
+        else:
+            flat_k.index_copy_(0, md.slot_mapping, quantize_kv(k, kv_scales[0]))
+            flat_v.index_copy_(0, md.slot_mapping, quantize_kv(v, kv_scales[1]))
         out = torch.empty(q.shape, dtype=q.dtype)
         st = md.backend_state
         if "decode_tokens" in st:
-            self._decode(q, kv_cache, st, out, scale, options)
+            self._decode(q, kv_cache, st, out, scale, options, kv_scales)
         group = q.shape[1] // num_kv_heads
         for chunk, (start, end, slots, mask) in enumerate(st["chunks"]):
-            kc, vc = (k[start:end], v[start:end]) if slots is None else (flat_k[slots], flat_v[slots])
+            if slots is None:  # a whole fresh prompt attends to its own unquantized K/V (as the reference's context phase)
+                kc, vc = k[start:end], v[start:end]
+            elif kv_scales is None:
+                kc, vc = flat_k[slots], flat_v[slots]
+            else:  # cached context comes back from the int8 cache
+                kc, vc = dequantize_kv(flat_k[slots], kv_scales[0], q.dtype), dequantize_kv(flat_v[slots], kv_scales[1], q.dtype)
             if group > 1:
                 # PyTorch's CPU flash-attention kernel takes neither enable_gqa nor 3-D inputs (both
                 # fall back to the math path, 4-15x slower): expand KV heads and add a batch dim.
@@ -167,6 +182,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, relative: torch.T
     return torch.matmul(probs, v)
 
 
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 codes ``round(x / scale)`` clamped to +-127 (symmetric, as the reference's INT8 KV cache)."""
+    return torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8)
+
+
+def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``codes * scale`` in ``dtype`` (computed in float32, rounded once)."""
+    return (codes.float() * scale).to(dtype)
+
+
 def _seq_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
     """Cache slots of a sequence's first ``length`` tokens."""
     blocks = torch.tensor(block_table[: (length + block_size - 1) // block_size], dtype=torch.int64)
@@ -190,11 +215,12 @@ class NativePagedAttention(TorchPagedAttention):
         st["decode_lens"] = torch.tensor([md.seq_lens[i] for i in decode], dtype=torch.int64)
 
     def _decode(self, q: torch.Tensor, kv_cache, st: dict, out: torch.Tensor, scale: float,
-                options: AttentionOptions) -> None:
+                options: AttentionOptions, kv_scales: torch.Tensor | None) -> None:
         k_cache, v_cache = kv_cache
         paged_decode_attention(q, k_cache, v_cache, st["decode_tokens"], st["decode_blocks"],
                                st["decode_lens"], out, scale, window=options.window,
-                               alibi_slopes=options.alibi_slopes, softcap=options.softcap, check=False)
+                               alibi_slopes=options.alibi_slopes, softcap=options.softcap,
+                               kv_scales=None if kv_scales is None else kv_scales.tolist(), check=False)
 
 
 BACKENDS = {TorchPagedAttention.name: TorchPagedAttention, NativePagedAttention.name: NativePagedAttention}

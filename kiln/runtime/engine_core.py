@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.errors import CapacityError, RequestError
-from kiln.models.base import torch_dtype
 from kiln.runtime.beam_search import BeamHypothesis, BeamSearch, BeamSearchParams
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.engine import Engine
-from kiln.runtime.kv_cache import available_memory_bytes, kv_bytes_per_token
+from kiln.runtime.kv_cache import available_memory_bytes, kv_bytes_per_token, kv_cache_dtype
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import RunnerOutput, Scheduler
@@ -50,7 +49,7 @@ def default_num_blocks(engine: Engine, max_num_seqs: int, memory_fraction: float
     wanted = max_num_seqs * -(-tokens // build.tokens_per_block)
     attention = next(iter(engine.model.transformer.layers.values())).attention
     per_block = build.tokens_per_block * kv_bytes_per_token(
-        len(engine.model.transformer.layers), attention.num_kv_heads, attention.head_size, torch_dtype(config.dtype))
+        len(engine.model.transformer.layers), attention.num_kv_heads, attention.head_size, kv_cache_dtype(config))
     affordable = int(available_memory_bytes() * memory_fraction) // per_block
     return max(1, min(wanted, affordable))
 

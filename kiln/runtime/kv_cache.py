@@ -3,7 +3,25 @@ from __future__ import annotations
 
 import torch
 
+from kiln.errors import ConfigError
 from kiln.runtime import host_memory
+
+# Cache element type of each supported ``quantization.kv_cache_quant_algo`` (reference 002).
+KV_CACHE_DTYPES = {"INT8": torch.int8}
+
+
+def kv_cache_dtype(config) -> torch.dtype:
+    """The paged cache's element type for a model config: the compute dtype, or int8 for an
+    INT8 KV cache (K and V stored as ``round(x / scale)`` with the layer's static scales)."""
+    from kiln.models.base import torch_dtype
+
+    algo = config.quantization.kv_cache_quant_algo
+    if algo is None:
+        return torch_dtype(config.dtype)
+    if algo not in KV_CACHE_DTYPES:
+        raise ConfigError(f"quantization.kv_cache_quant_algo {algo!r} is not implemented; kiln runs "
+                          f"{', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[algo]
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
@@ -33,4 +51,5 @@ def available_memory_bytes() -> int:
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
+    """Cache bytes one token takes over all layers (K and V), for cache elements of ``dtype``."""
     return 2 * num_layers * num_kv_heads * head_size * torch.empty((), dtype=dtype).element_size()

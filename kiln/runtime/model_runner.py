@@ -7,7 +7,7 @@ import torch
 from kiln.models.base import torch_dtype
 from kiln.runtime.attention import BACKENDS, select_backend
 from kiln.runtime.engine import Engine
-from kiln.runtime.kv_cache import allocate_kv_cache
+from kiln.runtime.kv_cache import allocate_kv_cache, kv_cache_dtype
 from kiln.runtime.logits_processors import TokenHistory, process_logits
 from kiln.runtime.metadata import AttentionMetadata
 from kiln.runtime.sampling import sample
@@ -26,7 +26,7 @@ class ModelRunner:
         config = engine.config
         attention = next(iter(self.model.transformer.layers.values())).attention
         self.kv_caches = allocate_kv_cache(len(self.model.transformer.layers), num_blocks, self.block_size,
-                                           attention.num_kv_heads, attention.head_size, torch_dtype(config.dtype))
+                                           attention.num_kv_heads, attention.head_size, kv_cache_dtype(config))
         self.backend = BACKENDS[select_backend(attention_backend, torch_dtype(config.dtype))]()
         self.history = TokenHistory(engine.build_config.max_seq_len)
 
