@@ -13,7 +13,7 @@ from kiln.build import build_engine, resolve_build_config
 from kiln.checkpoint.format import read_config
 from kiln.cli.main import main as kiln_main
 from kiln.errors import BuildError
-from tests.models.zoo import built_fixture, check_batched_greedy, check_prompt_logits, hf_reference_fixture
+from tests.models.zoo import built_fixture, hf_reference_fixture, parity_tests
 from tests.utils.compare import assert_logits_close, kiln_prompt_logits
 from tests.utils.tiny_models import make_llama, make_llava, make_qwen1
 
@@ -27,14 +27,7 @@ built = built_fixture(CASES)
 hf_reference = hf_reference_fixture()
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_prompt_logits_match_hf(built, name: str) -> None:
-    check_prompt_logits(built(name))
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_batched_greedy_matches_hf(built, hf_reference, name: str) -> None:
-    check_batched_greedy(built(name), *hf_reference(name))
+test_prompt_logits_match_hf, test_batched_greedy_matches_hf = parity_tests(CASES)
 
 
 def test_llava_checkpoint_is_its_language_model(built) -> None:

@@ -26,7 +26,7 @@ from kiln.models.native_decode import supports_native_decode
 from kiln.models.opt import OPTForCausalLM
 from kiln.models.phi import PhiForCausalLM
 from kiln.runtime.engine import Engine
-from tests.models.zoo import built_fixture, check_batched_greedy, check_prompt_logits, hf_reference_fixture
+from tests.models.zoo import built_fixture, hf_reference_fixture, parity_tests
 from tests.utils.tiny_layout_models import make_falcon, make_gptj, make_opt, make_phi
 
 # name -> (maker, maker kwargs, build options)
@@ -47,16 +47,7 @@ built = built_fixture(CASES)
 hf_reference = hf_reference_fixture()
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_prompt_logits_match_hf(built, name: str) -> None:
-    """kiln's float32 logits for prompts of 24/9/15 tokens packed in one step equal HF's."""
-    check_prompt_logits(built(name))
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_batched_greedy_matches_hf(built, hf_reference, name: str) -> None:
-    """4 prompts (3/7/12/20 tokens) sharing every step give HF's 32 greedy tokens each."""
-    check_batched_greedy(built(name), *hf_reference(name))
+test_prompt_logits_match_hf, test_batched_greedy_matches_hf = parity_tests(CASES)
 
 
 # What each case's converted config must say, so a case cannot silently test a plainer layout.

@@ -22,8 +22,7 @@ from kiln.layers.moe import MixtureOfExperts
 from kiln.models.base import DecoderModelForCausalLM
 from kiln.models.native_decode import supports_native_decode
 from kiln.runtime.engine import Engine
-from tests.models.zoo import (LOGIT_PROMPT_LENS, built_fixture, check_batched_greedy, check_prompt_logits,
-                              hf_reference_fixture, random_prompt)
+from tests.models.zoo import LOGIT_PROMPT_LENS, built_fixture, hf_reference_fixture, parity_tests, random_prompt
 from tests.utils.compare import kiln_batch_prompt_logits, kiln_greedy
 from tests.utils.tiny_moe_models import make_mixtral, make_qwen2_moe
 
@@ -41,16 +40,7 @@ built = built_fixture(CASES)
 hf_reference = hf_reference_fixture()
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_prompt_logits_match_hf(built, name: str) -> None:
-    """float32 logits of 24/9/15-token prompts packed in one step equal HF's (1e-4 relative)."""
-    check_prompt_logits(built(name))
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_batched_greedy_matches_hf(built, hf_reference, name: str) -> None:
-    """4 prompts sharing every step of the paged runtime give HF's 32 greedy tokens each."""
-    check_batched_greedy(built(name), *hf_reference(name))
+test_prompt_logits_match_hf, test_batched_greedy_matches_hf = parity_tests(CASES)
 
 
 def _hf_moe_blocks(hf) -> dict[int, torch.nn.Module]:

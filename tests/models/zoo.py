@@ -2,8 +2,8 @@
 
 A test module declares ``CASES`` (name -> (maker, maker kwargs, build options)), binds the
 fixtures with ``built = built_fixture(CASES)`` and ``hf_reference = hf_reference_fixture()``,
-and calls the checks below: each case's tiny random HF model is made, converted and built
-once per module.
+and takes the two parity tests from ``parity_tests(CASES)`` (or calls the checks below its own
+way): each case's tiny random HF model is made, converted and built once per module.
 """
 from __future__ import annotations
 
@@ -99,3 +99,20 @@ def check_batched_greedy(case: Built, prompts: list[list[int]], expected: list[l
     ours = kiln_greedy(case.engine_dir, prompts, len(expected[0]), steps=steps)
     assert len(steps[0]) == len(prompts), "all prompts should start in the same step"
     assert ours == expected
+
+
+def parity_tests(cases: Cases) -> tuple[Callable, Callable]:
+    """The two tests every zoo module runs on each of its ``cases`` (it binds the ``built`` and
+    ``hf_reference`` fixtures): ``test_prompt_logits_match_hf, test_batched_greedy_matches_hf =
+    parity_tests(CASES)``."""
+    @pytest.mark.parametrize("name", list(cases))
+    def test_prompt_logits_match_hf(built, name: str) -> None:
+        """float32 logits of 24/9/15-token prompts packed in one step equal HF's (1e-4 relative)."""
+        check_prompt_logits(built(name))
+
+    @pytest.mark.parametrize("name", list(cases))
+    def test_batched_greedy_matches_hf(built, hf_reference, name: str) -> None:
+        """4 prompts sharing every step of the paged runtime give HF's 32 greedy tokens each."""
+        check_batched_greedy(built(name), *hf_reference(name))
+
+    return test_prompt_logits_match_hf, test_batched_greedy_matches_hf
