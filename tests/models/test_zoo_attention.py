@@ -17,7 +17,7 @@ from kiln.build import build_engine, resolve_build_config
 from kiln.checkpoint.format import read_config
 from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
-from kiln.kernels import paged_decode_attention, supports_decode_attention
+from kiln.kernels import paged_decode_attention
 from kiln.layers.attention import Attention, alibi_slopes
 from kiln.mapping import Mapping
 from kiln.models.base import DecoderModelForCausalLM, layer_window
@@ -41,7 +41,7 @@ CASES = {
 WINDOWS = {"mistral-window8": [8, 8], "gemma2": [6, None, 6], "bloom-6heads": [None, None],
            "bloom-4heads": [None, None]}
 NATIVE_DECODE_STEP = {"mistral-window8": True, "gemma2": False, "bloom-6heads": False, "bloom-4heads": False}
-BACKENDS = ["torch", "native"] if supports_decode_attention(torch.float32) else ["torch"]
+BACKENDS = ["torch", "native"]  # the native kernels build here (tests/runtime/test_native_attention.py)
 
 built = built_fixture(CASES)
 hf_reference = hf_reference_fixture()  # prompts of 3/7/12/20 tokens, 32 new tokens each
@@ -87,13 +87,16 @@ def test_chunked_small_block_greedy_matches_hf(built, hf_reference, backend: str
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_native_decode_step_only_where_exact(built, hf_reference, name: str) -> None:
-    """The one-call native decode step takes the windowed Mistral (the window passed to each
-    layer) and still gives HF's tokens; it refuses soft-capped Gemma 2 and ALiBi BLOOM layers."""
+def test_native_decode_step_only_where_exact(built, name: str) -> None:
+    """The one-call native decode step takes the windowed Mistral; it refuses soft-capped
+    Gemma 2 and ALiBi BLOOM layers."""
+    assert supports_native_decode(Engine(built(name).engine_dir).model) is NATIVE_DECODE_STEP[name]
+
+
+def test_native_decode_step_passes_the_window(built, hf_reference) -> None:
+    """Mistral through the native decode step (the window given to each layer) still gives HF's tokens."""
+    name = "mistral-window8"
     engine = Engine(built(name).engine_dir)
-    assert supports_native_decode(engine.model) is NATIVE_DECODE_STEP[name]
-    if not NATIVE_DECODE_STEP[name] or "native" not in BACKENDS:
-        return
     prompts, expected = hf_reference(name)
     core = EngineCore(engine, max_num_seqs=len(prompts), num_blocks=64, attention_backend="native")
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -105,7 +108,6 @@ def test_native_decode_step_only_where_exact(built, hf_reference, name: str) -> 
     assert [r.seqs[0].output_token_ids for r in requests] == expected
 
 
-@pytest.mark.skipif(not supports_decode_attention(torch.float32), reason="native kernels unavailable")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window, alibi, softcap", [
     (None, False, None), (1, False, None), (3, False, None), (5, True, None), (6, False, 0.7), (None, True, 0.7),
