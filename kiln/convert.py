@@ -68,18 +68,18 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
         raise ConfigError(f"--kv_cache_quant_algo {kv_algo}: converts a single-rank checkpoint (tp_size = "
                           f"pp_size = 1), got tp_size={tp_size} pp_size={pp_size}")
     world = Mapping(world_size=tp_size * pp_size, tp_size=tp_size, pp_size=pp_size)
-    calibration = None
-    if quantization is not None and quantization.quant_algo in (AWQ_ALGO, SMOOTHQUANT_ALGO):
-        if quantization.quant_algo == AWQ_ALGO:
-            check_awq_request(quantization, world.world_size, str(model_dir))
-        elif world.world_size != 1:
-            raise ConfigError(f"--quant_algo {SMOOTHQUANT_ALGO} calibrates the whole model in one process: "
-                              "use --tp_size 1 --pp_size 1")
+    calibrated = quantization is not None and quantization.quant_algo in (AWQ_ALGO, SMOOTHQUANT_ALGO)
+    if calibrated and quantization.quant_algo == AWQ_ALGO:
+        check_awq_request(quantization, world.world_size, str(model_dir))
+    elif calibrated and world.world_size != 1:
+        raise ConfigError(f"--quant_algo {SMOOTHQUANT_ALGO} calibrates the whole model in one process: "
+                          "use --tp_size 1 --pp_size 1")
+    calibration = None  # token ids, tokenized once for every calibrated step
+    if calibrated or kv_algo is not None:
         calibration = _calibration_tokens(source, Path(model_dir), calib_dataset, calib_size, calib_max_len,
-                                          quantization.quant_algo)
+                                          quantization.quant_algo if calibrated else f"KV cache {kv_algo}")
     with atomic_output_dir(output_dir) as tmp:
         config = None
-        _save_tokenizer(source, Path(model_dir), tmp)  # first: calibration tokenizes with it (GGUF's too)
         for rank in tqdm(range(world.world_size), desc="converting ranks", disable=not progress or world.world_size == 1):
             model = model_cls.from_hugging_face(
                 source, dtype, world.with_rank(rank), customized_key_dict, progress=progress,
@@ -89,11 +89,12 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
                 model.config = _quantize(model, quantization, str(model_dir), calibration, smoothquant_alpha,
                                          progress)
             if kv_algo is not None:  # calibrated on the model the engine runs (weights quantized already)
-                _calibrate_kv_cache(model, tmp, calib_dataset, calib_size, calib_max_len, progress)
+                _calibrate_kv_cache(model, calibration, calib_dataset, progress)
             write_rank_weights(tmp, rank, model.checkpoint_weights())
             config = model.config
             del model
         write_config(tmp, config.to_dict())
+        _save_tokenizer(source, Path(model_dir), tmp)
     return Path(output_dir)
 
 
@@ -132,13 +133,10 @@ def _quantize(model, quantization: QuantConfig, where: str, calibration: list[li
     return dataclasses.replace(model.config, quantization=recorded)
 
 
-def _calibrate_kv_cache(model, tokenizer_dir: Path, dataset: str, size: int, max_len: int, progress: bool) -> None:
+def _calibrate_kv_cache(model, token_lists: list[list[int]], dataset: str, progress: bool) -> None:
     """Give ``model`` its INT8 KV cache scales and record INT8 in its quantization config."""
-    from kiln.quantization.calibration import calibration_texts, calibration_token_ids
     from kiln.quantization.kv_cache import calibrate_kv_cache_scales, set_kv_cache_scales
-    from kiln.tokenizer import load_tokenizer
 
-    token_lists = calibration_token_ids(load_tokenizer(tokenizer_dir), calibration_texts(dataset, size), max_len)
     if not token_lists:
         raise ConfigError(f"--calib_dataset {dataset}: no text of at least 2 tokens to calibrate the KV cache on")
     set_kv_cache_scales(model, calibrate_kv_cache_scales(model, token_lists, progress))

@@ -47,6 +47,23 @@ def iter_conversations() -> Iterator[dict]:
                 return
 
 
+MIN_REPLY_CHARS = 200  # shorter replies ("Sure!", one line of code) say little about a model
+HELD_OUT_REPLIES = 500  # the first long replies: evaluation texts, never calibration texts
+
+
+def long_replies(skip: int = 0) -> Iterator[str]:
+    """Model replies of at least ``MIN_REPLY_CHARS`` characters, in file order, after the first
+    ``skip`` of them. ``kiln eval perplexity`` scores the first ones; quantization calibrates on
+    those after ``HELD_OUT_REPLIES``, so the two never share a text."""
+    seen = 0
+    for _, reply in first_turns():
+        if len(reply.strip()) < MIN_REPLY_CHARS:
+            continue
+        seen += 1
+        if seen > skip:
+            yield reply
+
+
 def first_turns(limit: int | None = None) -> Iterator[tuple[str, str]]:
     """``(human message, model reply)`` of each conversation that starts with a human turn."""
     count = 0

@@ -8,16 +8,16 @@ no context and is never scored, so a text of ``n`` tokens scores ``n - 1``.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.errors import ConfigError
-from kiln.eval.common import jsonl_records
+from kiln.eval.common import read_texts
 
 DEFAULT_SHAREGPT_SAMPLES = 50
-MIN_SHAREGPT_REPLY_CHARS = 200  # shorter answers ("Sure!", one line of code) say little about a model
 LOGITS_BUDGET = 1 << 26  # context-logit floats held at once (256 MB): windows are batched under it
 
 
@@ -67,44 +67,17 @@ def sliding_windows(num_tokens: int, window: int, stride: int) -> list[Window]:
 
 def load_texts(dataset: str, max_samples: int | None) -> list[str]:
     """The texts of ``--dataset``: a ``.jsonl`` file of {"text"}, any other file as one text, or
-    'sharegpt' (model answers of at least ``MIN_SHAREGPT_REPLY_CHARS`` characters, in file order)."""
+    'sharegpt' (model answers of at least 200 characters, in file order: ``long_replies``)."""
     if max_samples is not None and max_samples < 1:
         raise ConfigError(f"--max_samples must be >= 1, got {max_samples}")
     if dataset == "sharegpt":
-        from kiln.data.sharegpt import first_turns
+        from kiln.data.sharegpt import long_replies
 
-        limit = max_samples or DEFAULT_SHAREGPT_SAMPLES
-        texts = []
-        for _, reply in first_turns():
-            if len(reply.strip()) >= MIN_SHAREGPT_REPLY_CHARS:
-                texts.append(reply)
-                if len(texts) == limit:
-                    break
-        return texts
+        return list(itertools.islice(long_replies(), max_samples or DEFAULT_SHAREGPT_SAMPLES))
     path = Path(dataset)
     if not path.is_file():
         raise ConfigError(f"--dataset {path}: no such file (give a .jsonl or text file, or 'sharegpt')")
-    if path.suffix == ".jsonl":
-        texts = _jsonl_texts(path)
-    else:
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if not text.strip():
-            raise ConfigError(f"--dataset {path}: the file is empty")
-        texts = [text]
-    return texts[:max_samples] if max_samples else texts
-
-
-def _jsonl_texts(path: Path) -> list[str]:
-    texts = []
-    for number, record in jsonl_records(path, "--dataset"):
-        text = record.get("text") if isinstance(record, dict) else None
-        if not isinstance(text, str) or not text:
-            raise ConfigError(f"--dataset {path} line {number}: expected an object with a non-empty "
-                              "string \"text\"")
-        texts.append(text)
-    if not texts:
-        raise ConfigError(f"--dataset {path}: no records")
-    return texts
+    return read_texts(path, "--dataset", max_samples)
 
 
 def resolve_window(window: int | None, stride: int | None, max_input_len: int, max_seq_len: int) -> tuple[int, int]:

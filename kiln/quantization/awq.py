@@ -23,7 +23,7 @@ from torch import nn
 
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
-from kiln.quantization.calibration import InputStats, calibration_texts, calibration_token_ids, collect_linear_inputs
+from kiln.quantization.calibration import InputStats, collect_linear_inputs
 from kiln.quantization.weight_only import dequantize, quantizable_modules, quantize_model, quantize_weight
 
 log = logging.getLogger(__name__)
@@ -121,15 +121,3 @@ def awq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[l
              100 * sum(gains) / len(gains))
     return quantize_model(model, quant, prequant_scales=scales)
 
-
-def calibration_tokens(tokenizer_dir, dataset: str, size: int) -> list[list[int]]:
-    """Token ids of ``size`` calibration texts of ``dataset`` (see ``calibration_texts``), by
-    the tokenizer saved in ``tokenizer_dir``."""
-    from kiln.tokenizer import load_tokenizer
-
-    texts = calibration_texts(dataset, size)
-    try:
-        tokenizer = load_tokenizer(tokenizer_dir)
-    except ConfigError as e:
-        raise ConfigError(f"{AWQ_ALGO} calibration needs the source model's tokenizer: {e}") from None
-    return calibration_token_ids(tokenizer, texts)

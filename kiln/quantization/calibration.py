@@ -8,6 +8,7 @@ an observer (``InputStats`` keeps per-channel statistics and a row sample).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,52 +21,24 @@ from kiln.errors import ConfigError
 
 DEFAULT_CALIB_SIZE = 64
 DEFAULT_CALIB_LEN = 512
-MIN_REPLY_CHARS = 200  # shorter replies ("Sure!") say little about the activations
-# The first replies (by the same rule) are held out for evaluation: kiln eval perplexity's
-# ShareGPT texts come from there, so calibration never sees them.
-HELD_OUT_REPLIES = 500
 
 
 def calibration_texts(dataset: str, size: int) -> list[str]:
-    """``size`` texts: ``sharegpt`` (model replies in file order, after the ``HELD_OUT_REPLIES``
-    kept for evaluation) or a ``.jsonl`` of ``{"text"}`` / a plain text file (one text) given by
-    the user."""
+    """``size`` texts: ``sharegpt`` (long model replies in file order, after those ``kiln eval``
+    keeps for evaluation: ``kiln.data.sharegpt.long_replies``) or a ``.jsonl`` of ``{"text"}`` /
+    a plain text file (one text) given by the user."""
     if size < 1:
         raise ConfigError(f"--calib_size must be >= 1, got {size}")
     if dataset == "sharegpt":
-        from kiln.data.sharegpt import first_turns
+        from kiln.data.sharegpt import HELD_OUT_REPLIES, long_replies
 
-        texts, skipped = [], 0
-        for _, reply in first_turns():
-            if len(reply.strip()) < MIN_REPLY_CHARS:
-                continue
-            if skipped < HELD_OUT_REPLIES:
-                skipped += 1
-                continue
-            texts.append(reply)
-            if len(texts) == size:
-                break
-        return texts
+        return list(itertools.islice(long_replies(skip=HELD_OUT_REPLIES), size))
     path = Path(dataset)
     if not path.is_file():
         raise ConfigError(f"--calib_dataset {dataset}: neither 'sharegpt' nor a file")
-    if path.suffix == ".jsonl":
-        from kiln.eval.common import jsonl_records
+    from kiln.eval.common import read_texts
 
-        texts = []
-        for number, record in jsonl_records(path, "--calib_dataset"):
-            text = record.get("text") if isinstance(record, dict) else None
-            if not isinstance(text, str) or not text:
-                raise ConfigError(f"--calib_dataset {path} line {number}: expected an object with a non-empty "
-                                  "string \"text\"")
-            texts.append(text)
-            if len(texts) == size:
-                break
-    else:
-        texts = [path.read_text(encoding="utf-8")]
-    if not texts:
-        raise ConfigError(f"--calib_dataset {path}: no texts")
-    return texts
+    return read_texts(path, "--calib_dataset", size)
 
 
 def calibration_token_ids(tokenizer, texts: list[str], max_len: int = DEFAULT_CALIB_LEN) -> list[list[int]]:

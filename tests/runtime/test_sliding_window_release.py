@@ -84,7 +84,7 @@ def test_beam_search_with_released_blocks_equals_a_roomy_cache(mistral) -> None:
 def test_release_frees_whole_blocks_behind_the_window() -> None:
     """After computing 30 tokens with a window of 8 (blocks of 4), the next token reads from
     position 23 on: blocks 0-4 (positions 0-19) go back (position 22 is kept for a beam's
-    recompute), blocks 5-7 stay; freeing the sequence skips the released entries."""
+    recompute), blocks 5-7 stay; freeing the sequence passes over the released entries."""
     pool = BlockPool(10)
     scheduler = Scheduler(pool, 4, max_num_seqs=1, max_num_tokens=8, window=8)
     seq = Sequence(0, list(range(30)), SamplingParams(max_tokens=1), None, 64)
