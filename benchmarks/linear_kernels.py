@@ -47,8 +47,8 @@ def main() -> None:
         if lin.quant_bits:
             return kernels.quant_linear(x, lin.weight, lin.weights_scaling_factor, getattr(lin, "zero", None),
                                         lin.quant_bits, lin.group_size, None, lin.out_features, out=out)
-        if x.shape[0] > 1 and lin.amx_weight() is not None:
-            return kernels.amx_linear(x, lin.amx_weight(), None, lin.out_features, out=out)
+        if x.shape[0] > 1 and lin.packed_weight() is not None:
+            return kernels.packed_linear(x, lin.packed_weight(), None, lin.out_features, out=out)
         return kernels.skinny_linear(x, lin.weight, None, out=out)
 
     paths = {"kiln": kiln_kernel}

@@ -5,7 +5,8 @@
 * ``rmsnorm``, ``silu_mul``, ``rotary_`` (elementwise.c): a layer's elementwise work, one
   pass each;
 * ``skinny_linear`` (skinny_gemm.c): fp32/bf16 linears of a few rows (decode steps);
-* ``amx_linear`` (amx_linear.c): bf16 linears on AMX tiles, weight packed once;
+* ``packed_linear`` (panel_linear.c, amx_linear.c): bf16 linears on a weight packed once
+  into tiles, multiplied on AMX or with AVX512-BF16 dot products;
 * ``quant_linear`` (quant_linear.c): weight-only int8 / 4-bit linears;
 * ``decode_step`` (decode_step.c): every layer of a LLaMA-shaped stack for a decode step's
   tokens, in one call (no per-layer Python).
@@ -131,8 +132,14 @@ def native_library() -> ctypes.CDLL | None:
     lib.kiln_amx_available.restype = ctypes.c_int
     lib.kiln_amx_pack_bf16.argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_int]
     lib.kiln_amx_pack_bf16.restype = None
-    lib.kiln_amx_linear_bf16.argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
-    lib.kiln_amx_linear_bf16.restype = None
+    lib.kiln_set_amx.argtypes = [ctypes.c_int]
+    lib.kiln_set_amx.restype = None
+    lib.kiln_set_amx(int(os.environ.get("KILN_AMX", "1") != "0"))
+    lib.kiln_dot_bf16_available.argtypes = []
+    lib.kiln_dot_bf16_available.restype = ctypes.c_int
+    for name in ("kiln_packed_linear_bf16", "kiln_portable_linear_bf16"):
+        getattr(lib, name).argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
+        getattr(lib, name).restype = None
     lib.kiln_quant_pack.argtypes = [_PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
     lib.kiln_quant_pack.restype = None
     lib.kiln_quant_linear_bf16.argtypes = [_PTR] * 4 + [_I64] * 2 + [_PTR] * 2 + [_I64] * 3 + [ctypes.c_int]
@@ -307,42 +314,50 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @lru_cache(maxsize=1)
 def amx_available() -> bool:
     """Whether AMX bf16 tiles work here (the CPU has them and Linux granted them to us);
-    ``KILN_AMX=0`` turns them off."""
+    ``KILN_AMX=0`` turns them off (the packed kernels then use AVX512-BF16 dot products)."""
     lib = native_library()
-    if os.environ.get("KILN_AMX", "1") == "0":
-        return False
     return lib is not None and bool(lib.kiln_amx_available())
 
 
-def amx_supported(weight: torch.Tensor) -> bool:
-    """Whether ``amx_pack`` takes this weight: bf16 ``[n, k]`` with n % 16 == 0 and k % 32 == 0."""
+@lru_cache(maxsize=1)
+def packed_linear_available() -> bool:
+    """Whether ``packed_linear`` runs in hardware bf16 here: AMX tiles or AVX512-BF16 dot
+    products (without either its plain-C loop is slower than oneDNN)."""
+    lib = native_library()
+    return lib is not None and bool(lib.kiln_amx_available() or lib.kiln_dot_bf16_available())
+
+
+def packed_supported(weight: torch.Tensor) -> bool:
+    """Whether ``pack_bf16`` takes this weight and ``packed_linear`` is fast here: bf16
+    ``[n, k]`` with n % 16 == 0 and k % 32 == 0."""
     return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % 16 == 0
-            and weight.shape[1] % 32 == 0 and weight.device.type == "cpu" and amx_available())
+            and weight.shape[1] % 32 == 0 and weight.device.type == "cpu" and packed_linear_available())
 
 
-def amx_pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``weight`` ``[n, k]`` repacked into AMX tiles for ``amx_linear`` (see amx_linear.c), in
-    ``out`` (``weight.numel()`` bf16 elements, contiguous) if given."""
-    if not amx_supported(weight):
-        raise ValueError(f"amx_pack: needs AMX and a bf16 weight [n, k] with n % 16 == 0 and k % 32 == 0; "
-                         f"got {tuple(weight.shape)} {weight.dtype}")
+def pack_bf16(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight`` ``[n, k]`` repacked into the VNNI tile layout of ``packed_linear`` (see
+    amx_linear.c), in ``out`` (``weight.numel()`` bf16 elements, contiguous) if given."""
+    if not packed_supported(weight):
+        raise ValueError(f"pack_bf16: needs AMX or AVX512-BF16 and a bf16 weight [n, k] with n % 16 == 0 and "
+                         f"k % 32 == 0; got {tuple(weight.shape)} {weight.dtype}")
     weight = weight.contiguous()
     packed = torch.empty(weight.numel(), dtype=torch.bfloat16) if out is None else out.view(-1)
     if packed.numel() != weight.numel() or packed.dtype != torch.bfloat16 or not packed.is_contiguous():
-        raise ValueError(f"amx_pack: out must be {weight.numel()} contiguous bf16 elements")
+        raise ValueError(f"pack_bf16: out must be {weight.numel()} contiguous bf16 elements")
     native_library().kiln_amx_pack_bf16(weight.data_ptr(), packed.data_ptr(), weight.shape[0], weight.shape[1],
                                         torch.get_num_threads())
     return packed
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, *,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` of bf16 ``x`` ``[m, k]`` with a weight packed by ``amx_pack``."""
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, *,
+                  out: torch.Tensor | None = None, portable: bool = False) -> torch.Tensor:
+    """``F.linear`` of bf16 ``x`` ``[m, k]`` with a weight packed by ``pack_bf16``: on AMX tiles,
+    else AVX512-BF16 dot products (panel_linear.c); ``portable`` forces the plain-C loop."""
     m, k = x.shape
     y = _output(out, m, out_features, torch.bfloat16)
-    native_library().kiln_amx_linear_bf16(x.contiguous().data_ptr(), packed.data_ptr(),
-                                          bias.data_ptr() if bias is not None else None, y.data_ptr(), m,
-                                          out_features, k, torch.get_num_threads())
+    fn = native_library().kiln_portable_linear_bf16 if portable else native_library().kiln_packed_linear_bf16
+    fn(x.contiguous().data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(), m,
+       out_features, k, torch.get_num_threads())
     return y
 
 

@@ -38,11 +38,15 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
+static int amx_disabled;  /* KILN_AMX=0: kiln_set_amx(0) */
+
 int kiln_amx_available(void) {
     static int state = -1;
     if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return state;
+    return state && !amx_disabled;
 }
+
+void kiln_set_amx(int enabled) { amx_disabled = !enabled; }
 
 static void configure_tiles(void) {
     tile_config cfg;
@@ -210,6 +214,8 @@ void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *b
 }
 #else
 int kiln_amx_available(void) { return 0; }
+
+void kiln_set_amx(int enabled) { (void)enabled; }
 
 /* Never called: callers ask kiln_amx_available() first. */
 void kiln_amx_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight, const bf16_t *bias,

@@ -66,7 +66,7 @@ static void linear_bf16(const bf16_t *x, const kiln_linear *L, bf16_t *y, int64_
                         int num_threads) {
     if (L->bits) kiln_quant_linear_bf16(x, L->weight, L->scales, L->zeros, L->bits, L->group, L->bias, y, m, n, k,
                                         num_threads);
-    else if (L->packed && m > 1) kiln_amx_linear_bf16(x, L->packed, L->bias, y, m, n, k, num_threads);
+    else if (L->packed && m > 1) kiln_packed_linear_bf16(x, L->packed, L->bias, y, m, n, k, num_threads);
     else kiln_skinny_gemm_bf16(x, L->weight, L->bias, y, m, n, k, num_threads);
 }
 

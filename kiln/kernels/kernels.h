@@ -26,6 +26,7 @@ int kiln_paged_decode_attention_##SUFFIX(const T *q, int64_t q_stride, const T *
                                         float k_scale, float v_scale, int num_threads);
 
 int kiln_amx_available(void);
+void kiln_set_amx(int enabled);
 /* The bf16 tiles of output blocks nb0 .. nb0 + blocks - 1 (16 columns each; kblocks k-blocks of
  * 512 elements per block, block-major), from `weight`, using `scratch` (room for
  * KILN_MAX_PANEL_BLOCKS blocks) if needed. */
@@ -34,6 +35,12 @@ typedef const bf16_t *(*kiln_panel_fn)(const void *weight, int64_t nb0, int bloc
                                        bf16_t *scratch);
 void kiln_amx_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight, const bf16_t *bias,
                             bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads);
+/* AMX where available (and not turned off), else AVX512-BF16 dot products, else plain C
+ * (panel_linear.c). */
+void kiln_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight, const bf16_t *bias, bf16_t *y,
+                        int64_t m, int64_t n, int64_t k, int num_threads);
+void kiln_packed_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
+                             int64_t n, int64_t k, int num_threads);
 void kiln_amx_pack_bf16(const bf16_t *w, bf16_t *packed, int64_t n, int64_t k, int num_threads);
 void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
                           int64_t n, int64_t k, int num_threads);

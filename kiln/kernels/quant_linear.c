@@ -249,43 +249,6 @@ static void quant_gemv(const bf16_t *x, const kiln_qweight *W, const bf16_t *bia
 }
 #endif
 
-/* Without AMX: the same dequantized panels, multiplied in plain loops over their tile order. */
-static void portable_linear(const bf16_t *x, const kiln_qweight *W, const bf16_t *bias, bf16_t *y, int64_t m,
-                            int num_threads) {
-    const int64_t n = W->n, k = W->k, kblocks = k / 32;
-    const int64_t panels = (n / 16 + KILN_MAX_PANEL_BLOCKS - 1) / KILN_MAX_PANEL_BLOCKS;
-    _Pragma("omp parallel num_threads(num_threads)")
-    {
-        bf16_t *scratch = malloc(sizeof(bf16_t) * KILN_MAX_PANEL_BLOCKS * kblocks * 512);
-        float *xf = malloc(sizeof(float) * k);
-        _Pragma("omp for schedule(static)")
-        for (int64_t panel = 0; panel < panels; ++panel) {
-            const int64_t nb0 = panel * KILN_MAX_PANEL_BLOCKS;
-            const int blocks = n / 16 - nb0 < KILN_MAX_PANEL_BLOCKS ? (int)(n / 16 - nb0) : KILN_MAX_PANEL_BLOCKS;
-            const bf16_t *w = dequant_panel(W, nb0, blocks, kblocks, scratch);
-            for (int64_t t = 0; t < m; ++t) {
-                for (int64_t i = 0; i < k; ++i) xf[i] = bf16_load(x[t * k + i]);
-                for (int b = 0; b < blocks; ++b) {
-                    float acc[16] = {0};
-                    for (int64_t kb = 0; kb < kblocks; ++kb)
-                        for (int p = 0; p < 16; ++p) {
-                            const bf16_t *row = w + (b * kblocks + kb) * 512 + p * 32;
-                            const float x0 = xf[kb * 32 + 2 * p], x1 = xf[kb * 32 + 2 * p + 1];
-                            for (int c = 0; c < 16; ++c)
-                                acc[c] += x0 * bf16_load(row[2 * c]) + x1 * bf16_load(row[2 * c + 1]);
-                        }
-                    for (int c = 0; c < 16; ++c) {
-                        const int64_t col = (nb0 + b) * 16 + c;
-                        y[t * n + col] = bf16_store(acc[c] + (bias ? bf16_load(bias[col]) : 0.f));
-                    }
-                }
-            }
-        }
-        free(xf);
-        free(scratch);
-    }
-}
-
 void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const float *scales, const float *zeros,
                             int64_t bits, int64_t group, const bf16_t *bias, bf16_t *y, int64_t m, int64_t n,
                             int64_t k, int num_threads) {
@@ -296,6 +259,5 @@ void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const float *
         return;
     }
 #endif
-    if (kiln_amx_available()) kiln_amx_linear_panels(x, dequant_panel, &W, bias, y, m, n, k, num_threads);
-    else portable_linear(x, &W, bias, y, m, num_threads);
+    kiln_linear_panels(x, dequant_panel, &W, bias, y, m, n, k, num_threads);
 }

@@ -21,11 +21,12 @@ from torch import nn
 from kiln import distributed, kernels
 
 # bf16 weights: one row through the native skinny GEMM (at the memory bandwidth); more rows,
-# where the CPU has AMX, through kiln's own tile kernel on a copy packed once
-# (kiln/kernels/amx_linear.c: faster than oneDNN from 2 to 128 rows here, even at 512);
-# elsewhere oneDNN, whose bf16 matmul re-lays-out a plain weight on every call, on a weight
-# packed once into its blocked format (1.4-2x faster than F.linear). fp32: the native skinny
-# GEMM up to 16 rows (faster than MKL), F.linear beyond.
+# where the CPU has AMX or AVX512-BF16, through kiln's own kernel on a copy packed once into
+# tiles (kiln/kernels/panel_linear.c, amx_linear.c: faster than oneDNN from 2 to 128 rows on
+# AMX, even at 512; benchmarks/README.md has the AVX512-BF16 figures); elsewhere oneDNN,
+# whose bf16 matmul re-lays-out a plain weight on every call, on a weight packed once into
+# its blocked format (1.4-2x faster than F.linear). fp32: the native skinny GEMM up to 16
+# rows (faster than MKL), F.linear beyond.
 _PACK_BF16 = torch.backends.mkldnn.is_available()
 
 
@@ -158,8 +159,9 @@ class Linear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T (+ bias)`` through the fastest kernel here for the weight and the rows: up to
-        16 fp32 rows or one bf16 row through the native skinny GEMM; more bf16 rows on AMX
-        tiles (a copy of the weight packed once), or through oneDNN (weight packed once)."""
+        16 fp32 rows or one bf16 row through the native skinny GEMM; more bf16 rows through the
+        packed kernel (AMX or AVX512-BF16, a copy of the weight packed once), or through oneDNN
+        (weight packed once)."""
         if self.quant_bits is not None:
             return self._quantized_matmul(x, bias)
         if self.act_quant:
@@ -171,9 +173,9 @@ class Linear(nn.Module):
                 and kernels.skinny_linear_supported(x, w, bias)):
             return kernels.skinny_linear(x, w, bias, check=False)
         if x.dim() == 2 and x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
-            packed = self.amx_weight()
+            packed = self.packed_weight()
             if packed is not None:
-                return kernels.amx_linear(x, packed, bias, self.out_features)
+                return kernels.packed_linear(x, packed, bias, self.out_features)
         if not (_PACK_BF16 and w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and w.device.type == "cpu"):
             return F.linear(x, w, bias)
         key = (w.data_ptr(), tuple(w.shape))  # weights are assigned at load time, so repack if they change
@@ -182,15 +184,16 @@ class Linear(nn.Module):
             self._packed_key = key
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [None], "")
 
-    def amx_weight(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The weight packed into AMX tiles (packed on first use, into ``out`` if given), or
-        None where AMX cannot take it. Repacked if the weight is reassigned."""
+    def packed_weight(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The weight packed into tiles for ``kernels.packed_linear`` (packed on first use, into
+        ``out`` if given), or None where that kernel cannot take it. Repacked if the weight is
+        reassigned."""
         w = self.weight
         key = (w.data_ptr(), tuple(w.shape), w.dtype)
-        if getattr(self, "_amx_key", None) != key:
-            self._amx = kernels.amx_pack(w.detach(), out) if kernels.amx_supported(w) else None
-            self._amx_key = key
-        return self._amx
+        if getattr(self, "_packed_tiles_key", None) != key:
+            self._packed_tiles = kernels.pack_bf16(w.detach(), out) if kernels.packed_supported(w) else None
+            self._packed_tiles_key = key
+        return self._packed_tiles
 
     # -- weight loading -----------------------------------------------------------------
 

@@ -139,7 +139,7 @@ def _linear_weights(linear) -> kernels.LinearWeights:
         return kernels.LinearWeights(ptr(linear.weight), ptr(linear.bias), None, linear.quant_bits,
                                      linear.group_size, ptr(linear.weights_scaling_factor),
                                      ptr(getattr(linear, "zero", None)))
-    packed = linear.amx_weight() if linear.weight.dtype == torch.bfloat16 else None
+    packed = linear.packed_weight() if linear.weight.dtype == torch.bfloat16 else None
     return kernels.LinearWeights(ptr(linear.weight), ptr(linear.bias), ptr(packed), 0, 0, None, None)
 
 

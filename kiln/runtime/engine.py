@@ -47,7 +47,7 @@ class Engine:
 
 
 def _prepack_linear_weights(model) -> None:
-    """Pack every bf16 linear weight the AMX kernel takes now, into one huge-page arena: done
+    """Pack every bf16 linear weight the packed kernel takes now, into one huge-page arena: done
     lazily, the copies would land on 4 KiB pages and in the first request's time."""
     from kiln import kernels
     from kiln.layers.linear import Linear
@@ -59,6 +59,6 @@ def _prepack_linear_weights(model) -> None:
             linears.append(module)
         elif isinstance(module, ExpertLinear):  # each expert's matmul is a Linear viewing its slice
             linears.extend(module.expert_linears())
-    linears = [m for m in linears if kernels.amx_supported(m.weight)]
+    linears = [m for m in linears if kernels.packed_supported(m.weight)]
     for linear, buffer in zip(linears, host_memory.empty_many([m.weight.numel() for m in linears], torch.bfloat16)):
-        linear.amx_weight(out=buffer)
+        linear.packed_weight(out=buffer)

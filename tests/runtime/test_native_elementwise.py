@@ -101,34 +101,36 @@ def test_skinny_linear_takes_few_rows_only_and_rejects_the_rest():
 
 
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 64), (80, 96), (64, 576)])  # 1-5 output blocks: full and tail panels
-@pytest.mark.parametrize("m", [1, 5, 16, 17, 40])  # row blocks of 16 and their zero-padded tails
+@pytest.mark.parametrize("m", [1, 5, 12, 16, 17, 40])  # row blocks of 16 (AMX) and 12 (AVX512-BF16), tails
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_amx_linear_matches_linear(n, k, m, with_bias):
-    assert kernels.amx_available()  # this machine has AMX; elsewhere the bf16 paths are oneDNN's
+@pytest.mark.parametrize("portable", [False, True])
+def test_packed_linear_matches_linear(n, k, m, with_bias, portable):
+    # This machine multiplies bf16 in hardware (AMX or AVX512-BF16); `portable` is the plain-C loop.
+    assert kernels.packed_linear_available()
     x = _randn(m, k, dtype=torch.bfloat16, seed=m)
     w = _randn(n, k, dtype=torch.bfloat16, seed=n + k)
     bias = _randn(n, dtype=torch.bfloat16, seed=5) if with_bias else None
     expected = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
-    got = kernels.amx_linear(x, kernels.amx_pack(w), bias, n)
+    got = kernels.packed_linear(x, kernels.pack_bf16(w), bias, n, portable=portable)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     torch.testing.assert_close(got.double(), expected, atol=2e-2 * k ** 0.5, rtol=1e-2)
 
 
-def test_amx_pack_layout_and_rejections():
+def test_pack_layout_and_rejections():
     w = torch.arange(32 * 64, dtype=torch.float32).view(32, 64).to(torch.bfloat16)
-    packed = kernels.amx_pack(w).view(2, 2, 16, 16, 2)  # [n block][k block][k pair][column][pair element]
+    packed = kernels.pack_bf16(w).view(2, 2, 16, 16, 2)  # [n block][k block][k pair][column][pair element]
     assert packed[1, 1, 3, 5, 1] == w[16 + 5, 32 + 2 * 3 + 1]
-    assert not kernels.amx_supported(torch.zeros(24, 64, dtype=torch.bfloat16))  # n not a multiple of 16
-    assert not kernels.amx_supported(torch.zeros(32, 40, dtype=torch.bfloat16))  # k not a multiple of 32
-    with pytest.raises(ValueError, match="amx_pack"):
-        kernels.amx_pack(torch.zeros(32, 64, dtype=torch.float32))
+    assert not kernels.packed_supported(torch.zeros(24, 64, dtype=torch.bfloat16))  # n not a multiple of 16
+    assert not kernels.packed_supported(torch.zeros(32, 40, dtype=torch.bfloat16))  # k not a multiple of 32
+    with pytest.raises(ValueError, match="pack_bf16"):
+        kernels.pack_bf16(torch.zeros(32, 64, dtype=torch.float32))
 
 
 def test_kernels_write_into_a_given_output_and_check_it():
     x, w = _randn(3, 64, dtype=torch.bfloat16), _randn(32, 64, dtype=torch.bfloat16, seed=2)
     out = torch.empty(3, 32, dtype=torch.bfloat16)
-    assert kernels.amx_linear(x, kernels.amx_pack(w), None, 32, out=out) is out
-    torch.testing.assert_close(out, kernels.amx_linear(x, kernels.amx_pack(w), None, 32), atol=0, rtol=0)
+    assert kernels.packed_linear(x, kernels.pack_bf16(w), None, 32, out=out) is out
+    torch.testing.assert_close(out, kernels.packed_linear(x, kernels.pack_bf16(w), None, 32), atol=0, rtol=0)
     one = torch.empty(1, 32, dtype=torch.bfloat16)
     assert kernels.skinny_linear(x[:1], w, out=one) is one
     with pytest.raises(ValueError, match="out"):
