@@ -15,9 +15,11 @@ from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 from kiln.models import get_model_class
 from kiln.quantization import SMOOTHQUANT_ALGO, quantize_model
-from kiln.quantization.awq import AWQ_ALGO, awq_quantize_model, check_awq_request
+from kiln.quantization.awq import AWQ_ALGOS, awq_quantize_model, check_awq_request
 from kiln.quantization.calibration import DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
+from kiln.quantization.fp8 import fp8_quantize_model
 from kiln.quantization.gptq import gptq_settings
+from kiln.quantization.weight_only import FP8_ALGO
 from kiln.quantization.smoothquant import DEFAULT_ALPHA, smoothquant_model
 
 logger = logging.getLogger(__name__)
@@ -43,8 +45,9 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     describes; otherwise every rank holds it whole. ``quantization`` (a weight-only
     ``quant_algo``: W8A16, W4A16) quantizes the linear layers' weights by round-to-nearest
     (``kiln.quantization``). A GPTQ checkpoint (``quantization_config`` in config.json) is
-    imported into the same layout as W4A16_GPTQ (``kiln.quantization.gptq``). ``W4A16_AWQ``
-    (``kiln.quantization.awq``) and ``W8A8_SQ_PER_CHANNEL`` (SmoothQuant,
+    imported into the same layout as W4A16_GPTQ (``kiln.quantization.gptq``). ``W4A16_AWQ`` and
+    ``W4A8_AWQ`` (``kiln.quantization.awq``), ``FP8`` (``kiln.quantization.fp8``) and
+    ``W8A8_SQ_PER_CHANNEL`` (SmoothQuant,
     ``kiln.quantization.smoothquant``, smoothing with ``smoothquant_alpha``) first run the float
     model on ``calib_size`` texts of ``calib_dataset`` (``sharegpt`` or a file, each cut to
     ``calib_max_len`` tokens), tokenized by the source's tokenizer. A ``kv_cache_quant_algo`` of
@@ -68,11 +71,11 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
         raise ConfigError(f"--kv_cache_quant_algo {kv_algo}: converts a single-rank checkpoint (tp_size = "
                           f"pp_size = 1), got tp_size={tp_size} pp_size={pp_size}")
     world = Mapping(world_size=tp_size * pp_size, tp_size=tp_size, pp_size=pp_size)
-    calibrated = quantization is not None and quantization.quant_algo in (AWQ_ALGO, SMOOTHQUANT_ALGO)
-    if calibrated and quantization.quant_algo == AWQ_ALGO:
+    calibrated = quantization is not None and quantization.quant_algo in (*AWQ_ALGOS, SMOOTHQUANT_ALGO, FP8_ALGO)
+    if calibrated and quantization.quant_algo in AWQ_ALGOS:
         check_awq_request(quantization, world.world_size, str(model_dir))
     elif calibrated and world.world_size != 1:
-        raise ConfigError(f"--quant_algo {SMOOTHQUANT_ALGO} calibrates the whole model in one process: "
+        raise ConfigError(f"--quant_algo {quantization.quant_algo} calibrates the whole model in one process: "
                           "use --tp_size 1 --pp_size 1")
     calibration = None  # token ids, tokenized once for every calibrated step
     if calibrated or kv_algo is not None:
@@ -122,10 +125,12 @@ def _quantize(model, quantization: QuantConfig, where: str, calibration: list[li
               smoothquant_alpha: float = DEFAULT_ALPHA, progress: bool = False):
     """Quantize ``model`` in place (AWQ and SmoothQuant: calibrated on the token lists
     ``calibration``); its config records what was quantized (see ``quantize_model``)."""
-    if quantization.quant_algo == AWQ_ALGO:
+    if quantization.quant_algo in AWQ_ALGOS:
         recorded = awq_quantize_model(model, quantization, calibration, progress=progress)
     elif quantization.quant_algo == SMOOTHQUANT_ALGO:
         recorded = smoothquant_model(model, quantization, calibration or [], smoothquant_alpha, progress)
+    elif quantization.quant_algo == FP8_ALGO:
+        recorded = fp8_quantize_model(model, quantization, calibration or [], progress)
     else:
         recorded = quantize_model(model, quantization)
     if recorded is None:

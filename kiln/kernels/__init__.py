@@ -8,6 +8,7 @@
 * ``packed_linear`` (panel_linear.c, amx_linear.c): bf16 linears on a weight packed once
   into tiles, multiplied on AMX or with AVX512-BF16 dot products;
 * ``quant_linear`` (quant_linear.c): weight-only int8 / 4-bit linears;
+* ``fp8_linear`` (fp8_linear.c): FP8 e4m3 weights and activations, emulated exactly;
 * ``decode_step`` (decode_step.c): every layer of a LLaMA-shaped stack for a decode step's
   tokens, in one call (no per-layer Python).
 
@@ -144,6 +145,12 @@ def native_library() -> ctypes.CDLL | None:
     lib.kiln_quant_pack.restype = None
     lib.kiln_quant_linear_bf16.argtypes = [_PTR] * 4 + [_I64] * 2 + [_PTR] * 2 + [_I64] * 3 + [ctypes.c_int]
     lib.kiln_quant_linear_bf16.restype = None
+    lib.kiln_fp8_linear_bf16.argtypes = [_PTR, _PTR, _PTR, ctypes.c_float] + [_PTR] * 3 + [_I64] * 3 + [ctypes.c_int]
+    lib.kiln_fp8_linear_bf16.restype = None
+    lib.kiln_fp8_quantize_rows.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_float, _PTR, ctypes.c_int]
+    lib.kiln_fp8_quantize_rows.restype = None
+    lib.kiln_fp8_to_bf16.argtypes = [_PTR, _I64, _PTR]
+    lib.kiln_fp8_to_bf16.restype = None
     return lib
 
 
@@ -395,6 +402,40 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zer
         bits, group_size, bias.data_ptr() if bias is not None else None, y.data_ptr(), m, out_features, k,
         torch.get_num_threads())
     return y
+
+
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, weight_scales: torch.Tensor, act_scale: float,
+               prequant: torch.Tensor | None, bias: torch.Tensor | None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """FP8 linear of bf16 ``x`` ``[m, k]`` (fp8_linear.c): ``x * prequant / act_scale`` rounded to
+    e4m3, times the e4m3 ``codes`` (tile order, ``quant_pack`` with 8 bits, any 1-byte dtype),
+    each column's sum times ``act_scale * weight_scales[c]`` (float32 ``[n]``), plus ``bias``."""
+    m, k = x.shape
+    n = codes.shape[0]
+    y = _output(out, m, n, torch.bfloat16)
+    native_library().kiln_fp8_linear_bf16(
+        x.contiguous().data_ptr(), codes.data_ptr(), weight_scales.data_ptr(), act_scale,
+        prequant.data_ptr() if prequant is not None else None, bias.data_ptr() if bias is not None else None,
+        y.data_ptr(), m, n, k, torch.get_num_threads())
+    return y
+
+
+def fp8_quantize_rows(x: torch.Tensor, act_scale: float, prequant: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 ``x * prequant / act_scale`` rounded to the nearest e4m3 value (ties to even,
+    saturating at +-448), as ``fp8_linear`` rounds its input."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    native_library().kiln_fp8_quantize_rows(x.data_ptr(), x.shape[0], x.shape[1],
+                                            prequant.data_ptr() if prequant is not None else None, act_scale,
+                                            out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def fp8_to_bf16(codes: torch.Tensor) -> torch.Tensor:
+    """The bf16 values of e4m3 ``codes`` (any 1-byte dtype), as the kernels decode them."""
+    codes = codes.contiguous()
+    out = torch.empty(codes.shape, dtype=torch.bfloat16)
+    native_library().kiln_fp8_to_bf16(codes.data_ptr(), codes.numel(), out.data_ptr())
+    return out
 
 
 class LinearWeights(ctypes.Structure):

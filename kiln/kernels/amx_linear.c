@@ -68,16 +68,18 @@ static inline void prefetch_tiles(const bf16_t *w, int64_t wstride, int blocks) 
         for (int line = 0; line < 16; ++line) _mm_prefetch((const char *)(w + b * wstride) + 64 * line, _MM_HINT_T0);
 }
 
-/* The fp32 tile sums of rows [0, rows) and columns [0, 16 * blocks) to bf16 y (+ bias), 16
- * columns a vector (round to nearest even, as bf16_store). */
-static void store_rows(const float *acc, int64_t rows, int blocks, const bf16_t *bias, bf16_t *y, int64_t n) {
+/* The fp32 tile sums of rows [0, rows) and columns [0, 16 * blocks) to bf16 y (times the column
+ * scales, + bias), 16 columns a vector (round to nearest even, as bf16_store). */
+static void store_rows(const float *acc, int64_t rows, int blocks, const bf16_t *bias, const float *col_scale,
+                       bf16_t *y, int64_t n) {
     for (int b = 0; b < blocks; ++b) {
         __m512 bv = _mm512_setzero_ps();
         if (bias)
             bv = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + b * 16))), 16));
+        const __m512 sv = col_scale ? _mm512_loadu_ps(col_scale + b * 16) : _mm512_set1_ps(1.f);
         for (int64_t r = 0; r < rows; ++r) {
-            const __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + (b * 16 + r) * 16), bv);
+            const __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(acc + (b * 16 + r) * 16), sv, bv);
             _mm256_storeu_si256((__m256i *)(y + r * n + b * 16), (__m256i)_mm512_cvtneps_pbh(v));
         }
     }
@@ -165,7 +167,7 @@ static void two_row_blocks(const bf16_t *a0, const bf16_t *a1, int two_rows, con
  * of two walked by pairs of row blocks, whose loads go twice as far (and whose 576-column
  * matmuls split evenly over two threads, which panels of four did not). */
 void kiln_amx_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight, const bf16_t *bias,
-                            bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads) {
+                            const float *col_scale, bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads) {
     const int64_t nblocks = n / 16, kblocks = k / 32, mblocks = (m + 15) / 16;
     const int panel_blocks = mblocks == 1 ? 4 : 2;
     const int64_t panels = (nblocks + panel_blocks - 1) / panel_blocks;
@@ -186,20 +188,21 @@ void kiln_amx_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void
             const int blocks = nblocks - nb0 < panel_blocks ? (int)(nblocks - nb0) : panel_blocks;
             const bf16_t *w0 = get_panel(weight, nb0, blocks, kblocks, scratch);
             const bf16_t *panel_bias = bias ? bias + nb0 * 16 : NULL;
+            const float *panel_scale = col_scale ? col_scale + nb0 * 16 : NULL;
             for (int64_t mb = 0; mb < mblocks; mb += 2) {
                 const int64_t rows0 = m - mb * 16 < 16 ? m - mb * 16 : 16;
                 const bf16_t *a0 = rows0 == 16 ? x + mb * 16 * k : tail;
                 if (mblocks == 1) {
                     one_row_block(a0, w0, blocks, kblocks, k, stream, acc[0]);
-                    store_rows(acc[0], rows0, blocks, panel_bias, y + nb0 * 16, n);
+                    store_rows(acc[0], rows0, blocks, panel_bias, panel_scale, y + nb0 * 16, n);
                     break;
                 }
                 const int two_rows = mb + 1 < mblocks;
                 const int64_t rows1 = two_rows ? (m - (mb + 1) * 16 < 16 ? m - (mb + 1) * 16 : 16) : 0;
                 const bf16_t *a1 = rows1 == 16 ? x + (mb + 1) * 16 * k : tail;
                 two_row_blocks(a0, a1, two_rows, w0, blocks, kblocks, k, stream && mb == 0, acc[0], acc[1]);
-                store_rows(acc[0], rows0, blocks, panel_bias, y + mb * 16 * n + nb0 * 16, n);
-                if (two_rows) store_rows(acc[1], rows1, blocks, panel_bias, y + (mb + 1) * 16 * n + nb0 * 16, n);
+                store_rows(acc[0], rows0, blocks, panel_bias, panel_scale, y + mb * 16 * n + nb0 * 16, n);
+                if (two_rows) store_rows(acc[1], rows1, blocks, panel_bias, panel_scale, y + (mb + 1) * 16 * n + nb0 * 16, n);
             }
         }
         free(scratch);
@@ -210,7 +213,7 @@ void kiln_amx_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void
 
 void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
                           int64_t n, int64_t k, int num_threads) {
-    kiln_amx_linear_panels(x, packed_panel, packed, bias, y, m, n, k, num_threads);
+    kiln_amx_linear_panels(x, packed_panel, packed, bias, NULL, y, m, n, k, num_threads);
 }
 #else
 int kiln_amx_available(void) { return 0; }
@@ -219,8 +222,8 @@ void kiln_set_amx(int enabled) { (void)enabled; }
 
 /* Never called: callers ask kiln_amx_available() first. */
 void kiln_amx_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight, const bf16_t *bias,
-                            bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads) {
-    (void)x; (void)get_panel; (void)weight; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)num_threads;
+                            const float *col_scale, bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads) {
+    (void)x; (void)get_panel; (void)weight; (void)bias; (void)col_scale; (void)y; (void)m; (void)n; (void)k; (void)num_threads;
     abort();
 }
 

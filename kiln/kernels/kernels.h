@@ -34,11 +34,12 @@ void kiln_set_amx(int enabled);
 typedef const bf16_t *(*kiln_panel_fn)(const void *weight, int64_t nb0, int blocks, int64_t kblocks,
                                        bf16_t *scratch);
 void kiln_amx_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight, const bf16_t *bias,
-                            bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads);
-/* AMX where available (and not turned off), else AVX512-BF16 dot products, else plain C
+                            const float *col_scale, bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads);
+/* y[t][c] = (x W^T)[t][c] * col_scale[c] (no scale when NULL) + bias[c] (when not NULL): AMX
+ * where available (and not turned off), else AVX512-BF16 dot products, else plain C
  * (panel_linear.c). */
-void kiln_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight, const bf16_t *bias, bf16_t *y,
-                        int64_t m, int64_t n, int64_t k, int num_threads);
+void kiln_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight, const bf16_t *bias,
+                        const float *col_scale, bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads);
 void kiln_packed_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
                              int64_t n, int64_t k, int num_threads);
 void kiln_amx_pack_bf16(const bf16_t *w, bf16_t *packed, int64_t n, int64_t k, int num_threads);

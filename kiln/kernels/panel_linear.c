@@ -56,7 +56,7 @@ static inline __attribute__((always_inline)) void dot_tile(const bf16_t *x, int6
 }
 
 static void dot_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight, const bf16_t *bias,
-                              bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads, int streams) {
+                              const float *col_scale, bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads, int streams) {
     const int64_t nblocks = n / 16, kblocks = k / 32, wstride = kblocks * 512;
     const int64_t panels = (nblocks + PANEL_BLOCKS - 1) / PANEL_BLOCKS;
     _Pragma("omp parallel num_threads(num_threads)")
@@ -84,7 +84,8 @@ static void dot_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const vo
                 for (int t = 0; t < mt; ++t)
                     for (int c = 0; c < 16 * blocks; ++c) {
                         const int64_t col = nb0 * 16 + c;
-                        y[(t0 + t) * n + col] = bf16_store(out[t][c] + (bias ? bf16_load(bias[col]) : 0.f));
+                        const float v = col_scale ? out[t][c] * col_scale[col] : out[t][c];
+                        y[(t0 + t) * n + col] = bf16_store(v + (bias ? bf16_load(bias[col]) : 0.f));
                     }
             }
         }
@@ -94,8 +95,8 @@ static void dot_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const vo
 #endif
 
 /* Plain C over the same panels (CPUs without AVX512-BF16). */
-static void portable_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight, const bf16_t *bias,
-                                   bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads) {
+static void portable_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight,
+                                   const bf16_t *bias, const float *col_scale, bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads) {
     const int64_t nblocks = n / 16, kblocks = k / 32, wstride = kblocks * 512;
     const int64_t panels = (nblocks + PANEL_BLOCKS - 1) / PANEL_BLOCKS;
     _Pragma("omp parallel num_threads(num_threads)")
@@ -120,7 +121,8 @@ static void portable_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, con
                         }
                     for (int c = 0; c < 16; ++c) {
                         const int64_t col = (nb0 + b) * 16 + c;
-                        y[t * n + col] = bf16_store(acc[c] + (bias ? bf16_load(bias[col]) : 0.f));
+                        const float v = col_scale ? acc[c] * col_scale[col] : acc[c];
+                        y[t * n + col] = bf16_store(v + (bias ? bf16_load(bias[col]) : 0.f));
                     }
                 }
             }
@@ -144,26 +146,26 @@ static const bf16_t *packed_panel(const void *weight, int64_t nb0, int blocks, i
     return (const bf16_t *)weight + nb0 * kblocks * 512;
 }
 
-void kiln_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight, const bf16_t *bias, bf16_t *y,
-                        int64_t m, int64_t n, int64_t k, int num_threads) {
+void kiln_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight, const bf16_t *bias,
+                        const float *col_scale, bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads) {
     if (kiln_amx_available()) {
-        kiln_amx_linear_panels(x, get_panel, weight, bias, y, m, n, k, num_threads);
+        kiln_amx_linear_panels(x, get_panel, weight, bias, col_scale, y, m, n, k, num_threads);
         return;
     }
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    dot_linear_panels(x, get_panel, weight, bias, y, m, n, k, num_threads, get_panel == packed_panel);
+    dot_linear_panels(x, get_panel, weight, bias, col_scale, y, m, n, k, num_threads, get_panel == packed_panel);
 #else
-    portable_linear_panels(x, get_panel, weight, bias, y, m, n, k, num_threads);
+    portable_linear_panels(x, get_panel, weight, bias, col_scale, y, m, n, k, num_threads);
 #endif
 }
 
 void kiln_packed_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
                              int64_t n, int64_t k, int num_threads) {
-    kiln_linear_panels(x, packed_panel, packed, bias, y, m, n, k, num_threads);
+    kiln_linear_panels(x, packed_panel, packed, bias, NULL, y, m, n, k, num_threads);
 }
 
 /* The plain-C loop, callable on any CPU (tests compare it with the vector paths). */
 void kiln_portable_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
                                int64_t n, int64_t k, int num_threads) {
-    portable_linear_panels(x, packed_panel, packed, bias, y, m, n, k, num_threads);
+    portable_linear_panels(x, packed_panel, packed, bias, NULL, y, m, n, k, num_threads);
 }

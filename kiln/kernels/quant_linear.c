@@ -259,5 +259,5 @@ void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const float *
         return;
     }
 #endif
-    kiln_linear_panels(x, dequant_panel, &W, bias, y, m, n, k, num_threads);
+    kiln_linear_panels(x, dequant_panel, &W, bias, NULL, y, m, n, k, num_threads);
 }

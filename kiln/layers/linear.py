@@ -85,6 +85,7 @@ class Linear(nn.Module):
 
     quant_bits: int | None = None  # 8 or 4 once use_weight_only() switched the weight to codes
     act_quant: bool = False  # True once use_w8a8() switched to SmoothQuant W8A8 (int8 activations too)
+    fp8: bool = False  # True once use_fp8() switched to FP8 e4m3 weights and activations
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -104,22 +105,43 @@ class Linear(nn.Module):
                   "weights_scaling_factor": ((out_features,) if bits == 8 else (out_features, groups), torch.float32)}
         if bits == 4 and has_zero_point:
             shapes["zero"] = ((out_features, groups), torch.float32)
-        for name, (shape, dtype) in shapes.items():
-            tensor = tensors[name] if tensors is not None else torch.empty(shape, dtype=dtype, device=self.weight.device)
-            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                raise ValueError(f"{name}: expected {dtype} {list(shape)}, got {tensor.dtype} {list(tensor.shape)}")
-            setattr(self, name, nn.Parameter(tensor, requires_grad=False))
+        self._set_parameters(shapes, tensors)
         self.quant_bits, self.group_size, self.tile_order = bits, group_size, tile_order
 
     def use_prequant_scale(self, factor: torch.Tensor | None = None) -> None:
         """Give a quantized layer AWQ's ``prequant_scaling_factor`` (float32 ``[in_features]``,
         the given ``factor`` or an empty one): its input is multiplied by it before the matmul."""
-        shape = (self.in_features,)
-        tensor = factor if factor is not None else torch.empty(shape, dtype=torch.float32, device=self.weight.device)
-        if tuple(tensor.shape) != shape or tensor.dtype != torch.float32:
-            raise ValueError(f"prequant_scaling_factor: expected torch.float32 {list(shape)}, "
-                             f"got {tensor.dtype} {list(tensor.shape)}")
-        self.prequant_scaling_factor = nn.Parameter(tensor, requires_grad=False)
+        self._set_parameters({"prequant_scaling_factor": ((self.in_features,), torch.float32)},
+                             None if factor is None else {"prequant_scaling_factor": factor})
+
+    def use_activation_scale(self, scale: torch.Tensor | None = None) -> None:
+        """Give a 4-bit layer W4A8_AWQ's static ``activation_scaling_factor`` (float32 ``[1]``, the
+        given ``scale`` or an empty one): its input (after the prequant multiply) is rounded to
+        the FP8 e4m3 grid of that scale before the matmul."""
+        self._set_parameters({"activation_scaling_factor": ((1,), torch.float32)},
+                             None if scale is None else {"activation_scaling_factor": scale})
+
+    def use_fp8(self, tensors: dict[str, torch.Tensor] | None = None, *, tile_order: bool = False) -> None:
+        """Replace the float weight by FP8 parameters (kiln.quantization.fp8): e4m3 ``weight``
+        ``[out, in]`` (in the kernel's tile order in an engine), float32 ``weights_scaling_factor``
+        (per tensor, ``[1]``, in a checkpoint; per output column, ``[out]``, in an engine, so a
+        fused pair keeps both scales) and float32 ``activation_scaling_factor`` ``[1]``; the given
+        ``tensors``, or empty ones of those shapes."""
+        out_features, in_features = self.weight.shape
+        self._set_parameters({"weight": ((out_features, in_features), torch.float8_e4m3fn),
+                              "weights_scaling_factor": ((out_features if tile_order else 1,), torch.float32),
+                              "activation_scaling_factor": ((1,), torch.float32)}, tensors)
+        self.fp8, self.tile_order = True, tile_order
+
+    def _set_parameters(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                        tensors: dict[str, torch.Tensor] | None) -> None:
+        """Set each named parameter to ``tensors[name]`` (checked against its shape and dtype) or
+        to an empty tensor of that shape and dtype."""
+        for name, (shape, dtype) in shapes.items():
+            tensor = tensors[name] if tensors is not None else torch.empty(shape, dtype=dtype, device=self.weight.device)
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise ValueError(f"{name}: expected {dtype} {list(shape)}, got {tensor.dtype} {list(tensor.shape)}")
+            setattr(self, name, nn.Parameter(tensor, requires_grad=False))
 
     def use_w8a8(self, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Replace the float weight by SmoothQuant W8A8 parameters (kiln.quantization.smoothquant):
@@ -130,11 +152,7 @@ class Linear(nn.Module):
         shapes = {"weight": ((out_features, in_features), torch.int8),
                   "weights_scaling_factor": ((out_features,), torch.float32),
                   "prequant_scaling_factor": ((in_features,), torch.float32)}
-        for name, (shape, dtype) in shapes.items():
-            tensor = tensors[name] if tensors is not None else torch.empty(shape, dtype=dtype, device=self.weight.device)
-            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                raise ValueError(f"{name}: expected {dtype} {list(shape)}, got {tensor.dtype} {list(tensor.shape)}")
-            setattr(self, name, nn.Parameter(tensor, requires_grad=False))
+        self._set_parameters(shapes, tensors)
         self.act_quant = True
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -148,7 +166,13 @@ class Linear(nn.Module):
 
     def _quantized_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         prequant = getattr(self, "prequant_scaling_factor", None)
-        if prequant is not None:  # AWQ: the codes hold W diag(s), so the input is divided by s (one multiply)
+        act_scale = getattr(self, "activation_scaling_factor", None)
+        if act_scale is not None:  # W4A8_AWQ: the input on the e4m3 grid of its static scale, then the 4-bit matmul
+            from kiln.quantization.fp8 import fp8_round_input
+
+            x = fp8_round_input(x, act_scale, prequant, fast=self.tile_order) * act_scale
+            x = x.to(torch.bfloat16 if self.tile_order else x.dtype)
+        elif prequant is not None:  # AWQ: the codes hold W diag(s), so the input is divided by s (one multiply)
             x = (x * prequant).to(x.dtype)
         if not self.tile_order:  # a checkpoint's layout: a reference path, not a fast one
             return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
@@ -164,6 +188,10 @@ class Linear(nn.Module):
         (weight packed once)."""
         if self.quant_bits is not None:
             return self._quantized_matmul(x, bias)
+        if self.fp8:
+            from kiln.quantization.fp8 import fp8_linear
+
+            return fp8_linear(self, x, bias)
         if self.act_quant:
             from kiln.quantization.smoothquant import w8a8_linear
 

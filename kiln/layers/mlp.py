@@ -64,11 +64,12 @@ class GatedMLP(nn.Module):
             fc, gate = weights.pop(f"{prefix}fc.{name}", None), weights.pop(f"{prefix}gate.{name}", None)
             if fc is not None:
                 out[f"{prefix}fused_fc.{name}"] = torch.cat([fc, gate], dim=0)
-        # AWQ and SmoothQuant: fc and gate read one input, scaled by one factor; the fused linear keeps one copy.
-        fc, gate = (weights.pop(f"{prefix}{part}.prequant_scaling_factor", None) for part in ("fc", "gate"))
-        if fc is not None:
-            if gate is None or not torch.equal(fc, gate):
-                raise ConfigError(f"{prefix}fc and {prefix}gate need one shared prequant_scaling_factor "
-                                  "to be fused")
-            out[f"{prefix}fused_fc.prequant_scaling_factor"] = fc
+        # AWQ, SmoothQuant and FP8: fc and gate read one input, scaled by one factor (and, with FP8
+        # activations, rounded on one scale); the fused linear keeps one copy.
+        for name in ("prequant_scaling_factor", "activation_scaling_factor"):
+            fc, gate = (weights.pop(f"{prefix}{part}.{name}", None) for part in ("fc", "gate"))
+            if fc is not None:
+                if gate is None or not torch.equal(fc, gate):
+                    raise ConfigError(f"{prefix}fc and {prefix}gate need one shared {name} to be fused")
+                out[f"{prefix}fused_fc.{name}"] = fc
         return out

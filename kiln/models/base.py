@@ -283,11 +283,15 @@ class DecoderModelForCausalLM(nn.Module):
     def engine_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rewrite checkpoint tensors into this model's engine layout (fusions done once)."""
         weights = dict(weights)
+        for key in [k for k, w in weights.items() if k.endswith(".weight") and w.dtype == torch.float8_e4m3fn]:
+            # FP8: the per-tensor weight scale repeated per output column, so a fused pair keeps both.
+            scale_key = f"{key[:-6]}weights_scaling_factor"
+            weights[scale_key] = weights[scale_key].expand(weights[key].shape[0]).contiguous()
         for name, module in self.named_modules():
             rewrite = getattr(module, "engine_weights", None)
             if rewrite is not None and module is not self:
                 weights.update(rewrite(f"{name}.", weights))
-        # Weight-only quantized codes (int8: 8-bit, uint8: 4-bit pairs) go into the kernel's tile order;
+        # Quantized codes (int8 and e4m3: one a byte; uint8: 4-bit pairs) go into the kernel's tile order;
         # SmoothQuant W8A8 codes stay row-major for torch._int_mm.
         from kiln.quantization.weight_only import SMOOTHQUANT_ALGO
 
@@ -295,7 +299,7 @@ class DecoderModelForCausalLM(nn.Module):
             return weights
         for key in [k for k in weights if k.endswith(".weight") and f"{k[:-6]}weights_scaling_factor" in weights]:
             codes = weights[key]
-            weights[key] = kernels.quant_pack(codes, 8 if codes.dtype == torch.int8 else 4)
+            weights[key] = kernels.quant_pack(codes, 4 if codes.dtype == torch.uint8 else 8)
         return weights
 
     # -- construction from weights ----------------------------------------------------------

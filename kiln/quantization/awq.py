@@ -29,6 +29,8 @@ from kiln.quantization.weight_only import dequantize, quantizable_modules, quant
 log = logging.getLogger(__name__)
 
 AWQ_ALGO = "W4A16_AWQ"
+W4A8_AWQ_ALGO = "W4A8_AWQ"  # AWQ's 4-bit weights with FP8 e4m3 activations (static per-tensor scale)
+AWQ_ALGOS = (AWQ_ALGO, W4A8_AWQ_ALGO)
 AWQ_GROUP_SIZES = (64, 128)
 DEFAULT_GRID = 20
 
@@ -45,11 +47,22 @@ def _rtn(weight: torch.Tensor, group_size: int, has_zero_point: bool) -> torch.T
     return dequantize(quantize_weight(weight, 4, group_size, has_zero_point), 4, group_size)
 
 
+def _fp8_activations(x: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to the e4m3 grid of the static scale of inputs whose range is ``absmax``."""
+    from kiln.quantization.fp8 import activation_scale, round_to_e4m3
+
+    a = activation_scale(absmax)
+    return round_to_e4m3(x / a) * a
+
+
 def search_scale(weights: list[torch.Tensor], rows: torch.Tensor, abs_mean: torch.Tensor, group_size: int,
-                 has_zero_point: bool, grid: int = DEFAULT_GRID) -> tuple[torch.Tensor, float, float, float]:
+                 has_zero_point: bool, grid: int = DEFAULT_GRID,
+                 absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, float, float, float]:
     """The AWQ scale ``s`` for linears ``weights`` (``[out_i, in]`` each) sharing the input
     ``rows`` ``[n, in]``: ``alpha`` in ``{0, 1/grid, ..., (grid-1)/grid}`` minimising the summed
-    squared error ``||W x - Q(W diag(s)) (x / s)||^2``. Returns ``(s, alpha, error, rtn_error)``
+    squared error ``||W x - Q(W diag(s)) (x / s)||^2``. With the inputs' per-channel range
+    ``absmax`` (W4A8_AWQ), ``x / s`` is also rounded to FP8 on its static scale
+    (``max|x / s| / 448``) as the engine will. Returns ``(s, alpha, error, rtn_error)``
     (``rtn_error``: alpha 0, plain round-to-nearest)."""
     x = rows.float()
     w = torch.cat([wi.float() for wi in weights])  # one search for the group: the errors add up
@@ -59,7 +72,8 @@ def search_scale(weights: list[torch.Tensor], rows: torch.Tensor, abs_mean: torc
     for i in range(grid):
         alpha = i / grid
         s = awq_scale(abs_mean, alpha)
-        error = ((x / s) @ _rtn(w * s, group_size, has_zero_point).t() - reference).pow(2).sum().item()
+        xs = x / s if absmax is None else _fp8_activations(x / s, absmax / s)
+        error = (xs @ _rtn(w * s, group_size, has_zero_point).t() - reference).pow(2).sum().item()
         if i == 0:
             rtn_error = error
         if best is None or error < best[2]:
@@ -87,31 +101,34 @@ def _input_groups(names: list[str], stats: dict[str, InputStats]) -> list[list[s
 def check_awq_request(quant: QuantConfig, world_size: int, where: str) -> None:
     """ConfigErrors for AWQ settings kiln cannot honour, raised before any calibration."""
     if quant.group_size not in AWQ_GROUP_SIZES:
-        raise ConfigError(f"{where}: {AWQ_ALGO} takes --group_size {' or '.join(map(str, AWQ_GROUP_SIZES))}, "
+        raise ConfigError(f"{where}: {quant.quant_algo} takes --group_size {' or '.join(map(str, AWQ_GROUP_SIZES))}, "
                           f"got {quant.group_size}")
     if world_size != 1:
-        raise ConfigError(f"{where}: {AWQ_ALGO} calibrates the whole float model; convert with --tp_size 1 "
+        raise ConfigError(f"{where}: {quant.quant_algo} calibrates the whole float model; convert with --tp_size 1 "
                           f"--pp_size 1 (got {world_size} ranks)")
 
 
 def awq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[list[int]],
                        grid: int = DEFAULT_GRID, progress: bool = False) -> QuantConfig | None:
     """Calibrate ``model`` (float, one rank) on ``token_lists``, search each input group's AWQ
-    scale and quantize its linears in place. Returns what ``quantize_model`` returns."""
+    scale and quantize its linears in place (W4A8_AWQ: with each linear's static FP8 activation
+    scale, ``max|x / s| / 448``). Returns what ``quantize_model`` returns."""
     chosen, _ = quantizable_modules(model, quant)  # raises for a group size not dividing a layer
     names = [name for name, _ in chosen]
     if not names:
         return None
     if not token_lists:
-        raise ConfigError(f"{AWQ_ALGO}: no calibration text of 2 tokens or more")
+        raise ConfigError(f"{quant.quant_algo}: no calibration text of 2 tokens or more")
     stats = collect_linear_inputs(model, token_lists, names, progress=progress)
     modules = dict(chosen)
+    fp8_inputs = quant.quant_algo == W4A8_AWQ_ALGO
     scales: dict[str, torch.Tensor] = {}
     gains = []
     for group in _input_groups(names, stats):
         st = stats[group[0]]
         s, alpha, error, rtn_error = search_scale([modules[n].weight for n in group], st.rows_sample(), st.abs_mean,
-                                                  quant.group_size, quant.has_zero_point, grid)
+                                                  quant.group_size, quant.has_zero_point, grid,
+                                                  absmax=st.absmax if fp8_inputs else None)
         log.debug("AWQ %s: alpha %.2f, output error %.4g (round-to-nearest %.4g)", "+".join(group), alpha, error,
                   rtn_error)
         gains.append(error / rtn_error if rtn_error > 0 else 1.0)
@@ -119,5 +136,11 @@ def awq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[l
             scales[name] = s
     log.info("AWQ: %d input groups, output error %.1f%% of round-to-nearest's on average", len(gains),
              100 * sum(gains) / len(gains))
-    return quantize_model(model, quant, prequant_scales=scales)
+    recorded = quantize_model(model, quant, prequant_scales=scales)
+    if fp8_inputs:
+        from kiln.quantization.fp8 import activation_scale
+
+        for name in names:
+            modules[name].use_activation_scale(activation_scale(stats[name].absmax / scales[name]))
+    return recorded
 

@@ -31,12 +31,19 @@ log = logging.getLogger(__name__)
 # W4A16_GPTQ: W4A16's layout, imported from a GPTQ checkpoint (kiln.quantization.gptq), never
 # produced by round-to-nearest here. W4A16_AWQ: W4A16's layout of W diag(s) plus a
 # ``prequant_scaling_factor`` 1/s per linear (kiln.quantization.awq, calibrated at convert time).
-WEIGHT_ONLY_ALGOS = {"W8A16": 8, "W4A16": 4, "W4A16_GPTQ": 4, "W4A16_AWQ": 4}
+# W4A8_AWQ: W4A16_AWQ's tensors plus a static ``activation_scaling_factor``: the input is
+# rounded to FP8 e4m3 before the 4-bit matmul (emulated, kiln.quantization.fp8). All of them
+# hold integer codes in this module's layout.
+WEIGHT_ONLY_ALGOS = {"W8A16": 8, "W4A16": 4, "W4A16_GPTQ": 4, "W4A16_AWQ": 4, "W4A8_AWQ": 4}
 ROUND_TO_NEAREST_ALGOS = ("W8A16", "W4A16")
-PREQUANT_ALGOS = ("W4A16_AWQ",)
+PREQUANT_ALGOS = ("W4A16_AWQ", "W4A8_AWQ")
 DEFAULT_EXCLUDED = ("lm_head",)
 SMOOTHQUANT_ALGO = "W8A8_SQ_PER_CHANNEL"  # int8 activations too: kiln.quantization.smoothquant
-IMPLEMENTED_ALGOS = (*WEIGHT_ONLY_ALGOS, SMOOTHQUANT_ALGO)
+FP8_ALGO = "FP8"  # e4m3 weights and activations, per-tensor scales: kiln.quantization.fp8
+ACTIVATION_SCALE_ALGOS = (FP8_ALGO, "W4A8_AWQ")  # a static activation_scaling_factor per linear
+IMPLEMENTED_ALGOS = (*WEIGHT_ONLY_ALGOS, SMOOTHQUANT_ALGO, FP8_ALGO)
+# Engines of these compute in bfloat16 (their kernels take bf16 activations).
+BF16_ENGINE_ALGOS = (*WEIGHT_ONLY_ALGOS, FP8_ALGO)
 
 
 def quantize_weight(weight: torch.Tensor, bits: int, group_size: int = 64,
@@ -109,16 +116,22 @@ def quantized_modules(model: nn.Module, quant: QuantConfig) -> list[tuple[str, n
 def use_weight_only_layout(model: nn.Module, quant: QuantConfig, tile_order: bool) -> None:
     """Give the quantized linears of a model built on the meta device their quantized
     parameters (shapes only), so a quantized checkpoint or (``tile_order``) engine loads into it.
-    SmoothQuant W8A8 linears get theirs too (one layout for checkpoint and engine)."""
+    SmoothQuant W8A8 and FP8 linears get theirs too."""
     if quant.quant_algo == SMOOTHQUANT_ALGO:
         for _, linear in quantized_modules(model, quant):
             linear.use_w8a8()
+        return
+    if quant.quant_algo == FP8_ALGO:
+        for _, linear in quantized_modules(model, quant):
+            linear.use_fp8(tile_order=tile_order)
         return
     bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo)
     for _, linear in quantized_modules(model, quant):
         linear.use_weight_only(bits, quant.group_size, quant.has_zero_point, tile_order=tile_order)
         if quant.quant_algo in PREQUANT_ALGOS:
             linear.use_prequant_scale()
+        if quant.quant_algo in ACTIVATION_SCALE_ALGOS:
+            linear.use_activation_scale()
 
 
 def quantizable_modules(model: nn.Module, quant: QuantConfig) -> tuple[list[tuple[str, nn.Module]], list[str]]:
@@ -127,7 +140,7 @@ def quantizable_modules(model: nn.Module, quant: QuantConfig) -> tuple[list[tupl
     group size that does not divide a layer's input features."""
     from kiln import kernels
 
-    bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo)
+    bits = 8 if quant.quant_algo == FP8_ALGO else WEIGHT_ONLY_ALGOS.get(quant.quant_algo)  # FP8: 1-byte codes
     excluded = list(DEFAULT_EXCLUDED if quant.exclude_modules is None else quant.exclude_modules)
     chosen = []
     for name, linear in quantized_modules(model, quant):
@@ -154,15 +167,16 @@ def quantize_model(model: nn.Module, quant: QuantConfig,
     left in float (see ``quantizable_modules``), so a model built from it gets the same layout;
     None if no linear was quantized.
     """
-    if quant.quant_algo == SMOOTHQUANT_ALGO:
-        raise ConfigError(f"quantization.quant_algo {SMOOTHQUANT_ALGO} needs calibration: use "
-                          "kiln.quantization.smoothquant.smoothquant_model (kiln convert does)")
+    if quant.quant_algo in (SMOOTHQUANT_ALGO, FP8_ALGO):
+        raise ConfigError(f"quantization.quant_algo {quant.quant_algo} needs calibration: use "
+                          "kiln.quantization.smoothquant.smoothquant_model or kiln.quantization.fp8.fp8_quantize_model "
+                          "(kiln convert does)")
     awq = quant.quant_algo in PREQUANT_ALGOS
     if quant.quant_algo in WEIGHT_ONLY_ALGOS and quant.quant_algo not in ROUND_TO_NEAREST_ALGOS and not (
             awq and prequant_scales is not None):
         raise ConfigError(f"quantization.quant_algo {quant.quant_algo!r}: round-to-nearest quantization makes "
                           f"{list(ROUND_TO_NEAREST_ALGOS)}; W4A16_GPTQ comes from converting a GPTQ checkpoint, "
-                          "W4A16_AWQ from a calibrated convert (kiln.quantization.awq)")
+                          "W4A16_AWQ and W4A8_AWQ from a calibrated convert (kiln.quantization.awq)")
     bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo)
     chosen, excluded = quantizable_modules(model, quant)
     for name, linear in chosen:

@@ -106,8 +106,8 @@ def test_bad_quantization_requests_are_clear_errors(tmp_path):
     make_llama(tmp_path / "hf", hidden=64, layers=1, intermediate=128)
     with pytest.raises(ConfigError, match="group_size"):
         convert_and_build(tmp_path / "hf", tmp_path / "a", quantization=QuantConfig(quant_algo="W4A16", group_size=48))
-    with pytest.raises(ConfigError, match="not implemented yet"):
-        convert_and_build(tmp_path / "hf", tmp_path / "b", quantization=QuantConfig(quant_algo="W4A8_AWQ"))
+    with pytest.raises(ConfigError, match="quant_algo 'W3A16' is not one of"):
+        convert_and_build(tmp_path / "hf", tmp_path / "b", quantization=QuantConfig(quant_algo="W3A16"))
     from kiln.build import build_engine
     from kiln.convert import convert_checkpoint
 
