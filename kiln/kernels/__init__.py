@@ -439,11 +439,12 @@ def fp8_to_bf16(codes: torch.Tensor) -> torch.Tensor:
 
 
 class LinearWeights(ctypes.Structure):
-    """A linear layer for ``decode_step``: weight (tile-ordered codes when ``bits`` is 8 or 4),
-    bias (or NULL), AMX-packed copy (or NULL), and for quantized weights the group size,
-    float32 scales and zeros (or NULL)."""
+    """A linear layer for ``decode_step``: weight (tile-ordered codes when ``bits`` is 8 or 4, or
+    e4m3 codes when ``fp8``), bias (or NULL), tile-packed bf16 copy (or NULL), for quantized
+    weights the group size, float32 scales and zeros (or NULL), AWQ's ``prequant`` multiplier
+    (or NULL) and a static FP8 activation scale (FP8, W4A8_AWQ; 0 for none)."""
     _fields_ = [("weight", _PTR), ("bias", _PTR), ("packed", _PTR), ("bits", _I64), ("group", _I64),
-                ("scales", _PTR), ("zeros", _PTR)]
+                ("scales", _PTR), ("zeros", _PTR), ("prequant", _PTR), ("fp8", _I64), ("act_scale", ctypes.c_float)]
 
 
 class DecoderLayerWeights(ctypes.Structure):

@@ -28,18 +28,24 @@
 enum { LINEAR = 0, ATTENTION = 1, OTHER = 2 };
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "dtypes.h"
 #include "kernels.h"
 
-/* A linear's weight, bias (or NULL) and, for bf16 on AMX, its tile-packed copy (or NULL); a
- * weight-only quantized one (bits 8 or 4) has tile-ordered codes as its weight, float32
- * scales and zeros (or NULL), and its group size. */
+/* A linear's weight, bias (or NULL) and, for bf16, its tile-packed copy (or NULL); a weight-only
+ * quantized one (bits 8 or 4) has tile-ordered codes as its weight, float32 scales and zeros (or
+ * NULL), and its group size; an FP8 one (fp8 set) e4m3 codes in tile order and float32 scales
+ * per column. AWQ's input multiplier `prequant` (float32 [k], or NULL) and a static FP8
+ * activation scale `act_scale` (FP8, W4A8_AWQ; 0 for none) apply to the input first. */
 typedef struct {
     const void *weight, *bias, *packed;
     int64_t bits, group;
     const float *scales, *zeros;
+    const float *prequant;
+    int64_t fp8;
+    float act_scale;
 } kiln_linear;
 
 /* window: the layer's sliding attention window (0: none). */
@@ -64,9 +70,18 @@ int64_t kiln_decode_step_scratch(const kiln_decoder_dims *d, int64_t m) {
  * row, which the skinny GEMM streams faster (the same choice as kiln.layers.linear). */
 static void linear_bf16(const bf16_t *x, const kiln_linear *L, bf16_t *y, int64_t m, int64_t n, int64_t k,
                         int num_threads) {
-    if (L->bits) kiln_quant_linear_bf16(x, L->weight, L->scales, L->zeros, L->bits, L->group, L->bias, y, m, n, k,
-                                        num_threads);
-    else if (L->packed && m > 1) kiln_packed_linear_bf16(x, L->packed, L->bias, y, m, n, k, num_threads);
+    if (L->fp8) {
+        kiln_fp8_linear_bf16(x, L->weight, L->scales, L->act_scale, L->prequant, L->bias, y, m, n, k, num_threads);
+    } else if (L->bits) {
+        bf16_t *prepared = NULL;  /* the input after AWQ's multiply (and W4A8's FP8 rounding) */
+        if (L->prequant || L->act_scale > 0.f) {
+            prepared = malloc(sizeof(bf16_t) * m * k);
+            kiln_prepare_quant_input(x, m, k, L->prequant, L->act_scale, prepared, num_threads);
+        }
+        kiln_quant_linear_bf16(prepared ? prepared : x, L->weight, L->scales, L->zeros, L->bits, L->group, L->bias,
+                               y, m, n, k, num_threads);
+        free(prepared);
+    } else if (L->packed && m > 1) kiln_packed_linear_bf16(x, L->packed, L->bias, y, m, n, k, num_threads);
     else kiln_skinny_gemm_bf16(x, L->weight, L->bias, y, m, n, k, num_threads);
 }
 

@@ -105,6 +105,19 @@ void kiln_fp8_quantize_rows(const bf16_t *x, int64_t m, int64_t k, const float *
     }
 }
 
+/* The input of a weight-only quantized linear with AWQ's multiplier (prequant, float32 [k], or
+ * NULL) and, with act_scale > 0 (W4A8_AWQ), rounded to e4m3 on that static scale:
+ * bf16(Q(bf16(x * prequant) / a) * a), or bf16(x * prequant); as the layer-by-layer path rounds. */
+void kiln_prepare_quant_input(const bf16_t *x, int64_t m, int64_t k, const float *prequant, float act_scale,
+                              bf16_t *out, int num_threads) {
+    if (act_scale > 0.f) {
+        kiln_fp8_quantize_rows(x, m, k, prequant, act_scale, out, num_threads);
+        for (int64_t i = 0; i < m * k; ++i) out[i] = bf16_store(bf16_load(out[i]) * act_scale);
+        return;
+    }
+    for (int64_t i = 0; i < m * k; ++i) out[i] = bf16_store(bf16_load(x[i]) * prequant[i % k]);
+}
+
 /* Codes to bf16 values, one byte at a time (tests compare it with torch's own conversion). */
 void kiln_fp8_to_bf16(const uint8_t *codes, int64_t count, bf16_t *out) {
     for (int64_t i = 0; i < count; ++i) out[i] = e4m3_to_bf16(codes[i]);

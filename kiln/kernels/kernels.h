@@ -51,6 +51,14 @@ void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const float *
                             int64_t bits, int64_t group, const bf16_t *bias, bf16_t *y, int64_t m, int64_t n,
                             int64_t k, int num_threads);
 
+void kiln_fp8_quantize_rows(const bf16_t *x, int64_t m, int64_t k, const float *prequant, float act_scale,
+                            bf16_t *out, int num_threads);
+void kiln_fp8_linear_bf16(const bf16_t *x, const uint8_t *codes, const float *w_scale, float act_scale,
+                          const float *prequant, const bf16_t *bias, bf16_t *y, int64_t m, int64_t n, int64_t k,
+                          int num_threads);
+void kiln_prepare_quant_input(const bf16_t *x, int64_t m, int64_t k, const float *prequant, float act_scale,
+                              bf16_t *out, int num_threads);
+
 DECLARE_KERNELS(f32, float)
 DECLARE_KERNELS(bf16, bf16_t)
 

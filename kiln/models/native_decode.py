@@ -7,8 +7,9 @@ is the same, bit for bit). It applies to a model only when every layer is exactl
 shape that kernel computes: an RMSNorm of its own before attention and before the MLP
 (sequential, pre-norm: not OPT's post-norm nor a parallel layer), a fused qkv projection
 with rotate-half rotary (or none) and no q/k norm, plain causal attention or a sliding
-window (no soft-capping, no ALiBi), a fused SiLU-gated MLP, one rank, fp32 or bf16 weights,
-a float KV cache (an INT8 KV cache decodes layer by layer, through the int8 attention kernel);
+window (no soft-capping, no ALiBi), a fused SiLU-gated MLP, one rank, fp32 or bf16 weights
+(or, in bf16 engines, weight-only int8/4-bit codes with AWQ's input multiply, FP8 and
+W4A8_AWQ; not SmoothQuant's int8 activations), a float KV cache (an INT8 KV cache decodes layer by layer, through the int8 attention kernel);
 any other model (Gemma 2, BLOOM...), the PyTorch attention backend, steps with a
 prompt chunk and steps of more tokens than its matmuls are best at
 (``NativeDecodeStep.max_tokens``) take the layer-by-layer path.
@@ -24,6 +25,9 @@ from kiln.layers.mlp import GatedMLP
 from kiln.layers.normalization import RmsNorm
 
 UNLIMITED = 1 << 62
+# A quantized linear's parameters the native step reads as codes or float32 scales.
+QUANTIZED_PARAMETERS = ("weight", "weights_scaling_factor", "zero", "prequant_scaling_factor",
+                        "activation_scaling_factor")
 
 
 def supports_native_decode(model) -> bool:
@@ -53,13 +57,11 @@ def supports_native_decode(model) -> bool:
         for module in layer.modules():
             if getattr(module, "act_quant", False):  # SmoothQuant W8A8: decode_step has no int8-activation matmul
                 return False
-            quantized = getattr(module, "quant_bits", None) is not None
+            quantized = getattr(module, "quant_bits", None) is not None or getattr(module, "fp8", False)
             if quantized and not (module.tile_order and dtype == torch.bfloat16):
                 return False
-            if hasattr(module, "prequant_scaling_factor"):  # the native step has no AWQ input multiply
-                return False
             floats = [p for name, p in module.named_parameters(recurse=False)
-                      if not (quantized and name in ("weight", "weights_scaling_factor", "zero"))]
+                      if not (quantized and name in QUANTIZED_PARAMETERS)]
             if any(p.dtype != dtype for p in floats):
                 return False
         if layer.input_layernorm.eps != layer.post_layernorm.eps:
@@ -92,7 +94,7 @@ class NativeDecodeStep:
             for field, linear in (("qkv", attn.qkv), ("dense", attn.dense), ("fused_fc", mlp.fused_fc),
                                   ("proj", mlp.proj)):
                 setattr(entry, field, _linear_weights(linear))
-                packed_everywhere &= bool(linear.quant_bits or getattr(entry, field).packed)
+                packed_everywhere &= bool(linear.quant_bits or linear.fp8 or getattr(entry, field).packed)
         # How many tokens a step may have: any number on AMX tiles or quantized weights; fp32
         # up to the skinny GEMM's limit (MKL wins beyond); bf16 without AMX one (oneDNN wins).
         if self.dtype == torch.bfloat16:
@@ -133,12 +135,19 @@ class NativeDecodeStep:
 
 
 def _linear_weights(linear) -> kernels.LinearWeights:
-    """A linear layer's pointers: its weight (codes when quantized), bias, AMX-packed copy."""
+    """A linear layer's pointers: its weight (codes when quantized), bias, tile-packed copy, and
+    a quantized layer's scales, zeros, AWQ multiplier and static FP8 activation scale."""
     ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+    act_scale = getattr(linear, "activation_scaling_factor", None)
+    extras = dict(prequant=ptr(getattr(linear, "prequant_scaling_factor", None)),
+                  act_scale=float(act_scale) if act_scale is not None else 0.0)
+    if linear.fp8:
+        return kernels.LinearWeights(ptr(linear.weight), ptr(linear.bias), None, 0, 0,
+                                     ptr(linear.weights_scaling_factor), None, fp8=1, **extras)
     if linear.quant_bits:
         return kernels.LinearWeights(ptr(linear.weight), ptr(linear.bias), None, linear.quant_bits,
                                      linear.group_size, ptr(linear.weights_scaling_factor),
-                                     ptr(getattr(linear, "zero", None)))
+                                     ptr(getattr(linear, "zero", None)), fp8=0, **extras)
     packed = linear.packed_weight() if linear.weight.dtype == torch.bfloat16 else None
     return kernels.LinearWeights(ptr(linear.weight), ptr(linear.bias), ptr(packed), 0, 0, None, None)
 

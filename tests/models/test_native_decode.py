@@ -16,6 +16,7 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from tests.conftest import convert_and_build
 from tests.utils.tiny_models import make_gpt2, make_llama
+from tests.utils.tiny_tokenizer import VOCAB_SIZE, save_tiny_tokenizer
 
 CASES = {  # name: (make_llama options, engine dtype or weight-only quant_algo)
     "llama-fp32": (dict(num_heads=4, num_kv_heads=2), "float32"),
@@ -25,6 +26,10 @@ CASES = {  # name: (make_llama options, engine dtype or weight-only quant_algo)
     "qwen2-bias-bf16": (dict(num_heads=4, num_kv_heads=2, model_type="qwen2"), "bfloat16"),
     # Weight-only 4-bit linears (with zero points): any number of tokens.
     "llama-w4a16": (dict(num_heads=4, num_kv_heads=2, intermediate=128), "W4A16"),
+    # Calibrated modes: AWQ's input multiply; FP8 weights and activations; W4A8's FP8-rounded input.
+    "llama-awq": (dict(num_heads=4, num_kv_heads=2, intermediate=128), "W4A16_AWQ"),
+    "llama-fp8": (dict(num_heads=4, num_kv_heads=2, intermediate=128), "FP8"),
+    "llama-w4a8-awq": (dict(num_heads=4, num_kv_heads=2, intermediate=128), "W4A8_AWQ"),
     "llama3-rope-fp32": (dict(num_heads=8, num_kv_heads=8, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}), "float32"),
@@ -35,10 +40,18 @@ CASES = {  # name: (make_llama options, engine dtype or weight-only quant_algo)
 def engine_dir(request, tmp_path_factory):
     options, dtype = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    make_llama(root / "hf", hidden=64, layers=3, **options)
+    calibrated = dtype in ("W4A16_AWQ", "FP8", "W4A8_AWQ")
+    make_llama(root / "hf", hidden=64, layers=3, **options, **(dict(vocab=VOCAB_SIZE) if calibrated else {}))
     if dtype == "W4A16":
         quant = QuantConfig(quant_algo="W4A16", group_size=32, has_zero_point=True)
         return convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4}, quantization=quant)
+    if calibrated:
+        save_tiny_tokenizer(root / "hf")
+        calib = root / "calib.txt"
+        calib.write_text("Calibration text: the quick brown fox jumps over the lazy dog, then runs away again.")
+        quant = QuantConfig(quant_algo=dtype, group_size=64, has_zero_point=True)
+        return convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4}, quantization=quant,
+                                 calib_dataset=str(calib), calib_size=1)
     return convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4}, dtype=dtype)
 
 
