@@ -19,7 +19,7 @@ from kiln.quantization.awq import AWQ_ALGOS, awq_quantize_model, check_awq_reque
 from kiln.quantization.calibration import DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
 from kiln.quantization.fp8 import fp8_quantize_model
 from kiln.quantization.gptq import gptq_settings
-from kiln.quantization.weight_only import FP8_ALGO
+from kiln.quantization.weight_only import FP8_ALGO, untie_lm_head_for
 from kiln.quantization.smoothquant import DEFAULT_ALPHA, smoothquant_model
 
 logger = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ def _quantize(model, quantization: QuantConfig, where: str, calibration: list[li
               smoothquant_alpha: float = DEFAULT_ALPHA, progress: bool = False):
     """Quantize ``model`` in place (AWQ and SmoothQuant: calibrated on the token lists
     ``calibration``); its config records what was quantized (see ``quantize_model``)."""
+    untie_lm_head_for(model, quantization)  # a quantized head gets its own copy of a tied table
     if quantization.quant_algo in AWQ_ALGOS:
         recorded = awq_quantize_model(model, quantization, calibration, progress=progress)
     elif quantization.quant_algo == SMOOTHQUANT_ALGO:

@@ -47,7 +47,9 @@ def add_parser(sub) -> None:
                    help="W4A16: asymmetric codes with a zero point per group (default: symmetric)")
     p.add_argument("--exclude_modules", nargs="*", default=None, metavar="PATTERN",
                    help="linear layers left unquantized: names or fnmatch patterns of a full module name or its "
-                        "last part (default: lm_head; give none to quantize every untied layer)")
+                        "last part (default: lm_head; give the flag with no name to quantize every layer, the "
+                        "LM head too: a head tied to the embedding table then gets its own quantized copy while "
+                        "the lookup keeps the float table)")
     p.add_argument("--kv_cache_quant_algo", default=None, metavar="INT8",
                    help="INT8: store K and V in the paged KV cache as int8 with static per-tensor scales per layer "
                         "(K and V separately: max|x|/127 over the calibration texts, run through the float model "

@@ -376,8 +376,8 @@ def quant_shape_tiles(out_features: int, in_features: int, bits: int, group_size
 
 
 def quant_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Row-major codes (int8 ``[n, k]``, or 4-bit pairs ``[n, k / 2]`` low nibble first) in the
-    kernel's tile order; same dtype and shape."""
+    """Row-major codes (int8 or e4m3 ``[n, k]``, or 4-bit pairs ``[n, k / 2]`` low nibble first)
+    in the kernels' order (quant_linear.c: int8 tiles, 4-bit chunks); same dtype and shape."""
     n, width = codes.shape
     k = width if bits == 8 else 2 * width
     if native_library() is None or not quant_shape_tiles(n, k, bits, 32) or codes.element_size() != 1:
@@ -389,12 +389,30 @@ def quant_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
+def quant_pack_scales(scales: torch.Tensor, zeros: torch.Tensor | None,
+                      bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A checkpoint's float32 scales (and zero points) in the kernels' layout: int8's ``[n]``
+    unchanged; 4-bit's ``[n, groups]`` as float16 ``[n / 16, groups, 16]`` (zero points as
+    uint8 in the same order), so a block's 16 scales are one vector load. kiln's quantizers
+    give float16-exact scales, so nothing is rounded here."""
+    if bits == 8:
+        return scales.float().contiguous(), None
+
+    def tiled(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        n, groups = t.shape
+        return t.reshape(n // 16, 16, groups).transpose(1, 2).to(dtype).contiguous()
+
+    if zeros is not None and (zeros.min() < 0 or zeros.max() > 15 or not torch.equal(zeros, zeros.round())):
+        raise ValueError("quant_pack_scales: 4-bit zero points must be whole numbers in 0..15")
+    return tiled(scales, torch.float16), None if zeros is None else tiled(zeros, torch.uint8)
+
+
 def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
                  group_size: int, bias: torch.Tensor | None, out_features: int, *,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` of bf16 ``x`` ``[m, k]`` with a weight-only quantized weight: tile-ordered
-    ``codes`` (``quant_pack``), float32 ``scales`` ``[n]`` (8-bit) or ``[n, k / group_size]``,
-    float32 ``zeros`` like them or None (see quant_linear.c)."""
+    """``F.linear`` of bf16 ``x`` ``[m, k]`` with a weight-only quantized weight in the kernels'
+    layout: ``codes`` from ``quant_pack``, ``scales`` and ``zeros`` (or None) from
+    ``quant_pack_scales`` (see quant_linear.c)."""
     m, k = x.shape
     y = _output(out, m, out_features, torch.bfloat16)
     native_library().kiln_quant_linear_bf16(

@@ -42,7 +42,7 @@ enum { LINEAR = 0, ATTENTION = 1, OTHER = 2 };
 typedef struct {
     const void *weight, *bias, *packed;
     int64_t bits, group;
-    const float *scales, *zeros;
+    const void *scales, *zeros;  /* float32 [n] (int8, FP8), or float16 scales and uint8 zeros (4-bit) */
     const float *prequant;
     int64_t fp8;
     float act_scale;

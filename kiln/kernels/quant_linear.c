@@ -2,19 +2,23 @@
  * scale, W8A16) or 4-bit codes (a scale, and optionally a zero point, per group of k, W4A16);
  * x, y and b bfloat16.
  *
- * Codes are stored in the AMX tile order of amx_linear.c (one byte per int8 code, 512 a tile;
- * 4-bit codes two a byte, 256 a tile: tile rows 2j and 2j + 1 share 32 bytes, row 2j in the
- * low nibbles, so one 16-bit widening and a mask or a shift give either row), so
- * a panel's tiles dequantize with straight vector loads into a per-thread scratch that the
- * AMX kernel then multiplies for every row block of x: each weight byte is read from memory
- * once per call, and dequantized once per call, whatever the number of rows.
- *
  *   int8:  w[c][k] = q * scale[c]                         (q signed, -127..127)
  *   4-bit: w[c][k] = (u - zero[c][g]) * scale[c][g]       (u 0..15; zero 8 when not stored;
  *                                                          g = k / group)
- * computed in fp32 as u * s + (-zero * s) and rounded to bf16 for the tile paths (AMX, or
- * without AMX a portable loop over the same panels); one row of x takes a GEMV over the codes
- * that applies the scales after the sums instead (quant_gemv).
+ *
+ * Engine layouts (kiln build; kiln.kernels.quant_pack / quant_pack_scales):
+ *   int8 codes in the tile order of amx_linear.c, one byte a code (512 bytes a 16 x 32 tile:
+ *     tile row p holds each column's pair of k); scales float32 [n].
+ *   4-bit codes in "chunks": per 16-column block, each 8 consecutive k take 64 bytes, byte
+ *     4c + i holding w[c][8j + i] in its low nibble and w[c][8j + 4 + i] in its high nibble. One
+ *     64-byte load and a mask (or a shift) give 16 lanes of 4 codes of one column each: the
+ *     operand VPDPBUSD multiplies by 4 bytes of x. Scales float16 [n / 16][groups][16] and zero
+ *     points uint8 in the same order, so a block's 16 scales are one vector load.
+ *
+ * A few rows of x take a GEMV straight from the codes in integers (quant_gemv); more rows, the
+ * codes of a panel dequantized (u * s + (-zero * s) in fp32, rounded to bf16) into the tile
+ * layout of the shared panel kernel (AMX, or AVX512-BF16 dot products), which multiplies them
+ * for every row of x: each code is read and dequantized once per call.
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,90 +32,129 @@
 #endif
 
 typedef struct {
-    const uint8_t *codes;  /* tile order, see above */
-    const float *scales;   /* [n] (bits 8) or [n, k / group] (bits 4) */
-    const float *zeros;    /* [n, k / group] in code units, or NULL */
+    const uint8_t *codes;      /* see the layouts above */
+    const float *scales8;      /* bits 8: [n] */
+    const uint16_t *scales4;   /* bits 4: float16 [n / 16][groups][16] */
+    const uint8_t *zeros4;     /* bits 4: [n / 16][groups][16], or NULL (8) */
     int64_t n, k, group, bits;
 } kiln_qweight;
 
-/* Tile order from row-major codes: int8 [n, k] or packed 4-bit [n, k / 2] (byte j of a row holds
- * codes 2j in its low and 2j + 1 in its high nibble). */
+static inline float half_load(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    union { uint32_t u; float f; } v;
+    if (e == 0) return (sign ? -1.f : 1.f) * ldexpf((float)m, -24);  /* zero and subnormals */
+    v.u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    return v.f;
+}
+
+/* Tile / chunk order from row-major codes: int8 [n, k] or packed 4-bit [n, k / 2] (byte j of a
+ * row holds codes 2j in its low and 2j + 1 in its high nibble). */
 void kiln_quant_pack(const uint8_t *codes, uint8_t *out, int64_t n, int64_t k, int64_t bits, int num_threads) {
-    const int64_t kblocks = k / 32;
+    const int64_t kblocks = k / 32, chunks = k / 8;
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
-    for (int64_t nb = 0; nb < n / 16; ++nb)
-        for (int64_t kb = 0; kb < kblocks; ++kb) {
-            if (bits == 8) {  /* 16-bit units (the pair of one column): a 16 x 16 transpose */
+    for (int64_t nb = 0; nb < n / 16; ++nb) {
+        if (bits == 8) {  /* 16-bit units (the pair of one column): a 16 x 16 transpose per tile */
+            for (int64_t kb = 0; kb < kblocks; ++kb) {
                 uint16_t *tile = (uint16_t *)(out + (nb * kblocks + kb) * 512);
                 for (int c = 0; c < 16; ++c) {
                     const uint16_t *row = (const uint16_t *)(codes + (nb * 16 + c) * k + kb * 32);
                     for (int p = 0; p < 16; ++p) tile[p * 16 + c] = row[p];
                 }
-            } else {  /* tile rows 2j and 2j + 1 share 32 bytes: low and high nibbles */
-                uint8_t *tile = out + (nb * kblocks + kb) * 256;
-                for (int c = 0; c < 16; ++c) {
-                    const uint8_t *row = codes + (nb * 16 + c) * (k / 2) + kb * 16;  /* byte p: k pair p */
-                    for (int p = 0; p < 16; ++p)
-                        for (int e = 0; e < 2; ++e) {
-                            const uint8_t u = (row[p] >> (4 * e)) & 0x0f;
-                            uint8_t *at = tile + (p / 2) * 32 + 2 * c + e;
-                            *at = p % 2 ? (uint8_t)((*at & 0x0f) | (u << 4)) : u;
-                        }
+            }
+            continue;
+        }
+        for (int64_t j = 0; j < chunks; ++j) {
+            uint8_t *chunk = out + (nb * chunks + j) * 64;
+            for (int c = 0; c < 16; ++c) {
+                const uint8_t *row = codes + (nb * 16 + c) * (k / 2) + j * 4;  /* k 8j .. 8j + 7 */
+                for (int i = 0; i < 4; ++i) {
+                    const uint8_t low = (row[i / 2] >> (4 * (i % 2))) & 0x0f;        /* k 8j + i */
+                    const uint8_t high = (row[2 + i / 2] >> (4 * (i % 2))) & 0x0f;   /* k 8j + 4 + i */
+                    chunk[4 * c + i] = (uint8_t)(low | (high << 4));
                 }
             }
         }
+    }
 }
 
-/* Scale and offset of the 16 columns of block nb at k block kb (fp32). */
-static inline void column_scales(const kiln_qweight *W, int64_t nb, int64_t kb, float s[16], float o[16]) {
-    const int64_t groups = W->bits == 8 ? 1 : W->k / W->group, g = W->bits == 8 ? 0 : kb * 32 / W->group;
-    const float default_zero = W->bits == 8 ? 0.f : 8.f;
-    for (int c = 0; c < 16; ++c) {
-        const int64_t at = (nb * 16 + c) * groups + g;
-        s[c] = W->scales[at];
-        o[c] = -(W->zeros ? W->zeros[at] : default_zero) * s[c];
+/* Scale and offset (-zero * scale) of the 16 columns of block nb in group g (fp32). */
+static inline void column_scales(const kiln_qweight *W, int64_t nb, int64_t g, float s[16], float o[16]) {
+    if (W->bits == 8) {
+        for (int c = 0; c < 16; ++c) {
+            s[c] = W->scales8[nb * 16 + c];
+            o[c] = 0.f;
+        }
+        return;
     }
+    const int64_t at = (nb * (W->k / W->group) + g) * 16;
+    for (int c = 0; c < 16; ++c) {
+        s[c] = half_load(W->scales4[at + c]);
+        o[c] = -(W->zeros4 ? (float)W->zeros4[at + c] : 8.f) * s[c];
+    }
+}
+
+/* The 4-bit code of column c, k index kk (kk < 32) of k block kb in block nb (chunk order). */
+static inline int code4(const kiln_qweight *W, int64_t nb, int64_t kb, int c, int kk) {
+    const uint8_t byte = W->codes[(nb * (W->k / 8) + kb * 4 + kk / 8) * 64 + 4 * c + kk % 4];
+    return (kk % 8) < 4 ? byte & 0x0f : byte >> 4;
 }
 
 static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, int64_t kblocks, bf16_t *scratch) {
     const kiln_qweight *W = weight;
-    const int64_t tile_bytes = W->bits == 8 ? 512 : 256;
     for (int b = 0; b < blocks; ++b)
         for (int64_t kb = 0; kb < kblocks; ++kb) {
             float s[16], o[16];
-            column_scales(W, nb0 + b, kb, s, o);
-            const uint8_t *tile = W->codes + ((nb0 + b) * kblocks + kb) * tile_bytes;
+            column_scales(W, nb0 + b, W->bits == 8 ? 0 : kb * 32 / W->group, s, o);
             bf16_t *out = scratch + (b * kblocks + kb) * 512;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
             /* lane i of a 16-lane half is column i / 2 (+ 8 for the upper half) */
             const __m512i lo_idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
             const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
             const __m512 sv = _mm512_loadu_ps(s), ov = _mm512_loadu_ps(o);
             const __m512 s_lo = _mm512_permutexvar_ps(lo_idx, sv), s_hi = _mm512_permutexvar_ps(hi_idx, sv);
             const __m512 o_lo = _mm512_permutexvar_ps(lo_idx, ov), o_hi = _mm512_permutexvar_ps(hi_idx, ov);
-            for (int p = 0; p < 16; ++p) {
-                __m512i lo, hi;
-                if (W->bits == 8) {
+            /* a chunk's dword c holds 4 k of column c; tile row 4j + q wants bytes 2q, 2q + 1 of
+             * each dword (q < 2: low nibbles, else high): gather them as the rows' 32-byte halves */
+            const __m512i pick = _mm512_set_epi8(  /* 4-bit chunks (int8 tiles are in place: above) */
+                63, 62, 59, 58, 55, 54, 51, 50, 47, 46, 43, 42, 39, 38, 35, 34,
+                31, 30, 27, 26, 23, 22, 19, 18, 15, 14, 11, 10, 7, 6, 3, 2,
+                61, 60, 57, 56, 53, 52, 49, 48, 45, 44, 41, 40, 37, 36, 33, 32,
+                29, 28, 25, 24, 21, 20, 17, 16, 13, 12, 9, 8, 5, 4, 1, 0);
+            if (W->bits == 8) {
+                const uint8_t *tile = W->codes + ((nb0 + b) * kblocks + kb) * 512;
+                for (int p = 0; p < 16; ++p) {
                     const __m256i q = _mm256_loadu_si256((const __m256i *)(tile + p * 32));
-                    lo = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(q));
-                    hi = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1));
-                } else {
-                    const __m256i q = _mm256_loadu_si256((const __m256i *)(tile + (p / 2) * 32));
-                    const __m256i u = _mm256_and_si256(_mm256_srli_epi16(q, 4 * (p % 2)), _mm256_set1_epi8(0x0f));
-                    lo = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(u));
-                    hi = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(u, 1));
+                    const __m512 f_lo = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s_lo, o_lo);
+                    const __m512 f_hi = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s_hi, o_hi);
+                    _mm512_storeu_si512(out + p * 32, (__m512i)_mm512_cvtne2ps_pbh(f_hi, f_lo));
                 }
-                const __m512 f_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), s_lo, o_lo);
-                const __m512 f_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), s_hi, o_hi);
-                _mm512_storeu_si512(out + p * 32, (__m512i)_mm512_cvtne2ps_pbh(f_hi, f_lo));
+                continue;
+            }
+            const __m512i mask = _mm512_set1_epi8(0x0f);
+            for (int j = 0; j < 4; ++j) {
+                const __m512i bytes = _mm512_loadu_si512(W->codes + ((nb0 + b) * (W->k / 8) + kb * 4 + j) * 64);
+                const __m512i nibbles[2] = {_mm512_and_si512(bytes, mask),
+                                            _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask)};
+                for (int h = 0; h < 2; ++h) {
+                    const __m512i rows = _mm512_permutexvar_epi8(pick, nibbles[h]);  /* rows 4j + 2h, 4j + 2h + 1 */
+                    for (int r = 0; r < 2; ++r) {
+                        const __m256i u = r ? _mm512_extracti64x4_epi64(rows, 1) : _mm512_castsi512_si256(rows);
+                        const __m512 f_lo = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u))), s_lo, o_lo);
+                        const __m512 f_hi = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u, 1))), s_hi, o_hi);
+                        _mm512_storeu_si512(out + (4 * j + 2 * h + r) * 32, (__m512i)_mm512_cvtne2ps_pbh(f_hi, f_lo));
+                    }
+                }
             }
 #else
             for (int p = 0; p < 16; ++p)
                 for (int i = 0; i < 32; ++i) {
                     const int c = i / 2;
-                    float u;
-                    if (W->bits == 8) u = (float)(int8_t)tile[p * 32 + i];
-                    else u = (float)((tile[(p / 2) * 32 + i] >> (4 * (p % 2))) & 0x0f);
+                    const float u = W->bits == 8 ? (float)(int8_t)W->codes[((nb0 + b) * kblocks + kb) * 512 + p * 32 + i]
+                                                 : (float)code4(W, nb0 + b, kb, c, 2 * p + i % 2);
                     out[p * 32 + i] = bf16_store(u * s[c] + o[c]);
                 }
 #endif
@@ -119,86 +162,133 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
     return scratch;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define HAVE_QUANT_GEMV 1
-/* One row of x (batch-1 decode) straight from the codes, in integers: x is scaled per call to
- * 16-bit fixed point (error at most 2^-15 of its largest value, finer than its own bf16
- * rounding for all but tiny entries) and VPDPWSSD multiplies code pairs by x pairs into int32
- * lanes, one lane per output column (the tile order puts a column's k pair in one lane).
- * Converting codes to floats instead ran 3x slower than the memory here. The int32 sums are
- * flushed to fp32 per group (4-bit) or every FLUSH k blocks (8-bit, before they could
- * overflow), times scale * x's scale; a group's zero point comes in through its sum of x. */
-#define FLUSH_KBLOCKS 16  /* 16 * 32 * 16383 * 127 < 2^31 */
-#define QUANT_GEMV_MAX_ROWS 8  /* beyond, dequantized tiles on AMX win (benchmarks/README.md) */
+/* A few rows of x (decode steps) straight from the codes, in integers: each row of x is
+ * scaled to 16-bit fixed point (error at most 2^-15 of its largest value, finer than its own
+ * bf16 rounding for all but tiny entries). Converting codes to floats instead ran 3x slower
+ * than the memory here. The integer sums are flushed to fp32 per span of k (a group, or at
+ * most 512 k, before they could overflow), times scale * x's scale; a group's zero point
+ * comes in through its sum of x.
+ *   int8: VPDPWSSD multiplies the tile order's code pairs (widened to 16 bits) by x pairs.
+ *   4-bit: VPDPBUSD multiplies a chunk's 4 codes of a column (unsigned bytes, one mask or
+ *   shift from the load) by 4 bytes of x, twice: x = 128 hi + lo with hi signed and lo in
+ *   0..127, so each 64-byte load feeds 4 instructions per row and nothing is widened. */
+#define QUANT_GEMV_MAX_ROWS 8  /* beyond, dequantized tiles on the panel kernel win */
 
-/* MT rows (1-4) of x against NB (1 or 4) output blocks; both constant once inlined. */
-static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight *W, const int16_t *xq,
-                                                             const float *xsum, const float *xscale, int MT,
-                                                             int64_t nb0, int NB, float *out) {
-    const int64_t k = W->k, kblocks = k / 32, tile_bytes = W->bits == 8 ? 512 : 256;
-    const int64_t span = W->bits == 8 ? FLUSH_KBLOCKS : W->group / 32;  /* k blocks per flush */
-    const int64_t groups = W->bits == 8 ? 1 : k / W->group;
+/* k per flush: a divisor of the group (a multiple of 32) of at most 512 k. */
+static inline int64_t flush_span(const kiln_qweight *W) {
+    if (W->bits == 8) return 512;
+    int64_t blocks = W->group / 32, best = 1;
+    for (int64_t d = 1; d <= 16; ++d)
+        if (blocks % d == 0) best = d;
+    return best * 32;
+}
+
+static inline void load_block_scales(const kiln_qweight *W, int64_t nb, int64_t g, __m512 *s, __m512 *o) {
+    if (W->bits == 8) {
+        *s = _mm512_loadu_ps(W->scales8 + nb * 16);
+        *o = _mm512_setzero_ps();
+        return;
+    }
+    const int64_t at = (nb * (W->k / W->group) + g) * 16;
+    *s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(W->scales4 + at)));
+    const __m512 z = W->zeros4 ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(W->zeros4 + at))))
+                               : _mm512_set1_ps(8.f);
+    *o = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), z), *s);
+}
+
+static inline __m512i bcast32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+/* x prepared for the GEMV: 16-bit codes (int8 weights) or their hi/lo bytes (4-bit), each row's
+ * scale, and the sum of each span's x as the kernel sees it. */
+typedef struct {
+    const int16_t *x16;
+    const int8_t *hi, *lo;
+    const float *xscale, *xsum;
+    int64_t spans;
+} gemv_input;
+
+/* MT rows (1-4) of x against NB (1, 2 or 4) output blocks; both constant once inlined. */
+static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight *W, const gemv_input *in,
+                                                             int64_t t0, int MT, int64_t nb0, int NB, float *out) {
+    const int64_t k = W->k, span = flush_span(W), groups = W->bits == 8 ? 1 : k / W->group;
     __m512 total[4][4];
     for (int t = 0; t < MT; ++t)
         for (int b = 0; b < NB; ++b) total[t][b] = _mm512_setzero_ps();
-    for (int64_t kb0 = 0; kb0 < kblocks; kb0 += span) {
-        const int64_t kb1 = kb0 + span < kblocks ? kb0 + span : kblocks;
-        __m512i acc[4][4];
+    for (int64_t k0 = 0; k0 < k; k0 += span) {
+        const int64_t k1 = k0 + span < k ? k0 + span : k;
+        __m512i acc[4][4], acc_hi[4][4];
         for (int t = 0; t < MT; ++t)
-            for (int b = 0; b < NB; ++b) acc[t][b] = _mm512_setzero_si512();
-        for (int64_t kb = kb0; kb < kb1; ++kb) {
-            const uint8_t *tiles[4];
-            for (int b = 0; b < NB; ++b) {
-                tiles[b] = W->codes + ((nb0 + b) * kblocks + kb) * tile_bytes;
-                _mm_prefetch((const char *)(tiles[b] + 2 * tile_bytes), _MM_HINT_T0);
-            }
-            for (int p = 0; p < 16; p += 2) {
-                __m512i x0[4], x1[4];
-                for (int t = 0; t < MT; ++t) {
-                    int32_t pairs[2];
-                    memcpy(pairs, xq + t * k + kb * 32 + 2 * p, sizeof pairs);
-                    x0[t] = _mm512_set1_epi32(pairs[0]);
-                    x1[t] = _mm512_set1_epi32(pairs[1]);
-                }
+            for (int b = 0; b < NB; ++b) acc[t][b] = acc_hi[t][b] = _mm512_setzero_si512();
+        if (W->bits == 8) {
+            for (int64_t kb = k0 / 32; kb < k1 / 32; ++kb) {
+                const uint8_t *tiles[4];
                 for (int b = 0; b < NB; ++b) {
-                    __m512i w0, w1;
-                    if (W->bits == 8) {
-                        w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(tiles[b] + p * 32)));
-                        w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(tiles[b] + p * 32 + 32)));
-                    } else {  /* rows p and p + 1 from one 32-byte load */
-                        const __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(tiles[b] + p * 16)));
-                        w0 = _mm512_and_si512(both, _mm512_set1_epi16(0x0f));
-                        w1 = _mm512_srli_epi16(both, 4);
+                    tiles[b] = W->codes + ((nb0 + b) * (k / 32) + kb) * 512;
+                    _mm_prefetch((const char *)(tiles[b] + 2 * 512), _MM_HINT_T0);
+                }
+                for (int p = 0; p < 16; p += 2) {
+                    for (int b = 0; b < NB; ++b) {
+                        const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(tiles[b] + p * 32)));
+                        const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(tiles[b] + p * 32 + 32)));
+                        for (int t = 0; t < MT; ++t) {
+                            const int16_t *xp = in->x16 + (t0 + t) * k + kb * 32 + 2 * p;
+                            acc[t][b] = _mm512_dpwssd_epi32(acc[t][b], w0, bcast32(xp));
+                            acc[t][b] = _mm512_dpwssd_epi32(acc[t][b], w1, bcast32(xp + 2));
+                        }
                     }
+                }
+            }
+        } else {
+            const __m512i mask = _mm512_set1_epi8(0x0f);
+            for (int64_t j = k0 / 8; j < k1 / 8; ++j) {
+                for (int b = 0; b < NB; ++b) {
+                    const uint8_t *chunk = W->codes + ((nb0 + b) * (k / 8) + j) * 64;
+                    _mm_prefetch((const char *)(chunk + 32 * 64), _MM_HINT_T0);
+                    const __m512i bytes = _mm512_loadu_si512(chunk);
+                    const __m512i low = _mm512_and_si512(bytes, mask);                       /* k 8j .. 8j + 3 */
+                    const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask);  /* k 8j + 4 .. */
                     for (int t = 0; t < MT; ++t) {
-                        acc[t][b] = _mm512_dpwssd_epi32(acc[t][b], w0, x0[t]);
-                        acc[t][b] = _mm512_dpwssd_epi32(acc[t][b], w1, x1[t]);
+                        const int64_t at = (t0 + t) * k + 8 * j;
+                        acc_hi[t][b] = _mm512_dpbusd_epi32(acc_hi[t][b], low, bcast32(in->hi + at));
+                        acc_hi[t][b] = _mm512_dpbusd_epi32(acc_hi[t][b], high, bcast32(in->hi + at + 4));
+                        acc[t][b] = _mm512_dpbusd_epi32(acc[t][b], low, bcast32(in->lo + at));
+                        acc[t][b] = _mm512_dpbusd_epi32(acc[t][b], high, bcast32(in->lo + at + 4));
                     }
                 }
             }
         }
+        const int64_t g = W->bits == 8 ? 0 : k0 / W->group, sp = k0 / span;
         for (int b = 0; b < NB; ++b) {
-            float sc[16], of[16];
-            column_scales(W, nb0 + b, kb0, sc, of);  /* of = -zero * scale */
-            const __m512 sv = _mm512_loadu_ps(sc), ov = _mm512_loadu_ps(of);
+            __m512 sv, ov;
+            load_block_scales(W, nb0 + b, g, &sv, &ov);
             for (int t = 0; t < MT; ++t) {
-                const __m512 st = _mm512_mul_ps(sv, _mm512_set1_ps(xscale[t]));
-                total[t][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][b]), st, total[t][b]);
+                const __m512i sum = W->bits == 8 ? acc[t][b] : _mm512_add_epi32(_mm512_slli_epi32(acc_hi[t][b], 7), acc[t][b]);
+                const __m512 st = _mm512_mul_ps(sv, _mm512_set1_ps(in->xscale[t0 + t]));
+                total[t][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), st, total[t][b]);
                 if (W->bits == 4)
-                    total[t][b] = _mm512_fmadd_ps(ov, _mm512_set1_ps(xsum[t * groups + kb0 / span]), total[t][b]);
+                    total[t][b] = _mm512_fmadd_ps(ov, _mm512_set1_ps(in->xsum[(t0 + t) * in->spans + sp]), total[t][b]);
             }
         }
     }
+    (void)groups;
     for (int t = 0; t < MT; ++t)
         for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + t * 64 + 16 * b, total[t][b]);
 }
 
-/* Rows of x in tiles of four; a row tile's codes stay in L1/L2 between row tiles. */
-static void quant_gemv(const bf16_t *x, const kiln_qweight *W, const bf16_t *bias, bf16_t *y, int64_t m,
-                       int num_threads) {
-    const int64_t k = W->k, n = W->n, nblocks = n / 16, groups = W->bits == 8 ? 1 : k / W->group;
-    int16_t *xq = malloc(sizeof(int16_t) * m * k);
-    float *xsum = malloc(sizeof(float) * m * groups), *xscale = malloc(sizeof(float) * m);
+/* Each row of x in 16-bit fixed point (and, for 4-bit weights, split into hi/lo bytes), with its
+ * scale and its sum per flush span. Returns the one allocation holding them. */
+static void *prepare_gemv_input(const bf16_t *x, const kiln_qweight *W, int64_t m, gemv_input *in) {
+    const int64_t k = W->k, span = flush_span(W), spans = k / span;
+    char *mem = malloc((sizeof(int16_t) + 2) * m * k + sizeof(float) * m * (spans + 1));
+    int16_t *x16 = (int16_t *)mem;
+    int8_t *hi = (int8_t *)(x16 + m * k), *lo = hi + m * k;
+    float *xscale = (float *)(lo + m * k), *xsum = xscale + m;
     for (int64_t t = 0; t < m; ++t) {
         const bf16_t *xr = x + t * k;
         float amax = 0.f;
@@ -207,13 +297,34 @@ static void quant_gemv(const bf16_t *x, const kiln_qweight *W, const bf16_t *bia
             amax = v > amax ? v : amax;
         }
         xscale[t] = amax > 0.f ? amax / 16383.f : 1.f;  /* 15 bits: a pair's products stay in int32 */
-        for (int64_t i = 0; i < k; ++i) xq[t * k + i] = (int16_t)lrintf(bf16_load(xr[i]) / xscale[t]);
-        for (int64_t g = 0; g < groups; ++g) {  /* the group's sum of x as the kernel sees it */
+        for (int64_t i = 0; i < k; ++i) {
+            const int16_t q = (int16_t)lrintf(bf16_load(xr[i]) / xscale[t]);
+            x16[t * k + i] = q;
+            hi[t * k + i] = (int8_t)(q >> 7);  /* floor: q = 128 hi + lo, lo in 0..127 */
+            lo[t * k + i] = (int8_t)(q & 127);
+        }
+        for (int64_t sp = 0; sp < spans; ++sp) {  /* the span's sum of x as the kernel sees it */
             int64_t sum = 0;
-            for (int64_t i = g * (k / groups); i < (g + 1) * (k / groups); ++i) sum += xq[t * k + i];
-            xsum[t * groups + g] = (float)sum * xscale[t];
+            for (int64_t i = sp * span; i < (sp + 1) * span; ++i) sum += x16[t * k + i];
+            xsum[t * spans + sp] = (float)sum * xscale[t];
         }
     }
+    in->x16 = x16;
+    in->hi = hi;
+    in->lo = lo;
+    in->xscale = xscale;
+    in->xsum = xsum;
+    in->spans = spans;
+    return mem;
+}
+
+/* Rows of x in tiles of four against panels of four output blocks (the last panel: its 1-3
+ * blocks one at a time); a panel's codes stay in L1/L2 between row tiles. */
+static void quant_gemv(const bf16_t *x, const kiln_qweight *W, const bf16_t *bias, bf16_t *y, int64_t m,
+                       int num_threads) {
+    const int64_t n = W->n, nblocks = n / 16;
+    gemv_input in;
+    void *mem = prepare_gemv_input(x, W, m, &in);
     const int64_t tasks = (nblocks + 3) / 4;
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t task = 0; task < tasks; ++task) {
@@ -221,13 +332,11 @@ static void quant_gemv(const bf16_t *x, const kiln_qweight *W, const bf16_t *bia
         const int blocks = nblocks - nb0 < 4 ? (int)(nblocks - nb0) : 4;
         for (int64_t t0 = 0; t0 < m; t0 += 4) {
             const int mt = m - t0 < 4 ? (int)(m - t0) : 4;
-            const int16_t *xt = xq + t0 * k;
-            const float *st = xsum + t0 * groups, *sc = xscale + t0;
             float out[4 * 64];
             for (int b = 0; b < blocks; b += (blocks == 4 ? 4 : 1)) {
 #define ROWS(MT)                                                                                   \
-                if (blocks == 4) gemv_blocks(W, xt, st, sc, MT, nb0, 4, out);                       \
-                else gemv_blocks(W, xt, st, sc, MT, nb0 + b, 1, out + 16 * b);
+                if (blocks == 4) gemv_blocks(W, &in, t0, MT, nb0, 4, out);                          \
+                else gemv_blocks(W, &in, t0, MT, nb0 + b, 1, out + 16 * b);
                 switch (mt) {
                 case 1: ROWS(1) break;
                 case 2: ROWS(2) break;
@@ -243,16 +352,15 @@ static void quant_gemv(const bf16_t *x, const kiln_qweight *W, const bf16_t *bia
                 }
         }
     }
-    free(xscale);
-    free(xsum);
-    free(xq);
+    free(mem);
 }
 #endif
 
-void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const float *scales, const float *zeros,
+void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const void *scales, const void *zeros,
                             int64_t bits, int64_t group, const bf16_t *bias, bf16_t *y, int64_t m, int64_t n,
                             int64_t k, int num_threads) {
-    const kiln_qweight W = {codes, scales, zeros, n, k, bits == 8 ? k : group, bits};
+    const kiln_qweight W = {codes, bits == 8 ? scales : NULL, bits == 4 ? scales : NULL, bits == 4 ? zeros : NULL,
+                            n, k, bits == 8 ? k : group, bits};
 #ifdef HAVE_QUANT_GEMV
     if (m <= QUANT_GEMV_MAX_ROWS) {
         quant_gemv(x, &W, bias, y, m, num_threads);

@@ -96,8 +96,8 @@ class Linear(nn.Module):
                         tensors: dict[str, torch.Tensor] | None = None, *, tile_order: bool = False) -> None:
         """Replace the float weight by weight-only quantized parameters: ``weight`` codes,
         ``weights_scaling_factor`` and (4-bit with a zero point) ``zero``; the given
-        ``tensors``, or empty ones of the right shapes. ``tile_order``: the codes are in the
-        kernel's tile order (an engine's)."""
+        ``tensors``, or empty ones of the right shapes. ``tile_order``: the tensors are in the
+        kernels' layout (an engine's: ``kernels.quant_pack``, ``kernels.quant_pack_scales``)."""
         out_features, in_features = self.weight.shape
         groups = in_features // group_size
         shapes = {"weight": ((out_features, in_features), torch.int8) if bits == 8
@@ -105,6 +105,10 @@ class Linear(nn.Module):
                   "weights_scaling_factor": ((out_features,) if bits == 8 else (out_features, groups), torch.float32)}
         if bits == 4 and has_zero_point:
             shapes["zero"] = ((out_features, groups), torch.float32)
+        if bits == 4 and tile_order:  # the kernels' layout (kernels.quant_pack_scales)
+            shapes["weights_scaling_factor"] = ((out_features // 16, groups, 16), torch.float16)
+            if has_zero_point:
+                shapes["zero"] = ((out_features // 16, groups, 16), torch.uint8)
         self._set_parameters(shapes, tensors)
         self.quant_bits, self.group_size, self.tile_order = bits, group_size, tile_order
 

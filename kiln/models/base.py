@@ -298,8 +298,15 @@ class DecoderModelForCausalLM(nn.Module):
         if self.config.quantization.quant_algo == SMOOTHQUANT_ALGO:
             return weights
         for key in [k for k in weights if k.endswith(".weight") and f"{k[:-6]}weights_scaling_factor" in weights]:
-            codes = weights[key]
-            weights[key] = kernels.quant_pack(codes, 4 if codes.dtype == torch.uint8 else 8)
+            codes, prefix = weights[key], key[:-6]
+            bits = 4 if codes.dtype == torch.uint8 else 8
+            weights[key] = kernels.quant_pack(codes, bits)
+            if bits == 4:
+                scales, zeros = kernels.quant_pack_scales(weights[f"{prefix}weights_scaling_factor"],
+                                                          weights.get(f"{prefix}zero"), bits)
+                weights[f"{prefix}weights_scaling_factor"] = scales
+                if zeros is not None:
+                    weights[f"{prefix}zero"] = zeros
         return weights
 
     # -- construction from weights ----------------------------------------------------------

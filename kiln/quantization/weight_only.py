@@ -6,13 +6,15 @@ Checkpoint tensors of a quantized linear (names from reference 002):
 
 * ``weight``: int8 codes ``[out, in]`` (W8A16), or 4-bit codes two a byte ``[out, in / 2]``
   uint8, feature ``2j`` in the low nibble of byte ``j`` (W4A16);
-* ``weights_scaling_factor``: float32 ``[out]`` (W8A16) or ``[out, in / group_size]``;
+* ``weights_scaling_factor``: float32 ``[out]`` (W8A16) or ``[out, in / group_size]`` (values
+  float16 can hold: an engine stores them as float16);
 * ``zero`` (W4A16 with ``has_zero_point``): float32 ``[out, in / group_size]``, in code units.
 
 ``w = code * scale`` (W8A16, codes -127..127); ``w = (code - zero) * scale`` (W4A16, codes
 0..15; zero 8 when not stored). Scales stay float32 (bf16 scales would add more error than
-8-bit rounding). An engine keeps the same tensors with the codes re-laid in the kernel's tile
-order (``kiln.kernels.quant_pack``, done by ``kiln build``).
+8-bit rounding; 4-bit group scales are float16 values). An engine keeps the same tensors laid out
+for the kernels (``kiln.kernels.quant_pack`` and ``quant_pack_scales``, done by ``kiln build``):
+codes in tile / chunk order, 4-bit scales as float16 and zero points as uint8 in block order.
 """
 from __future__ import annotations
 
@@ -46,6 +48,18 @@ IMPLEMENTED_ALGOS = (*WEIGHT_ONLY_ALGOS, SMOOTHQUANT_ALGO, FP8_ALGO)
 BF16_ENGINE_ALGOS = (*WEIGHT_ONLY_ALGOS, FP8_ALGO)
 
 
+def fp16_exact(scale: torch.Tensor) -> torch.Tensor:
+    """4-bit group scales rounded up to float16 values (kept float32): engines store them as
+    float16 (``kernels.quant_pack_scales``), so codes computed against these lose nothing at
+    build; rounding up keeps the group's range within the 16 codes, so round-to-nearest stays
+    within half a step. Floored at float16's smallest normal (an all-zero group keeps a usable
+    scale)."""
+    scale = scale.float().clamp(min=2.0 ** -14)
+    half = scale.to(torch.float16)
+    up = torch.nextafter(half, torch.full_like(half, float("inf")))
+    return torch.where(half.float() < scale, up, half).float()
+
+
 def quantize_weight(weight: torch.Tensor, bits: int, group_size: int = 64,
                     has_zero_point: bool = False) -> dict[str, torch.Tensor]:
     """Round-to-nearest codes and scales of a float ``weight`` ``[out, in]`` (see the module doc)."""
@@ -62,10 +76,10 @@ def quantize_weight(weight: torch.Tensor, bits: int, group_size: int = 64,
     g = w.view(out_features, in_features // group_size, group_size)
     if has_zero_point:
         low, high = g.amin(dim=2).clamp(max=0), g.amax(dim=2).clamp(min=0)
-        scale = ((high - low) / 15).clamp(min=1e-12)
+        scale = fp16_exact((high - low) / 15)
         zero = torch.round(-low / scale).clamp(0, 15)
     else:
-        scale = g.abs().amax(dim=2).clamp(min=1e-12) / 7
+        scale = fp16_exact(g.abs().amax(dim=2) / 7)
         zero = torch.full_like(scale, 8.0)
     codes = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15).to(torch.uint8).view(out_features, -1)
     out = {"weight": codes[:, 0::2] | (codes[:, 1::2] << 4), "weights_scaling_factor": scale}
@@ -93,10 +107,22 @@ def _excluded(name: str, module: nn.Module, patterns) -> bool:
     return any(fnmatch.fnmatch(n, p) or fnmatch.fnmatch(n.rsplit(".", 1)[-1], p) for n in names for p in patterns)
 
 
+def untie_lm_head_for(model: nn.Module, quant: QuantConfig) -> None:
+    """Give a model whose ``lm_head`` shares the embedding table a copy of its own when ``quant``
+    quantizes ``lm_head`` (``exclude_modules`` does not name it): the lookup keeps the float
+    table, the head gets codes. The config then records ``share_embedding_table`` false."""
+    lm_head = getattr(model, "lm_head", None)
+    if (quant.quant_algo is None or lm_head is None or not getattr(model, "shares_embedding_table", False)
+            or _excluded("lm_head", lm_head, DEFAULT_EXCLUDED if quant.exclude_modules is None else quant.exclude_modules)):
+        return
+    lm_head.weight = nn.Parameter(lm_head.weight.detach().clone(), requires_grad=False)
+    model.config = dataclasses.replace(model.config, share_embedding_table=False)
+
+
 def quantized_modules(model: nn.Module, quant: QuantConfig) -> list[tuple[str, nn.Module]]:
     """The linear layers ``quant`` quantizes: every ``Linear`` not matched by ``exclude_modules``
     (default: ``lm_head``; patterns match the full name or its last part, fnmatch style) and
-    not sharing its weight with another module (a tied lm_head)."""
+    not sharing its weight with another module (a tied lm_head: ``untie_lm_head_for`` first)."""
     from kiln.layers.linear import Linear
 
     if quant.quant_algo is None:

@@ -54,7 +54,8 @@ def test_quant_linear_matches_the_dequantized_matmul(bits, zero_point, m, n, k):
     x = _randn(m, k, seed=m).to(torch.bfloat16)
     bias = _randn(n, seed=1).to(torch.bfloat16)
     codes = kernels.quant_pack(tensors["weight"], bits)
-    got = kernels.quant_linear(x, codes, tensors["weights_scaling_factor"], tensors.get("zero"), bits, 32, bias, n)
+    scales, zeros = kernels.quant_pack_scales(tensors["weights_scaling_factor"], tensors.get("zero"), bits)
+    got = kernels.quant_linear(x, codes, scales, zeros, bits, 32, bias, n)
     expected = x.double() @ reference_w.t() + bias.double()
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     # bf16 output rounding, plus (tile path) bf16 rounding of each dequantized weight
