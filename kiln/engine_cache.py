@@ -49,21 +49,61 @@ def cache_key(path: Path, options: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
+CALIBRATION_OPTIONS = ("calib_dataset", "calib_size", "calib_max_len", "smoothquant_alpha")
+
+
+def split_quantization(quantization) -> tuple[dict | None, dict]:
+    """``quantization`` as given to ``LLM`` (an algorithm name, a ``QuantConfig``, or a dict of
+    QuantConfig fields plus calibration options) -> (QuantConfig fields, convert options)."""
+    from dataclasses import asdict
+
+    from kiln.config import QuantConfig
+    from kiln.errors import ConfigError
+
+    if quantization is None:
+        return None, {}
+    if isinstance(quantization, str):
+        quantization = {"quant_algo": quantization}
+    elif isinstance(quantization, QuantConfig):
+        quantization = asdict(quantization)
+    elif not isinstance(quantization, dict):
+        raise ConfigError(f"quantization: expected an algorithm name, a QuantConfig or a dict, got "
+                          f"{type(quantization).__name__}")
+    # Every field spelled out (one cache key per setting, however it was given); an unknown
+    # field or algorithm is named now, before any work.
+    fields = QuantConfig.from_dict({k: v for k, v in quantization.items() if k not in CALIBRATION_OPTIONS}).to_dict()
+    return fields, {k: v for k, v in quantization.items() if k in CALIBRATION_OPTIONS}
+
+
 def resolve_engine(model: str | Path, *, dtype: str | None = None, build_options: dict | None = None,
-                   cache_dir: str | Path | None = None, progress: bool = True) -> Path:
-    """The engine directory for ``model``, converting and building into the cache if needed."""
+                   cache_dir: str | Path | None = None, progress: bool = True, quantization=None) -> Path:
+    """The engine directory for ``model``, converting and building into the cache if needed.
+
+    ``quantization`` (an external model only: an algorithm name such as ``"W8A16"``, a
+    ``QuantConfig``, or a dict of its fields plus ``calib_dataset`` / ``calib_size`` /
+    ``calib_max_len`` / ``smoothquant_alpha``) is applied when converting.
+    """
     from kiln.build import build_engine, resolve_build_config
     from kiln.checkpoint.format import read_config
+    from kiln.config import QuantConfig
     from kiln.convert import convert_checkpoint
+    from kiln.errors import ConfigError
 
     path = Path(model).expanduser().absolute()
     kind = classify(path)
+    quant_fields, convert_options = split_quantization(quantization)
+    if quant_fields is not None and kind != "external":
+        raise ConfigError(f"{path} is a kiln {kind}, quantized (or not) when it was converted; pass quantization "
+                          "with a Hugging Face directory or GGUF file")
     if kind == "engine":
         return path
     build_options = {k: v for k, v in (build_options or {}).items() if v is not None}
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
-    key = cache_key(path, {"dtype": dtype, "kind": kind, **build_options})
+    options = {"dtype": dtype, "kind": kind, **build_options}
+    if quant_fields is not None:
+        options.update(quantization=quant_fields, **convert_options)
+    key = cache_key(path, options)
     engine_dir = cache / f"{path.stem}-{key}"
     if (engine_dir / "config.json").is_file():
         return engine_dir
@@ -74,7 +114,9 @@ def resolve_engine(model: str | Path, *, dtype: str | None = None, build_options
         checkpoint = path
         if kind == "external":
             checkpoint = cache / f"{path.stem}-{key}.checkpoint"
-            convert_checkpoint(path, checkpoint, dtype=dtype, progress=progress)
+            quant = QuantConfig.from_dict(quant_fields) if quant_fields is not None else None
+            convert_checkpoint(path, checkpoint, dtype=dtype, progress=progress, quantization=quant,
+                               **convert_options)
         try:
             build_engine(checkpoint, engine_dir, resolve_build_config(read_config(checkpoint), **build_options),
                          progress=progress)

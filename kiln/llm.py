@@ -33,7 +33,12 @@ class LLM:
     """Generate text with a model given as an HF dir, a GGUF file, a kiln checkpoint or an engine.
 
     Anything but an engine is converted and built once into the engine cache
-    (``cache_dir``, default ``~/.cache/kiln``) and reused on later calls.
+    (``cache_dir``, default ``~/.cache/kiln``) and reused on later calls. ``quantization``
+    quantizes an HF dir or GGUF file while converting: an algorithm name (``"W8A16"``,
+    ``"W4A16"``, ``"W4A16_AWQ"``, ``"W4A8_AWQ"``, ``"FP8"``, ``"W8A8_SQ_PER_CHANNEL"``), a
+    ``QuantConfig``, or a dict of its fields (``group_size``, ``has_zero_point``,
+    ``exclude_modules``, ``kv_cache_quant_algo``) plus calibration options (``calib_dataset``,
+    ``calib_size``, ``calib_max_len``, ``smoothquant_alpha``) as ``kiln convert`` takes them.
     """
 
     def __init__(self, model: str | Path, *, tokenizer: str | Path | None = None, dtype: str | None = None,
@@ -41,12 +46,12 @@ class LLM:
                  max_input_len: int | None = None, max_seq_len: int | None = None,
                  max_num_tokens: int | None = None, tokens_per_block: int | None = None,
                  max_beam_width: int = DEFAULT_MAX_BEAM_WIDTH, kv_cache_max_tokens: int | None = None,
-                 progress: bool = True):
+                 quantization=None, progress: bool = True):
         build_options = dict(max_batch_size=max_batch_size, max_input_len=max_input_len, max_seq_len=max_seq_len,
                              max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block,
                              max_beam_width=max_beam_width)
         self.engine_dir = resolve_engine(model, dtype=dtype, build_options=build_options, cache_dir=cache_dir,
-                                         progress=progress)
+                                         progress=progress, quantization=quantization)
         self.engine = Engine(self.engine_dir)
         tokenizer_dir = Path(tokenizer) if tokenizer else self.engine.tokenizer_dir
         if tokenizer_dir is None:

@@ -166,3 +166,36 @@ def test_two_processes_racing_build_one_engine(hf, tmp_path):
     assert len(engine_dirs) == 1
     assert dirs(cache) == [Path(engine_dirs.pop()).name]
     assert not [p for p in cache.iterdir() if ".tmp-" in p.name]
+
+
+def test_quantization_converts_into_an_engine_of_its_own(llm, hf, tmp_path):
+    """LLM(..., quantization=...) quantizes while converting; each setting gets its own cached
+    engine, and calibrated settings take the convert options."""
+    import json
+
+    from kiln.config import QuantConfig
+    from kiln.errors import ConfigError
+
+    cache = tmp_path / "cache"
+    w8 = LLM(hf[0], cache_dir=cache, progress=False, quantization="W8A16")
+    config = json.loads((w8.engine_dir / "config.json").read_text())
+    assert config["quantization"]["quant_algo"] == "W8A16" and config["dtype"] == "bfloat16"
+    calib = tmp_path / "calib.txt"
+    calib.write_text("the quick brown fox jumps over the lazy dog and the quick brown fox runs")
+    fp8 = LLM(hf[0], cache_dir=cache, progress=False,
+              quantization={"quant_algo": "FP8", "kv_cache_quant_algo": "INT8", "calib_dataset": str(calib),
+                            "calib_size": 1})
+    config = json.loads((fp8.engine_dir / "config.json").read_text())
+    assert config["quantization"]["quant_algo"] == "FP8" and config["quantization"]["kv_cache_quant_algo"] == "INT8"
+    assert len(dirs(cache)) == 2 and w8.engine_dir != fp8.engine_dir
+    again = LLM(hf[0], cache_dir=cache, progress=False, quantization=QuantConfig(quant_algo="W8A16"))
+    assert again.engine_dir == w8.engine_dir  # the same setting, however it is spelled
+    # Quantized engines still answer like the float one on this easy prompt's first tokens.
+    reference = llm.generate(PROMPT, GREEDY)[0].outputs[0].token_ids
+    assert w8.generate(PROMPT, GREEDY)[0].outputs[0].token_ids[:4] == reference[:4]
+    with pytest.raises(ConfigError, match="unknown fields"):
+        LLM(hf[0], cache_dir=cache, progress=False, quantization={"quant_algo": "W8A16", "bits": 3})
+    with pytest.raises(ConfigError, match="is not one of"):
+        LLM(hf[0], cache_dir=cache, progress=False, quantization="W3A16")
+    with pytest.raises(ConfigError, match="kiln engine"):
+        LLM(llm.engine_dir, progress=False, quantization="W8A16")
