@@ -19,7 +19,9 @@ from kiln.bench.machine import machine_facts, peak_rss_mb
 from kiln.bench.peer import hf_generate, load_hf_peer
 
 
-def _kiln_batch(llm, prompts: list[list[int]], new_tokens: int, timer: ForwardTimer) -> dict:
+def kiln_batch(llm, prompts: list[list[int]], new_tokens: int, timer: ForwardTimer) -> dict:
+    """Output tok/s, time to first token and decode tok/s of ``prompts`` generating
+    ``new_tokens`` greedy tokens each, all together (every prompt must fit in the first step)."""
     from kiln import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -55,13 +57,13 @@ def run_throughput(engine_dir: str, *, hf_gguf: str | None = None, hf_dir: str |
     if hf_gguf or hf_dir:
         hf, _ = load_hf_peer(llm.engine.config.dtype, gguf=hf_gguf, model_dir=hf_dir)
     vocab = llm.engine.config.vocab_size
-    _kiln_batch(llm, random_prompts(2, prompt_len, vocab, seed), 4, timer)  # warm-up
+    kiln_batch(llm, random_prompts(2, prompt_len, vocab, seed), 4, timer)  # warm-up
     results = []
     for batch in tqdm(batch_sizes, desc="batch sizes", disable=not progress):
         prompts = random_prompts(batch, prompt_len, vocab, seed)
         kiln_runs, hf_runs = [], []
         for _ in range(rounds):
-            kiln_runs.append(_kiln_batch(llm, prompts, new_tokens, timer))
+            kiln_runs.append(kiln_batch(llm, prompts, new_tokens, timer))
             if hf is not None:
                 first, total = hf_generate(hf, prompts, new_tokens)
                 hf_runs.append(_figures(batch, new_tokens, first, total))
