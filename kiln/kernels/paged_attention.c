@@ -9,7 +9,8 @@
  *   q, out        [num_tokens, num_heads, head_size]   rows picked by token_index; q's rows
  *                 may be strided (q_stride elements apart: a view into the fused qkv output)
  *   k/v cache     [num_blocks, block_size, num_kv_heads, head_size]   q's type, or int8 codes
- *                 (the _i8 variants) dequantized by k_scale / v_scale
+ *                 (the _i8 variants) or float8 e4m3 codes (the _f8 variants), dequantized by
+ *                 k_scale / v_scale
  *   block_tables  [num_seqs, max_blocks] int64
  *   seq_lens      [num_seqs] int64  (tokens in the cache, the new one included)
  * Query heads are grouped onto KV heads as in GQA: head h reads KV head h / (H / KVH).
@@ -43,6 +44,18 @@
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)p)));
+}
+/* 16 float8 e4m3 codes, exactly (as fp8_load in dtypes.h): normals by rebasing the exponent
+ * field, subnormals (exponent 0) as mantissa * 2^-9, then the sign. */
+static inline __m512 load16_f8(const fp8_t *p) {
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)p));
+    const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi32(0x7f));
+    const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20),
+                                                               _mm512_set1_epi32(120 << 23)));
+    const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0x1p-9f));
+    const __m512 v = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), normal, subnormal);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
 }
 static inline __m512 load16_bf16(const bf16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
@@ -82,6 +95,7 @@ static inline __attribute__((always_inline)) int64_t scores16_##SUFFIX(         
 }
 DEFINE_SCORES16(f32, float)
 DEFINE_SCORES16(i8, int8_t)
+DEFINE_SCORES16(f8, fp8_t)
 #if defined(__AVX512BF16__)
 /* bf16 K against q rounded to bf16 (exact: q came from bf16), with AVX512-BF16 dot products
  * (fp32 accumulation): no K conversion at all. */
@@ -112,6 +126,7 @@ DEFINE_SCORES16(bf16, bf16_t)
 #define scores16_f32(q, kb, stride, ntok, D, out) ((int64_t)0)
 #define scores16_bf16(q, kb, stride, ntok, D, out) ((int64_t)0)
 #define scores16_i8(q, kb, stride, ntok, D, out) ((int64_t)0)
+#define scores16_f8(q, kb, stride, ntok, D, out) ((int64_t)0)
 #endif
 
 /* acc = acc * rescale + sum_t p[t] V[t] with AVX512-BF16 dot products over token pairs:
@@ -354,10 +369,8 @@ static void merge_parts(const float *parts, int64_t splits, int64_t num_seqs, in
     }
 }
 
-static inline float i8_load(int8_t x) { return (float)x; }
-
-/* Float caches pass k_scale = v_scale = 1. An int8 cache holds round(x / scale) codes: K's
- * scale folds into the score scale and V's into the final normalisation, so the loops read
+/* Float caches pass k_scale = v_scale = 1. An int8 or float8 cache holds x / scale as codes:
+ * K's scale folds into the score scale and V's into the final normalisation, so the loops read
  * codes and convert them to fp32 on the fly (no dequantized copy). */
 DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_f32, float, f32_load, f32_store, float, f32_load, scores16_f32,
                      no_vec_pv)
@@ -367,3 +380,23 @@ DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_f32_i8, float, f32_load, f32_st
                      no_vec_pv)
 DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_bf16_i8, bf16_t, bf16_load, bf16_store, int8_t, i8_load,
                      scores16_i8, no_vec_pv)
+DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_f32_f8, float, f32_load, f32_store, fp8_t, fp8_load, scores16_f8,
+                     no_vec_pv)
+DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_bf16_f8, bf16_t, bf16_load, bf16_store, fp8_t, fp8_load,
+                     scores16_f8, no_vec_pv)
+
+/* The cache code conversions the kernels use, exported so tests can hold them against
+ * PyTorch's: the codes of x [n] with 1 / scale in a cache of `kind` (what decode_step.c
+ * writes), and the values of float8 codes [n] (16 at a time as the score loop loads K, the
+ * rest one by one as V is read). */
+void kiln_kv_quantize(const float *x, int64_t n, float inv_scale, int64_t kind, void *codes) {
+    for (int64_t i = 0; i < n; ++i) kv_store(codes, i, x[i] * inv_scale, kind);
+}
+
+void kiln_fp8_to_f32(const fp8_t *codes, int64_t n, float *out) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, load16_f8(codes + i));
+#endif
+    for (; i < n; ++i) out[i] = fp8_load(codes[i]);
+}

@@ -144,8 +144,7 @@ def test_bad_kv_cache_quant_algo_names_the_flag(models, tmp_path, capsys) -> Non
     assert "kv_cache_quant_algo" in capsys.readouterr().err
     fp8 = read_config(models["root"] / "ckpt-int8")
     fp8.quantization = QuantConfig(kv_cache_quant_algo="FP8")
-    with pytest.raises(ConfigError, match="kv_cache_quant_algo 'FP8' is not implemented"):
-        kv_cache_dtype(fp8)
+    assert kv_cache_dtype(fp8) == torch.float8_e4m3fn  # the runtime has it; convert does not yet
 
 
 def test_cli_convert_records_int8_kv_cache(models, tmp_path) -> None:
