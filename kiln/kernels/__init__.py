@@ -444,17 +444,19 @@ class LinearWeights(ctypes.Structure):
 
 
 class DecoderLayerWeights(ctypes.Structure):
-    """One layer's tensors for ``decode_step`` (raw pointers) and its sliding window (0: none)."""
+    """One layer's tensors for ``decode_step`` (raw pointers), its sliding window (0: none) and,
+    for a quantized cache, its float32 ``[2]`` K/V scales (else NULL)."""
     _fields_ = [("input_norm", _PTR), ("post_norm", _PTR)] + [
         (name, LinearWeights) for name in ("qkv", "dense", "fused_fc", "proj")] + [
-        ("k_cache", _PTR), ("v_cache", _PTR), ("window", _I64)]
+        ("k_cache", _PTR), ("v_cache", _PTR), ("window", _I64), ("kv_scales", _PTR)]
 
 
 class DecoderDims(ctypes.Structure):
-    """The shapes ``decode_step`` needs (per rank; ``rot_dim`` 0 means no rotary)."""
+    """The shapes ``decode_step`` needs (per rank; ``rot_dim`` 0 means no rotary) and the KV
+    cache's element kind (0: the model dtype, else ``KV_KINDS`` of its dtype)."""
     _fields_ = [(name, _I64) for name in (
         "hidden", "heads", "kv_heads", "head_size", "rot_dim", "inter", "block_size", "max_blocks")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_kind", _I64)]
 
 
 def decode_step_scratch_size(dims: DecoderDims, num_tokens: int) -> int:
@@ -470,7 +472,8 @@ def decode_step(hidden: torch.Tensor, layers: ctypes.Array, dims: DecoderDims, c
 
     ``layers``: a ``DecoderLayerWeights`` array, each pointing at contiguous tensors of
     ``hidden``'s dtype, its KV cache ``[num_blocks, block_size, kv_heads, head_size]`` among
-    them; token ``t``'s K/V go to cache slot ``slots[t]`` and its attention reads
+    them (or int8 / float8 e4m3 codes, with ``dims.kv_kind`` and the layer's scales set);
+    token ``t``'s K/V go to cache slot ``slots[t]`` and its attention reads
     ``seq_lens[t]`` tokens through ``block_tables[t]`` (``dims.max_blocks`` entries);
     ``token_index`` is ``arange(m)`` (all int64). ``cos``/``sin``: float32 ``[m, dims.rot_dim]``.
     The caller has checked every pointer (see ``kiln.models.native_decode``): nothing is

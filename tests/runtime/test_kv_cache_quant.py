@@ -2,7 +2,7 @@
 max|V| per layer over the type's largest code, 127 or 448, equal to Hugging Face's cached K/V),
 codes within half a step of the value, one-byte cache tensors at half the bf16 bytes, and engines
 close to the float ones through both attention backends (chunked prompts and decode read the
-quantized cache)."""
+quantized cache), the one-call native decode step included."""
 from __future__ import annotations
 
 import json
@@ -19,13 +19,16 @@ from kiln.cli.main import main as kiln_main
 from kiln.config import QuantConfig
 from kiln.convert import convert_checkpoint
 from kiln.errors import ConfigError
+from kiln.kernels import KV_KINDS
+from kiln.models.native_decode import NativeDecodeStep, supports_native_decode
 from kiln.quantization.calibration import calibration_texts, calibration_token_ids
 from kiln.runtime.attention import dequantize_kv, quantize_kv, select_backend
 from kiln.runtime.engine import Engine
-from kiln.runtime.engine_core import default_num_blocks
+from kiln.runtime.engine_core import EngineCore, default_num_blocks
 from kiln.runtime.kv_cache import kv_bytes_per_token, kv_cache_dtype
 from kiln.runtime.metadata import AttentionMetadata
 from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.tokenizer import load_tokenizer
 from tests.utils.compare import kiln_greedy
 from tests.utils.tiny_models import make_llama
@@ -207,6 +210,25 @@ def test_cache_is_one_byte_and_holds_twice_the_tokens(models, monkeypatch, algo:
     blocks = {key: default_num_blocks(Engine(path), 10 ** 6) for key, path in models["engines"].items()}
     assert blocks[algo, "bfloat16"] >= 1.9 * blocks["float", "bfloat16"]
     assert blocks[algo, "float32"] >= 3.9 * blocks["float", "float32"]
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_steps_take_the_native_step(models, algo: str, dtype: str) -> None:
+    """With the native backend, a quantized-cache engine's decode steps run through the one-call
+    native step, which writes the codes itself (its bit-identity with the layer-by-layer path is
+    tests/models/test_native_decode.py's)."""
+    engine = Engine(models["engines"][algo, dtype])
+    assert supports_native_decode(engine.model)
+    core = EngineCore(engine, max_num_seqs=2, num_blocks=16, attention_backend="native")
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for prompt in PROMPTS[:2]:
+        core.add_request(prompt, params, end_id=None)
+    while core.has_unfinished:
+        core.step()
+    step = engine.model._native_decode
+    assert isinstance(step, NativeDecodeStep) and step.dims.kv_kind == KV_KINDS[CACHE_DTYPES[algo]]
+    assert all(k.dtype == CACHE_DTYPES[algo] for k, _ in core.runner.kv_caches)
 
 
 def test_bad_kv_cache_quant_algo_names_the_flag(models, tmp_path, capsys) -> None:
