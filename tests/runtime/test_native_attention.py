@@ -215,31 +215,39 @@ def test_native_codes_equal_quantize_kv(dtype):
         assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
 
 
-def _quantized_case(cache_dtype, q_dtype, seq_lens, block_size=16):
+def _quantized_case(cache_dtype, q_dtype, seq_lens, block_size=16, heads=(9, 3, 64)):
     """A paged case whose caches hold codes (scales from the values' max), with the dense
     dequantized K/V each sequence attends to."""
-    q, kc, vc, rows, tables, lens, _ = _paged_case(seq_lens, 9, 3, 64, block_size, torch.float32, seed=4)
+    num_heads, num_kv_heads, head_size = heads
+    q, kc, vc, rows, tables, lens, _ = _paged_case(seq_lens, num_heads, num_kv_heads, head_size, block_size,
+                                                   torch.float32, seed=4)
     scales = torch.stack([kc.abs().max(), vc.abs().max()]) / CODE_MAX[cache_dtype]
     kq, vq = quantize_kv(kc, scales[0], cache_dtype), quantize_kv(vc, scales[1], cache_dtype)
     kd, vd = dequantize_kv(kq, scales[0], torch.float32), dequantize_kv(vq, scales[1], torch.float32)
     dense = []
     for table, n in zip(tables.tolist(), seq_lens):
         idx = torch.tensor(table[: -(-n // block_size)])
-        dense.append((kd[idx].reshape(-1, 3, 64)[:n], vd[idx].reshape(-1, 3, 64)[:n]))
+        shape = (-1, num_kv_heads, head_size)
+        dense.append((kd[idx].reshape(shape)[:n], vd[idx].reshape(shape)[:n]))
     return q.to(q_dtype), kq, vq, rows, tables, lens, scales, dense
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_cache_matches_dense_attention(cache_dtype, dtype):
-    """The _i8 / _f8 kernels read the codes in place and equal attention over the dequantized
-    K/V (SmolLM2's head shapes; 16-token blocks take the vector score loop, the rest the scalar one)."""
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 24)])
+def test_quantized_cache_matches_dense_attention(cache_dtype, dtype, heads):
+    """The _i8 / _f8 kernels read the codes from the cache (a block at a time, per KV head) and
+    equal attention over the dequantized K/V: SmolLM2's head shapes (vector conversion, bf16 dot
+    products), and heads of 24 (16 dims converted by vector, 8 one by one; scalar loops)."""
     seq_lens = [1, 16, 17, 37, 48, 70]
-    q, kq, vq, rows, tables, lens, scales, dense = _quantized_case(cache_dtype, dtype, seq_lens)
+    q, kq, vq, rows, tables, lens, scales, dense = _quantized_case(cache_dtype, dtype, seq_lens, heads=heads)
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, kq, vq, rows, tables, lens, out, 0.125, kv_scales=scales.tolist())
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out[rows].float(), _reference(q, rows, dense, 0.125), atol=tol, rtol=tol)
+    untouched = torch.ones(q.shape[0], dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.isnan(out[untouched]).all()
     with pytest.raises(ValueError, match="k_cache"):  # scales with a cache that holds no codes
         paged_decode_attention(q, kq.float(), vq.float(), rows, tables, lens, out, 0.125, kv_scales=scales.tolist())
 
