@@ -282,8 +282,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def kv_quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """The codes the native decode step writes for float32 ``x`` with ``scale`` into a cache of
-    ``dtype`` (int8 or float8_e4m3fn): ``x * (1 / scale)`` rounded as dtypes.h's ``i8_store`` /
-    ``fp8_store`` do (the test of ``kiln.runtime.attention.quantize_kv``'s twin in C)."""
+    ``dtype`` (int8 or float8_e4m3fn): ``x * (1 / scale)`` rounded by dtypes.h's ``i8_store`` /
+    ``fp8_store``. Tests hold it against ``kiln.runtime.attention.quantize_kv``, which the
+    layer-by-layer path writes with."""
     x = x.float().contiguous()
     codes = torch.empty(x.shape, dtype=dtype)
     inv = torch.tensor(scale, dtype=torch.float32).reciprocal().item()
@@ -292,8 +293,8 @@ def kv_quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tens
 
 
 def fp8_to_float(codes: torch.Tensor) -> torch.Tensor:
-    """float32 values of float8 e4m3 ``codes`` as the attention kernels read them (their vector
-    loader for each whole 16, the scalar one for the rest)."""
+    """float32 values of float8 e4m3 ``codes`` as the attention kernels convert them when they
+    stage a block (16 at a time by vector, the rest of a row one by one)."""
     codes = codes.contiguous()
     out = torch.empty(codes.shape, dtype=torch.float32)
     native_library().kiln_fp8_to_f32(codes.data_ptr(), codes.numel(), out.data_ptr())
