@@ -50,9 +50,9 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     ``W8A8_SQ_PER_CHANNEL`` (SmoothQuant,
     ``kiln.quantization.smoothquant``, smoothing with ``smoothquant_alpha``) first run the float
     model on ``calib_size`` texts of ``calib_dataset`` (``sharegpt`` or a file, each cut to
-    ``calib_max_len`` tokens), tokenized by the source's tokenizer. A ``kv_cache_quant_algo`` of
-    INT8 records an INT8 KV cache with static per-layer K/V scales calibrated on the same texts
-    (``kiln.quantization.kv_cache``). The output appears all at once when everything succeeded
+    ``calib_max_len`` tokens), tokenized by the source's tokenizer. A ``kv_cache_quant_algo``
+    (INT8 or FP8) records a KV cache of that type with static per-layer K/V scales calibrated on
+    the same texts (``kiln.quantization.kv_cache``). The output appears all at once when everything succeeded
     (nothing half-written).
     """
     source = open_source(model_dir)
@@ -64,8 +64,6 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
         raise ConfigError(f"{model_dir}: a GPTQ checkpoint is already quantized (imported as W4A16_GPTQ); "
                           f"drop --quant_algo {quantization.quant_algo}")
     kv_algo = quantization.kv_cache_quant_algo if quantization is not None else None
-    if kv_algo is not None and kv_algo != "INT8":
-        raise ConfigError(f"--kv_cache_quant_algo {kv_algo}: not implemented; kiln quantizes the KV cache to INT8")
     if kv_algo is not None and tp_size * pp_size != 1:
         # Calibration runs the whole float model; kiln runs single-rank engines anyway.
         raise ConfigError(f"--kv_cache_quant_algo {kv_algo}: converts a single-rank checkpoint (tp_size = "
@@ -92,7 +90,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
                 model.config = _quantize(model, quantization, str(model_dir), calibration, smoothquant_alpha,
                                          progress)
             if kv_algo is not None:  # calibrated on the model the engine runs (weights quantized already)
-                _calibrate_kv_cache(model, calibration, calib_dataset, progress)
+                _calibrate_kv_cache(model, kv_algo, calibration, calib_dataset, progress)
             write_rank_weights(tmp, rank, model.checkpoint_weights())
             config = model.config
             del model
@@ -139,15 +137,16 @@ def _quantize(model, quantization: QuantConfig, where: str, calibration: list[li
     return dataclasses.replace(model.config, quantization=recorded)
 
 
-def _calibrate_kv_cache(model, token_lists: list[list[int]], dataset: str, progress: bool) -> None:
-    """Give ``model`` its INT8 KV cache scales and record INT8 in its quantization config."""
+def _calibrate_kv_cache(model, algo: str, token_lists: list[list[int]], dataset: str, progress: bool) -> None:
+    """Give ``model`` its KV cache scales for ``algo`` (INT8, FP8) and record ``algo`` in its
+    quantization config."""
     from kiln.quantization.kv_cache import calibrate_kv_cache_scales, set_kv_cache_scales
 
     if not token_lists:
         raise ConfigError(f"--calib_dataset {dataset}: no text of at least 2 tokens to calibrate the KV cache on")
-    set_kv_cache_scales(model, calibrate_kv_cache_scales(model, token_lists, progress))
+    set_kv_cache_scales(model, calibrate_kv_cache_scales(model, token_lists, algo, progress))
     model.config = dataclasses.replace(model.config, quantization=dataclasses.replace(
-        model.config.quantization, kv_cache_quant_algo="INT8"))
+        model.config.quantization, kv_cache_quant_algo=algo))
 
 
 def _save_tokenizer(source, model_dir: Path, out: Path) -> None:

@@ -50,11 +50,16 @@ def add_parser(sub) -> None:
                         "last part (default: lm_head; give the flag with no name to quantize every layer, the "
                         "LM head too: a head tied to the embedding table then gets its own quantized copy while "
                         "the lookup keeps the float table)")
-    p.add_argument("--kv_cache_quant_algo", default=None, metavar="INT8",
-                   help="INT8: store K and V in the paged KV cache as int8 with static per-tensor scales per layer "
-                        "(K and V separately: max|x|/127 over the calibration texts, run through the float model "
-                        "at convert time), so about twice as many tokens fit in the same cache memory "
-                        "(default: the cache stays in the engine's dtype)")
+    p.add_argument("--kv_cache_quant_algo", default=None, metavar="FP8|INT8",
+                   help="store K and V in the paged KV cache at one byte per element, with static per-tensor "
+                        "scales per layer (K and V separately: scale = max|x| over the calibration texts, run "
+                        "through the float model at convert time, over the type's largest code); twice the "
+                        "tokens of a bf16 cache fit in the same memory, four times float32's. INT8: int8 codes "
+                        "round(x / scale) clamped to +-127: uniform steps, an error of at most half a scale "
+                        "(1/254 of the range) at any size. FP8: float8 e4m3 codes, x / scale saturated to +-448 "
+                        "and rounded to nearest even: 3 mantissa bits, an error of at most 1/16 of the value "
+                        "itself, so small values keep more precision and the largest less (default: the cache "
+                        "stays in the engine's dtype)")
     p.add_argument("--calib_dataset", default="sharegpt", metavar="sharegpt|FILE",
                    help="W4A16_AWQ, W4A8_AWQ, FP8, W8A8_SQ_PER_CHANNEL and --kv_cache_quant_algo: calibration "
                         "texts run through "
@@ -99,9 +104,14 @@ def parse_key_map(text: str) -> dict:
 def run(args) -> int:
     from kiln.checkpoint.format import read_config
     from kiln.config import QuantConfig
+    from kiln.config.pretrained import KV_CACHE_QUANT_ALGOS
     from kiln.convert import convert_checkpoint
+    from kiln.errors import ConfigError
 
     started = time.perf_counter()
+    if args.kv_cache_quant_algo is not None and args.kv_cache_quant_algo not in KV_CACHE_QUANT_ALGOS:
+        raise ConfigError(f"--kv_cache_quant_algo {args.kv_cache_quant_algo!r} is not one of "
+                          f"{', '.join(KV_CACHE_QUANT_ALGOS)} (see kiln convert --help)")
     quantization = None
     if args.quant_algo or args.kv_cache_quant_algo:
         quantization = QuantConfig(quant_algo=args.quant_algo, group_size=args.group_size,

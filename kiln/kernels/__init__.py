@@ -1,7 +1,7 @@
 """Native CPU kernels, compiled on first use with the machine's C compiler.
 
 * ``paged_decode_attention`` (paged_attention.c): one query token per sequence against its
-  K/V read in place from the paged cache;
+  K/V read in place from the paged cache (of the query's dtype, or int8 / float8 e4m3 codes);
 * ``rmsnorm``, ``silu_mul``, ``rotary_`` (elementwise.c): a layer's elementwise work, one
   pass each;
 * ``skinny_linear`` (skinny_gemm.c): fp32/bf16 linears of a few rows (decode steps);
@@ -111,7 +111,8 @@ def native_library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as e:
         log.warning("native kernels unavailable (%s): using the PyTorch paths", e)
         return None
-    for name in (*_DECODE_KERNELS.values(), *_DECODE_KERNELS_INT8_KV.values()):
+    for name in (*_DECODE_KERNELS.values(), *(n for by_q in _DECODE_KERNELS_QUANTIZED_KV.values()
+                                               for n in by_q.values())):
         fn = getattr(lib, name)
         fn.argtypes = _DECODE_ARGTYPES
         fn.restype = ctypes.c_int
@@ -127,6 +128,10 @@ def native_library() -> ctypes.CDLL | None:
         getattr(lib, f"kiln_decode_step_{suffix}").argtypes = [
             _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int, _PTR]
         getattr(lib, f"kiln_decode_step_{suffix}").restype = ctypes.c_int
+    lib.kiln_kv_quantize.argtypes = [_PTR, _I64, ctypes.c_float, _I64, _PTR]
+    lib.kiln_kv_quantize.restype = None
+    lib.kiln_fp8_to_f32.argtypes = [_PTR, _I64, _PTR]
+    lib.kiln_fp8_to_f32.restype = None
     lib.kiln_decode_step_scratch.argtypes = [_PTR, _I64]
     lib.kiln_decode_step_scratch.restype = _I64
     lib.kiln_amx_available.argtypes = []
@@ -212,9 +217,16 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
 
 
 _DECODE_KERNELS = {torch.float32: "kiln_paged_decode_attention_f32", torch.bfloat16: "kiln_paged_decode_attention_bf16"}
-# Variants over an int8 K/V cache (INT8 KV cache), by the query's dtype.
-_DECODE_KERNELS_INT8_KV = {torch.float32: "kiln_paged_decode_attention_f32_i8",
-                           torch.bfloat16: "kiln_paged_decode_attention_bf16_i8"}
+# Variants over a quantized K/V cache, by the cache's then the query's dtype: int8 codes (INT8
+# KV cache) and float8 e4m3 codes (FP8 KV cache).
+_DECODE_KERNELS_QUANTIZED_KV = {
+    torch.int8: {torch.float32: "kiln_paged_decode_attention_f32_i8",
+                 torch.bfloat16: "kiln_paged_decode_attention_bf16_i8"},
+    torch.float8_e4m3fn: {torch.float32: "kiln_paged_decode_attention_f32_f8",
+                          torch.bfloat16: "kiln_paged_decode_attention_bf16_f8"},
+}
+# The KILN_KV_* kind of each quantized cache type (dtypes.h), as kv_quantize and decode_step.c take it.
+KV_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2}
 
 
 def supports_decode_attention(dtype: torch.dtype) -> bool:
@@ -237,19 +249,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``alibi_slopes``: float32 ``[num_heads]``, adds ``slope * (key position - query position)``
     to each score; ``softcap``: scores become ``softcap * tanh(score / softcap)`` (after
     scaling, before ALiBi).
-    ``kv_scales``: ``(k_scale, v_scale)`` of an int8 cache (INT8 KV cache: codes times scale are
-    the K/V); None for a cache of ``q``'s dtype.
+    ``kv_scales``: ``(k_scale, v_scale)`` of a quantized cache, int8 (INT8 KV cache) or float8
+    e4m3 (FP8 KV cache) codes, whose values times the scale are the K/V; None for a cache of
+    ``q``'s dtype.
     ``check=False`` skips the argument checks (the attention backend, on its hot path, builds
     every argument itself).
     """
     lib = native_library()
     if lib is None or q.dtype not in _DECODE_KERNELS:
         raise RuntimeError(f"no native decode attention kernel for {q.dtype}")
-    kernel = _DECODE_KERNELS[q.dtype] if kv_scales is None else _DECODE_KERNELS_INT8_KV[q.dtype]
+    if kv_scales is None:
+        kernel = _DECODE_KERNELS[q.dtype]
+    elif k_cache.dtype in _DECODE_KERNELS_QUANTIZED_KV:
+        kernel = _DECODE_KERNELS_QUANTIZED_KV[k_cache.dtype][q.dtype]
+    else:
+        raise ValueError(f"k_cache: kv_scales go with an int8 or float8_e4m3fn cache, got {k_cache.dtype}")
     k_scale, v_scale = (1.0, 1.0) if kv_scales is None else kv_scales
     if check:
         _check_decode_arguments(q, k_cache, v_cache, token_index, block_tables, seq_lens, out,
-                                q.dtype if kv_scales is None else torch.int8)
+                                q.dtype if kv_scales is None else k_cache.dtype)
         if alibi_slopes is not None and (alibi_slopes.dtype != torch.float32 or not alibi_slopes.is_contiguous()
                                          or tuple(alibi_slopes.shape) != (q.shape[1],)):
             raise ValueError(f"alibi_slopes: expected a contiguous float32 [{q.shape[1]}] tensor")
@@ -267,6 +285,27 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"paged_decode_attention: {q.shape[1]} query heads do not group onto {num_kv_heads} KV heads")
     if rc == 2:
         raise MemoryError("paged_decode_attention: no memory for the context-split scratch buffer")
+
+
+def kv_quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The codes the native decode step writes for float32 ``x`` with ``scale`` into a cache of
+    ``dtype`` (int8 or float8_e4m3fn): ``x * (1 / scale)`` rounded by dtypes.h's ``i8_store`` /
+    ``fp8_store``. Tests hold it against ``kiln.runtime.attention.quantize_kv``, which the
+    layer-by-layer path writes with."""
+    x = x.float().contiguous()
+    codes = torch.empty(x.shape, dtype=dtype)
+    inv = torch.tensor(scale, dtype=torch.float32).reciprocal().item()
+    native_library().kiln_kv_quantize(x.data_ptr(), x.numel(), inv, KV_KINDS[dtype], codes.data_ptr())
+    return codes
+
+
+def fp8_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of float8 e4m3 ``codes`` as the attention kernels convert them when they
+    stage a block (16 at a time by vector, the rest of a row one by one)."""
+    codes = codes.contiguous()
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    native_library().kiln_fp8_to_f32(codes.data_ptr(), codes.numel(), out.data_ptr())
+    return out
 
 
 def _check_decode_arguments(q, k_cache, v_cache, token_index, block_tables, seq_lens, out,
@@ -466,17 +505,19 @@ class LinearWeights(ctypes.Structure):
 
 
 class DecoderLayerWeights(ctypes.Structure):
-    """One layer's tensors for ``decode_step`` (raw pointers) and its sliding window (0: none)."""
+    """One layer's tensors for ``decode_step`` (raw pointers), its sliding window (0: none) and,
+    for a quantized cache, its float32 ``[2]`` K/V scales (else NULL)."""
     _fields_ = [("input_norm", _PTR), ("post_norm", _PTR)] + [
         (name, LinearWeights) for name in ("qkv", "dense", "fused_fc", "proj")] + [
-        ("k_cache", _PTR), ("v_cache", _PTR), ("window", _I64)]
+        ("k_cache", _PTR), ("v_cache", _PTR), ("window", _I64), ("kv_scales", _PTR)]
 
 
 class DecoderDims(ctypes.Structure):
-    """The shapes ``decode_step`` needs (per rank; ``rot_dim`` 0 means no rotary)."""
+    """The shapes ``decode_step`` needs (per rank; ``rot_dim`` 0 means no rotary) and the KV
+    cache's element kind (0: the model dtype, else ``KV_KINDS`` of its dtype)."""
     _fields_ = [(name, _I64) for name in (
         "hidden", "heads", "kv_heads", "head_size", "rot_dim", "inter", "block_size", "max_blocks")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_kind", _I64)]
 
 
 def decode_step_scratch_size(dims: DecoderDims, num_tokens: int) -> int:
@@ -492,7 +533,8 @@ def decode_step(hidden: torch.Tensor, layers: ctypes.Array, dims: DecoderDims, c
 
     ``layers``: a ``DecoderLayerWeights`` array, each pointing at contiguous tensors of
     ``hidden``'s dtype, its KV cache ``[num_blocks, block_size, kv_heads, head_size]`` among
-    them; token ``t``'s K/V go to cache slot ``slots[t]`` and its attention reads
+    them (or int8 / float8 e4m3 codes, with ``dims.kv_kind`` and the layer's scales set);
+    token ``t``'s K/V go to cache slot ``slots[t]`` and its attention reads
     ``seq_lens[t]`` tokens through ``block_tables[t]`` (``dims.max_blocks`` entries);
     ``token_index`` is ``arange(m)`` (all int64). ``cos``/``sin``: float32 ``[m, dims.rot_dim]``.
     The caller has checked every pointer (see ``kiln.models.native_decode``): nothing is

@@ -13,7 +13,10 @@
  * with the residual adds rounded to the model dtype as eager PyTorch does. Layouts: hidden
  * [m, hidden_size] (updated in place), the KV caches [num_blocks, block_size, kv_heads,
  * head_size], slots/token_index/seq_lens [m], block_tables [m, max_blocks], cos/sin
- * [m, rot_dim] float32, scratch of kiln_decode_step_scratch(dims, m) elements. With `profile`
+ * [m, rot_dim] float32, scratch of kiln_decode_step_scratch(dims, m) elements. A quantized KV
+ * cache (dims kv_kind KILN_KV_INT8 or KILN_KV_FP8, each layer's kv_scales [K, V]) takes the
+ * codes of k * (1 / k_scale) and v * (1 / v_scale) (dtypes.h, as kiln.runtime.attention.
+ * quantize_kv writes them) and is read by the matching attention variant. With `profile`
  * (else NULL) the seconds spent in the linear layers, in attention and in the rest are added
  * to profile[0..2].
  */
@@ -48,17 +51,21 @@ typedef struct {
     float act_scale;
 } kiln_linear;
 
-/* window: the layer's sliding attention window (0: none). */
+/* window: the layer's sliding attention window (0: none); kv_scales: float32 [K scale, V scale]
+ * of a quantized cache (NULL for a float one). */
 typedef struct {
     const void *input_norm, *post_norm;
     kiln_linear qkv, dense, fused_fc, proj;
     void *k_cache, *v_cache;
     int64_t window;
+    const float *kv_scales;
 } kiln_decoder_layer;
 
+/* kv_kind: the caches' element type (KILN_KV_FLOAT: the model dtype; KILN_KV_INT8, KILN_KV_FP8). */
 typedef struct {
     int64_t hidden, heads, kv_heads, head_size, rot_dim, inter, block_size, max_blocks;
     float eps, scale;
+    int64_t kv_kind;
 } kiln_decoder_dims;
 
 int64_t kiln_decode_step_scratch(const kiln_decoder_dims *d, int64_t m) {
@@ -90,10 +97,22 @@ static void linear_f32(const float *x, const kiln_linear *L, float *y, int64_t m
     kiln_skinny_gemm_f32(x, L->weight, L->bias, y, m, n, k, num_threads);
 }
 
+/* One layer's decode attention over its cache, through the variant for the cache's type. */
+#define ATTEND(FN, KT) FN(qkv, qkv_width, (const KT *)L->k_cache, (const KT *)L->v_cache, token_index,  \
+                          block_tables, seq_lens, attn, m, d->heads, d->kv_heads, D, d->block_size,     \
+                          d->max_blocks, d->scale, L->window, NULL, 0.f, k_scale, v_scale, num_threads)
+
 #define DEFINE_DECODE_STEP(SUFFIX, T, LOAD, STORE)                                                 \
 static void residual_add_##SUFFIX(T *h, const T *x, int64_t n) {                                 \
     _Pragma("omp simd")                                                                            \
     for (int64_t i = 0; i < n; ++i) h[i] = STORE(LOAD(h[i]) + LOAD(x[i]));                         \
+}                                                                                                  \
+                                                                                                   \
+/* Row x [n] into the cache at element `at`: copied, or as codes of x * inv_scale. */             \
+static void store_kv_##SUFFIX(const T *x, void *cache, int64_t at, int64_t n, int64_t kind,        \
+                              float inv_scale) {                                                   \
+    if (kind == KILN_KV_FLOAT) memcpy((T *)cache + at, x, sizeof(T) * n);                          \
+    else for (int64_t i = 0; i < n; ++i) kv_store(cache, at + i, LOAD(x[i]) * inv_scale, kind);     \
 }                                                                                                  \
                                                                                                    \
 int kiln_decode_step_##SUFFIX(T *hidden, int64_t m, const kiln_decoder_layer *layers,             \
@@ -107,7 +126,8 @@ int kiln_decode_step_##SUFFIX(T *hidden, int64_t m, const kiln_decoder_layer *la
     T *gate_up = out + m * H, *act = gate_up + m * 2 * I;                                          \
     for (int64_t l = 0; l < num_layers; ++l) {                                                     \
         const kiln_decoder_layer *L = layers + l;                                                  \
-        T *k_cache = L->k_cache, *v_cache = L->v_cache;                                            \
+        const float k_scale = L->kv_scales ? L->kv_scales[0] : 1.f;                                \
+        const float v_scale = L->kv_scales ? L->kv_scales[1] : 1.f;                                \
         TIMED(OTHER, kiln_rmsnorm_##SUFFIX(hidden, H, L->input_norm, normed, m, H, d->eps, num_threads)); \
         TIMED(LINEAR, linear_##SUFFIX(normed, &L->qkv, qkv, m, qkv_width, H, num_threads));         \
         TIMED(OTHER, {                                                                             \
@@ -118,15 +138,18 @@ int kiln_decode_step_##SUFFIX(T *hidden, int64_t m, const kiln_decoder_layer *la
             }                                                                                      \
             for (int64_t t = 0; t < m; ++t) {                                                      \
                 const T *row = qkv + t * qkv_width + q_size;                                       \
-                memcpy(k_cache + slots[t] * kv_size, row, sizeof(T) * kv_size);                    \
-                memcpy(v_cache + slots[t] * kv_size, row + kv_size, sizeof(T) * kv_size);          \
+                store_kv_##SUFFIX(row, L->k_cache, slots[t] * kv_size, kv_size, d->kv_kind,        \
+                                  1.f / k_scale);                                                  \
+                store_kv_##SUFFIX(row + kv_size, L->v_cache, slots[t] * kv_size, kv_size,         \
+                                  d->kv_kind, 1.f / v_scale);                                      \
             }                                                                                      \
         });                                                                                        \
         int rc = 0;                                                                                \
-        TIMED(ATTENTION, rc = kiln_paged_decode_attention_##SUFFIX(                                \
-            qkv, qkv_width, k_cache, v_cache, token_index, block_tables, seq_lens, attn, m, d->heads, \
-            d->kv_heads, D, d->block_size, d->max_blocks, d->scale, L->window, NULL, 0.f, 1.f, 1.f,          \
-            num_threads));                                                                         \
+        TIMED(ATTENTION, rc = d->kv_kind == KILN_KV_INT8                                           \
+                                  ? ATTEND(kiln_paged_decode_attention_##SUFFIX##_i8, int8_t)      \
+                              : d->kv_kind == KILN_KV_FP8                                          \
+                                  ? ATTEND(kiln_paged_decode_attention_##SUFFIX##_f8, fp8_t)       \
+                                  : ATTEND(kiln_paged_decode_attention_##SUFFIX, T));              \
         if (rc != 0) return rc;                                                                    \
         TIMED(LINEAR, linear_##SUFFIX(attn, &L->dense, out, m, H, q_size, num_threads));            \
         TIMED(OTHER, {                                                                             \

@@ -62,4 +62,17 @@ void kiln_prepare_quant_input(const bf16_t *x, int64_t m, int64_t k, const float
 DECLARE_KERNELS(f32, float)
 DECLARE_KERNELS(bf16, bf16_t)
 
+/* Decode attention over a quantized cache (int8 or float8 e4m3 codes, dequantized by
+ * k_scale / v_scale); otherwise as kiln_paged_decode_attention_f32 / _bf16. */
+#define DECLARE_QUANTIZED_KV_ATTENTION(NAME, T, KT)                                               \
+int NAME(const T *q, int64_t q_stride, const KT *k_cache, const KT *v_cache,                       \
+         const int64_t *token_index, const int64_t *block_tables, const int64_t *seq_lens, T *out, \
+         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,             \
+         int64_t block_size, int64_t max_blocks, float scale, int64_t window,                      \
+         const float *alibi_slopes, float softcap, float k_scale, float v_scale, int num_threads);
+DECLARE_QUANTIZED_KV_ATTENTION(kiln_paged_decode_attention_f32_i8, float, int8_t)
+DECLARE_QUANTIZED_KV_ATTENTION(kiln_paged_decode_attention_bf16_i8, bf16_t, int8_t)
+DECLARE_QUANTIZED_KV_ATTENTION(kiln_paged_decode_attention_f32_f8, float, fp8_t)
+DECLARE_QUANTIZED_KV_ATTENTION(kiln_paged_decode_attention_bf16_f8, bf16_t, fp8_t)
+
 #endif

@@ -9,7 +9,8 @@
  *   q, out        [num_tokens, num_heads, head_size]   rows picked by token_index; q's rows
  *                 may be strided (q_stride elements apart: a view into the fused qkv output)
  *   k/v cache     [num_blocks, block_size, num_kv_heads, head_size]   q's type, or int8 codes
- *                 (the _i8 variants) dequantized by k_scale / v_scale
+ *                 (the _i8 variants) or float8 e4m3 codes (the _f8 variants), dequantized by
+ *                 k_scale / v_scale
  *   block_tables  [num_seqs, max_blocks] int64
  *   seq_lens      [num_seqs] int64  (tokens in the cache, the new one included)
  * Query heads are grouped onto KV heads as in GQA: head h reads KV head h / (H / KVH).
@@ -43,6 +44,16 @@
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)p)));
+}
+/* 16 float8 e4m3 codes, exactly, through fp16: the byte sign-extended to 16 bits and shifted
+ * left by 7 has the sign at bit 15 and exponent and mantissa where fp16 keeps them (bits 10-13,
+ * 7-9); bit 14, a copy of the sign, is cleared. fp16's exponent bias is 15, e4m3's 7, so that
+ * half is the code's value times 2^-8, subnormals included, and the multiply by 2^8 is exact
+ * (fp16 subnormals convert to normal fp32: nothing here meets denormals-are-zero). */
+static inline __m512 load16_f8(const fp8_t *p) {
+    const __m256i x = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const void *)p)), 7);
+    const __m512 v = _mm512_cvtph_ps(_mm256_and_si256(x, _mm256_set1_epi16((short)0xbfff)));
+    return _mm512_mul_ps(v, _mm512_set1_ps(256.f));
 }
 static inline __m512 load16_bf16(const bf16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
@@ -81,7 +92,6 @@ static inline __attribute__((always_inline)) int64_t scores16_##SUFFIX(         
     return t;                                                                                      \
 }
 DEFINE_SCORES16(f32, float)
-DEFINE_SCORES16(i8, int8_t)
 #if defined(__AVX512BF16__)
 /* bf16 K against q rounded to bf16 (exact: q came from bf16), with AVX512-BF16 dot products
  * (fp32 accumulation): no K conversion at all. */
@@ -111,7 +121,6 @@ DEFINE_SCORES16(bf16, bf16_t)
 #else
 #define scores16_f32(q, kb, stride, ntok, D, out) ((int64_t)0)
 #define scores16_bf16(q, kb, stride, ntok, D, out) ((int64_t)0)
-#define scores16_i8(q, kb, stride, ntok, D, out) ((int64_t)0)
 #endif
 
 /* acc = acc * rescale + sum_t p[t] V[t] with AVX512-BF16 dot products over token pairs:
@@ -161,6 +170,39 @@ static inline void pv_unpermute(float *acc, int64_t D) { (void)acc; (void)D; }
 #endif
 #define no_vec_pv(p, vb, stride, ntok, D, rescale, acc) 0
 
+/* A quantized cache's block (int8 or float8 codes, rows token_stride apart) converted once into
+ * `buf` (rows D apart) in the query's type, so every query head of a GQA group reads it through
+ * the float kernel's loops (bf16: AVX512-BF16 dot products) instead of converting each code once
+ * per head. Exact: every int8 and every e4m3 value is a bf16 value, and an fp32 one. Float
+ * caches are read in place (no_stage). */
+#if defined(__AVX512F__)
+static inline void store16_f32(float *d, __m512 v) { _mm512_storeu_ps(d, v); }
+/* Truncating to the top 16 bits is exact for values bf16 holds exactly. */
+static inline void store16_bf16(bf16_t *d, __m512 v) {
+    _mm256_storeu_si256((void *)d, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+#define STAGE16(KSUF, CSUF) for (; i + 16 <= D; i += 16) store16_##CSUF(d + i, load16_##KSUF(s + i));
+#else
+#define STAGE16(KSUF, CSUF)
+#endif
+#define DEFINE_STAGE(KSUF, KT, KLOAD, CSUF, CT, CSTORE)                                            \
+static inline __attribute__((always_inline)) const CT *stage_##KSUF##_##CSUF(                      \
+        const KT *src, int64_t ntok, int64_t token_stride, const int64_t D, CT *buf) {            \
+    for (int64_t t = 0; t < ntok; ++t) {                                                           \
+        const KT *s = src + t * token_stride;                                                      \
+        CT *d = buf + t * D;                                                                       \
+        int64_t i = 0;                                                                             \
+        STAGE16(KSUF, CSUF)                                                                        \
+        for (; i < D; ++i) d[i] = CSTORE(KLOAD(s[i]));                                             \
+    }                                                                                              \
+    return buf;                                                                                    \
+}
+DEFINE_STAGE(i8, int8_t, i8_load, f32, float, f32_store)
+DEFINE_STAGE(i8, int8_t, i8_load, bf16, bf16_t, bf16_store)
+DEFINE_STAGE(f8, fp8_t, fp8_load, f32, float, f32_store)
+DEFINE_STAGE(f8, fp8_t, fp8_load, bf16, bf16_t, bf16_store)
+#define no_stage(src, ntok, token_stride, D, buf) ((void)(buf), (src))
+
 /* A per-thread buffer that grows as needed and is kept: allocating (and page-faulting) it
  * on every call would cost more than the merge it serves. */
 static void *scratch(size_t bytes) {
@@ -196,13 +238,17 @@ static inline void adjust_scores(float *sg, int64_t ntok, float scale, float sof
  * before `first` (outside a sliding window) are skipped; `slopes` are the group's ALiBi slopes.
  * Inlined with a constant head size where possible, so the d-loops unroll and q/acc stay in
  * vector registers across the token loops. */
-#define DEFINE_DECODE_KERNEL(NAME, T, LOAD, STORE, KT, KLOAD, VEC_SCORES, VEC_PV)                                     \
+#define DEFINE_DECODE_KERNEL(NAME, T, LOAD, STORE, KT, STAGE, CT, CLOAD, VEC_SCORES, VEC_PV)                         \
 static inline __attribute__((always_inline)) void NAME##_part(                                     \
         const T *q, const KT *k_cache, const KT *v_cache, const int64_t *table, int64_t len,       \
         int64_t b_begin, int64_t b_end, int64_t group, int64_t token_stride, int64_t kvh,          \
         int64_t block_size, float scale, const int64_t D, int64_t first, const float *slopes,      \
         float softcap, float *run_max, float *run_sum, float *acc) {                               \
     float qf[group * D], scores[group * block_size];                                               \
+    /* Codes (KT) are staged per block into CT rows D apart; a float cache is read in place. */    \
+    const int staged = sizeof(KT) != sizeof(CT);                                                   \
+    CT k_rows[staged ? block_size * D : 1], v_rows[staged ? block_size * D : 1];                   \
+    const int64_t row_stride = staged ? D : token_stride;                                          \
     for (int64_t g = 0; g < group; ++g) {                                                          \
         /* Unscaled, so a bf16 q converts back to bf16 exactly for bf16 dot products. */         \
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = LOAD(q[g * D + d]);                        \
@@ -214,18 +260,19 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
         /* The window's first token may lie mid-block: start the block there. */                   \
         const int64_t t0 = b * block_size < first ? first - b * block_size : 0;                    \
         const int64_t ntok = (len - b * block_size < block_size ? len - b * block_size : block_size) - t0;\
-        const KT *kb = k_cache + (table[b] * block_size + t0) * token_stride + kvh * D;            \
-        const KT *vb = v_cache + (table[b] * block_size + t0) * token_stride + kvh * D;            \
+        const int64_t at = (table[b] * block_size + t0) * token_stride + kvh * D;                  \
+        const CT *kb = STAGE(k_cache + at, ntok, token_stride, D, k_rows);                         \
+        const CT *vb = STAGE(v_cache + at, ntok, token_stride, D, v_rows);                         \
         for (int64_t g = 0; g < group; ++g) {                                                      \
             const float *qg = qf + g * D;                                                          \
             float *sg = scores + g * block_size;                                                   \
             float m = run_max[g];                                                                  \
-            int64_t t = VEC_SCORES(qg, kb, token_stride, ntok, D, sg);                             \
+            int64_t t = VEC_SCORES(qg, kb, row_stride, ntok, D, sg);                               \
             for (; t < ntok; ++t) {                                                                \
-                const KT *kt = kb + t * token_stride;                                              \
+                const CT *kt = kb + t * row_stride;                                                \
                 float dot = 0.f;                                                                   \
                 _Pragma("omp simd reduction(+:dot)")                                               \
-                for (int64_t d = 0; d < D; ++d) dot += qg[d] * KLOAD(kt[d]);                       \
+                for (int64_t d = 0; d < D; ++d) dot += qg[d] * CLOAD(kt[d]);                       \
                 sg[t] = dot;                                                                       \
             }                                                                                      \
             if (softcap > 0.f || slopes) {                                                         \
@@ -241,14 +288,14 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
             run_max[g] = m;                                                                        \
             run_sum[g] = run_sum[g] * rescale + sum;                                               \
             float *ag = acc + g * D;                                                               \
-            if (VEC_PV(sg, vb, token_stride, ntok, D, rescale, ag)) continue;                      \
+            if (VEC_PV(sg, vb, row_stride, ntok, D, rescale, ag)) continue;                        \
             float a[D];                                                                            \
             for (int64_t d = 0; d < D; ++d) a[d] = ag[d] * rescale;                                \
             for (int64_t i = 0; i < ntok; ++i) {                                                   \
-                const KT *vt = vb + i * token_stride;                                              \
+                const CT *vt = vb + i * row_stride;                                                \
                 const float p = sg[i];                                                             \
                 _Pragma("omp simd")                                                                \
-                for (int64_t d = 0; d < D; ++d) a[d] += p * KLOAD(vt[d]);                          \
+                for (int64_t d = 0; d < D; ++d) a[d] += p * CLOAD(vt[d]);                          \
             }                                                                                      \
             for (int64_t d = 0; d < D; ++d) ag[d] = a[d];                                          \
         }                                                                                          \
@@ -354,16 +401,35 @@ static void merge_parts(const float *parts, int64_t splits, int64_t num_seqs, in
     }
 }
 
-static inline float i8_load(int8_t x) { return (float)x; }
+/* Float caches pass k_scale = v_scale = 1. An int8 or float8 cache holds x / scale as codes:
+ * K's scale folds into the score scale and V's into the final normalisation, so the loops read
+ * the codes' values (staged a block at a time in the query's type, see DEFINE_STAGE) and no
+ * dequantized copy of the cache is ever made. */
+DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_f32, float, f32_load, f32_store, float, no_stage, float, f32_load,
+                     scores16_f32, no_vec_pv)
+DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_bf16, bf16_t, bf16_load, bf16_store, bf16_t, no_stage, bf16_t,
+                     bf16_load, scores16_bf16, pv_bf16)
+DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_f32_i8, float, f32_load, f32_store, int8_t, stage_i8_f32, float,
+                     f32_load, scores16_f32, no_vec_pv)
+DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_bf16_i8, bf16_t, bf16_load, bf16_store, int8_t, stage_i8_bf16,
+                     bf16_t, bf16_load, scores16_bf16, pv_bf16)
+DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_f32_f8, float, f32_load, f32_store, fp8_t, stage_f8_f32, float,
+                     f32_load, scores16_f32, no_vec_pv)
+DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_bf16_f8, bf16_t, bf16_load, bf16_store, fp8_t, stage_f8_bf16,
+                     bf16_t, bf16_load, scores16_bf16, pv_bf16)
 
-/* Float caches pass k_scale = v_scale = 1. An int8 cache holds round(x / scale) codes: K's
- * scale folds into the score scale and V's into the final normalisation, so the loops read
- * codes and convert them to fp32 on the fly (no dequantized copy). */
-DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_f32, float, f32_load, f32_store, float, f32_load, scores16_f32,
-                     no_vec_pv)
-DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_bf16, bf16_t, bf16_load, bf16_store, bf16_t, bf16_load,
-                     scores16_bf16, pv_bf16)
-DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_f32_i8, float, f32_load, f32_store, int8_t, i8_load, scores16_i8,
-                     no_vec_pv)
-DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_bf16_i8, bf16_t, bf16_load, bf16_store, int8_t, i8_load,
-                     scores16_i8, no_vec_pv)
+/* The cache code conversions the kernels use, exported so tests can hold them against
+ * PyTorch's: the codes of x [n] with 1 / scale in a cache of `kind` (what decode_step.c
+ * writes), and the values of float8 codes [n] as the kernels stage them (16 at a time, the
+ * rest of a row one by one). */
+void kiln_kv_quantize(const float *x, int64_t n, float inv_scale, int64_t kind, void *codes) {
+    for (int64_t i = 0; i < n; ++i) kv_store(codes, i, x[i] * inv_scale, kind);
+}
+
+void kiln_fp8_to_f32(const fp8_t *codes, int64_t n, float *out) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, load16_f8(codes + i));
+#endif
+    for (; i < n; ++i) out[i] = fp8_load(codes[i]);
+}

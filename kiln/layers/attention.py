@@ -39,7 +39,7 @@ class Attention(nn.Module):
 
     ``scale`` defaults to ``head_size ** -0.5``; ``window`` (a sliding window, in tokens),
     ``softcap`` (attention logit soft-cap) and ``alibi`` (ALiBi biases instead of positions in
-    q/k) are passed to the attention backend, and so are the INT8 KV cache scales
+    q/k) are passed to the attention backend, and so are the quantized KV cache's scales (INT8, FP8)
     (``kv_cache_scaling_factor``) when the model has them.
     """
 
@@ -70,11 +70,11 @@ class Attention(nn.Module):
         norm = LayerNorm if qk_layernorm else RmsNorm
         self.q_norm = norm(head_size, qk_norm_eps, dtype=dtype) if qk_norm_eps is not None else None
         self.k_norm = norm(head_size, qk_norm_eps, dtype=dtype) if qk_norm_eps is not None else None
-        # INT8 KV cache: float32 [2], the static per-tensor scales of K (after rotary) and V.
+        # Quantized KV cache (INT8, FP8): float32 [2], the static per-tensor scales of K (after rotary) and V.
         self.register_parameter("kv_cache_scaling_factor", None)
 
     def use_kv_cache_scales(self) -> None:
-        """Give the layer its INT8 KV cache scales (filled from a checkpoint or by calibration)."""
+        """Give the layer its quantized KV cache scales (filled from a checkpoint or by calibration)."""
         self.kv_cache_scaling_factor = nn.Parameter(torch.ones(2, dtype=torch.float32), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:

@@ -9,7 +9,9 @@ shape that kernel computes: an RMSNorm of its own before attention and before th
 with rotate-half rotary (or none) and no q/k norm, plain causal attention or a sliding
 window (no soft-capping, no ALiBi), a fused SiLU-gated MLP, one rank, fp32 or bf16 weights
 (or, in bf16 engines, weight-only int8/4-bit codes with AWQ's input multiply, FP8 and
-W4A8_AWQ; not SmoothQuant's int8 activations), a float KV cache (an INT8 KV cache decodes layer by layer, through the int8 attention kernel);
+W4A8_AWQ; not SmoothQuant's int8 activations), a KV cache of the model dtype or a quantized one
+(INT8, FP8: the step writes the codes with the layer's scales, as the attention backend does,
+and reads them through the matching kernel);
 any other model (Gemma 2, BLOOM...), the PyTorch attention backend, steps with a
 prompt chunk and steps of more tokens than its matmuls are best at
 (``NativeDecodeStep.max_tokens``) take the layer-by-layer path.
@@ -39,8 +41,6 @@ def supports_native_decode(model) -> bool:
     if (dtype not in (torch.float32, torch.bfloat16) or model.config.mapping.world_size != 1
             or hasattr(t, "position_embedding") or kernels.native_library() is None):
         return False
-    if model.config.quantization.kv_cache_quant_algo is not None:  # decode_step writes and reads float caches only
-        return False
     scale = next(iter(t.layers.values())).attention.scale
     for layer in t.layers.values():
         attn, mlp = layer.attention, layer.mlp
@@ -61,7 +61,8 @@ def supports_native_decode(model) -> bool:
             if quantized and not (module.tile_order and dtype == torch.bfloat16):
                 return False
             floats = [p for name, p in module.named_parameters(recurse=False)
-                      if not (quantized and name in QUANTIZED_PARAMETERS)]
+                      if not (quantized and name in QUANTIZED_PARAMETERS)
+                      and name != "kv_cache_scaling_factor"]  # float32 KV cache scales: read as such
             if any(p.dtype != dtype for p in floats):
                 return False
         if layer.input_layernorm.eps != layer.post_layernorm.eps:
@@ -77,12 +78,13 @@ class NativeDecodeStep:
         layers = list(t.layers.values())
         first = layers[0].attention
         k_cache = kv_caches[0][0]
-        self.dtype = k_cache.dtype
+        self.dtype = t.vocab_embedding.weight.dtype  # the model's (the cache may hold codes)
         self.dims = kernels.DecoderDims(
             hidden=model.config.hidden_size, heads=first.num_heads, kv_heads=first.num_kv_heads,
             head_size=first.head_size, rot_dim=t.rotary.rotary_dim if t.rotary is not None else 0,
             inter=layers[0].mlp.proj.in_features, block_size=k_cache.shape[1], max_blocks=0,
-            eps=layers[0].input_layernorm.eps, scale=first.scale)
+            eps=layers[0].input_layernorm.eps, scale=first.scale,
+            kv_kind=0 if k_cache.dtype == self.dtype else kernels.KV_KINDS[k_cache.dtype])
         self.weights = (kernels.DecoderLayerWeights * len(layers))()
         packed_everywhere = True
         for entry, layer, (k, v) in zip(self.weights, layers, kv_caches):
@@ -91,6 +93,8 @@ class NativeDecodeStep:
             entry.post_norm = layer.post_layernorm.weight.data_ptr()
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
             entry.window = attn.window or 0
+            scales = attn.kv_cache_scaling_factor  # float32 [K, V]: a quantized cache's
+            entry.kv_scales = scales.data_ptr() if self.dims.kv_kind else None
             for field, linear in (("qkv", attn.qkv), ("dense", attn.dense), ("fused_fc", mlp.fused_fc),
                                   ("proj", mlp.proj)):
                 setattr(entry, field, _linear_weights(linear))

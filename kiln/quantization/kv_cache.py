@@ -1,10 +1,11 @@
-"""INT8 KV cache calibration: static per-tensor scales of each layer's K and V.
+"""KV cache calibration (INT8 and FP8): static per-tensor scales of each layer's K and V.
 
-Reference 002 stores an INT8 KV cache's scales as ``transformer.layers.N.attention.
+Reference 002 stores a quantized KV cache's scales as ``transformer.layers.N.attention.
 kv_cache_scaling_factor``. kiln keeps one float32 ``[2]`` tensor per layer: the K scale, then
-the V scale, each ``max|x| / 127`` over the calibration prompts, where K is what the cache
-holds (after q/k norm and rotary) and V the value projection. The runtime writes
-``round(x / scale)`` clamped to +-127 and reads ``code * scale``.
+the V scale, each ``max|x|`` over the calibration prompts divided by the cache type's largest
+code (127 for INT8, 448 for FP8's float8 e4m3), where K is what the cache holds (after q/k norm
+and rotary) and V the value projection. The runtime writes ``x / scale`` clamped to that range
+and rounded to the cache type (``kiln.runtime.attention.quantize_kv``) and reads ``code * scale``.
 """
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ from torch import nn
 
 from kiln.quantization.calibration import run_prompts
 from kiln.runtime.attention import TorchPagedAttention
-
-INT8_MAX = 127.0
+from kiln.runtime.kv_cache import KV_CACHE_DTYPES, kv_code_max
 
 
 class _KVRangeObserver(TorchPagedAttention):
@@ -32,9 +32,12 @@ class _KVRangeObserver(TorchPagedAttention):
         return super().forward(q, k, v, kv_cache, md, scale, **options)
 
 
-def calibrate_kv_cache_scales(model: nn.Module, token_lists: list[list[int]], progress: bool = False) -> torch.Tensor:
-    """float32 ``[num_layers, 2]``: each layer's ``max|K| / 127`` and ``max|V| / 127`` over the
-    prompts, run through the float model (its cache unquantized)."""
+def calibrate_kv_cache_scales(model: nn.Module, token_lists: list[list[int]], algo: str,
+                              progress: bool = False) -> torch.Tensor:
+    """float32 ``[num_layers, 2]``: each layer's ``max|K|`` and ``max|V|`` over the prompts, run
+    through the float model (its cache unquantized), divided by the largest code of ``algo``'s
+    cache type (INT8: 127, FP8: 448)."""
+    code_max = kv_code_max(KV_CACHE_DTYPES[algo])
     layers = list(model.transformer.layers.values())
     observer = _KVRangeObserver(len(layers))
     handles = [layer.attention.register_forward_pre_hook(lambda m, args, i=i: setattr(observer, "layer", i))
@@ -45,7 +48,7 @@ def calibrate_kv_cache_scales(model: nn.Module, token_lists: list[list[int]], pr
         for handle in handles:
             handle.remove()
     # An all-zero range (never seen) keeps a usable scale rather than dividing by zero.
-    return torch.where(observer.absmax > 0, observer.absmax, torch.ones(())) / INT8_MAX
+    return torch.where(observer.absmax > 0, observer.absmax, torch.ones(())) / code_max
 
 
 def set_kv_cache_scales(model: nn.Module, scales: torch.Tensor) -> None:

@@ -14,10 +14,12 @@ layers keep the fast paths; these go through a masked path (a float mask, or exp
 when soft-capped, which scaled_dot_product_attention cannot do).
 
 KV cache of one layer: ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads,
-head_size]``. An INT8 KV cache holds ``round(x / scale)`` codes with the layer's static K and V
-scales (``kv_scales``): written quantized, read back dequantized (the native kernel scales on
-the fly); a fresh prompt attends to its own unquantized K/V, as the reference's context phase. For the reference backend, which reads whole blocks under a mask, blocks are
-zeroed when allocated, so it never meets stale NaN/inf values past a sequence's end.
+head_size]``. A quantized KV cache (INT8: int8 codes, FP8: float8 e4m3 codes) holds ``x / scale``
+rounded to the cache type with the layer's static K and V scales (``kv_scales``): written
+quantized, read back dequantized (the native kernel reads the codes and scales on the fly); a
+fresh prompt attends to its own unquantized K/V, as the reference's context phase. For the
+reference backend, which reads whole blocks under a mask, blocks are zeroed when allocated, so
+it never meets stale NaN/inf values past a sequence's end.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 
 from kiln.errors import ConfigError
 from kiln.kernels import paged_decode_attention, supports_decode_attention
+from kiln.runtime.kv_cache import indexable, kv_code_max
 from kiln.runtime.metadata import AttentionMetadata
 
 
@@ -97,7 +100,8 @@ class TorchPagedAttention:
 
         ``window``: attend to the last ``window`` positions only; ``alibi_slopes``: float32
         ``[num_heads]`` ALiBi slopes of this rank's heads; ``softcap``: attention logit soft-cap;
-        ``kv_scales``: float32 ``[2]``, the K and V scales of an int8 cache (None: a float cache).
+        ``kv_scales``: float32 ``[2]``, the K and V scales of a quantized (int8 or float8) cache
+        (None: a cache of the compute dtype).
         """
         # q: [num_tokens, num_heads, head]; k, v: [num_tokens, num_kv_heads, head]
         options = AttentionOptions(window, alibi_slopes, softcap)
@@ -109,8 +113,9 @@ class TorchPagedAttention:
             flat_k.index_copy_(0, md.slot_mapping, k)
             flat_v.index_copy_(0, md.slot_mapping, v)
         else:
-            flat_k.index_copy_(0, md.slot_mapping, quantize_kv(k, kv_scales[0]))
-            flat_v.index_copy_(0, md.slot_mapping, quantize_kv(v, kv_scales[1]))
+            codes_k, codes_v = quantize_kv(k, kv_scales[0], k_cache.dtype), quantize_kv(v, kv_scales[1], v_cache.dtype)
+            indexable(flat_k).index_copy_(0, md.slot_mapping, indexable(codes_k))
+            indexable(flat_v).index_copy_(0, md.slot_mapping, indexable(codes_v))
         out = torch.empty(q.shape, dtype=q.dtype)
         st = md.backend_state
         if "decode_tokens" in st:
@@ -121,7 +126,7 @@ class TorchPagedAttention:
                 kc, vc = k[start:end], v[start:end]
             elif kv_scales is None:
                 kc, vc = flat_k[slots], flat_v[slots]
-            else:  # cached context comes back from the int8 cache
+            else:  # cached context comes back from the quantized cache
                 kc, vc = dequantize_kv(flat_k[slots], kv_scales[0], q.dtype), dequantize_kv(flat_v[slots], kv_scales[1], q.dtype)
             if group > 1:
                 # PyTorch's CPU flash-attention kernel takes neither enable_gqa nor 3-D inputs (both
@@ -182,13 +187,24 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, relative: torch.T
     return torch.matmul(probs, v)
 
 
-def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int8 codes ``round(x / scale)`` clamped to +-127 (symmetric, as the reference's INT8 KV cache)."""
-    return torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8)
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Codes of cache type ``dtype`` for K or V ``x`` with its static ``scale``: ``x / scale``
+    clamped to the type's range (+-127 int8, +-448 float8 e4m3) and rounded to the nearest code,
+    ties to even (int8: ``torch.round``; float8: PyTorch's cast, which rounds to nearest even;
+    2.13's cast also saturates, but no version is relied on: the clamp comes first).
+
+    ``x / scale`` is computed as ``x * (1 / scale)`` in float32, the product the native decode
+    step computes too (a -ffast-math build turns its division into that anyway), so both paths
+    write the same codes; it is within an fp32 rounding of the quotient."""
+    limit = kv_code_max(dtype)
+    scaled = x.float() * scale.reciprocal()
+    if dtype.is_floating_point:
+        return scaled.clamp_(-limit, limit).to(dtype)
+    return torch.round(scaled).clamp_(-limit, limit).to(dtype)
 
 
 def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``codes * scale`` in ``dtype`` (computed in float32, rounded once)."""
+    """``codes * scale`` in ``dtype`` (int8 or float8 codes, exact in float32; one rounding)."""
     return (codes.float() * scale).to(dtype)
 
 

@@ -7,12 +7,13 @@ from kiln.errors import ConfigError
 from kiln.runtime import host_memory
 
 # Cache element type of each supported ``quantization.kv_cache_quant_algo`` (reference 002).
-KV_CACHE_DTYPES = {"INT8": torch.int8}
+KV_CACHE_DTYPES = {"FP8": torch.float8_e4m3fn, "INT8": torch.int8}
 
 
 def kv_cache_dtype(config) -> torch.dtype:
-    """The paged cache's element type for a model config: the compute dtype, or int8 for an
-    INT8 KV cache (K and V stored as ``round(x / scale)`` with the layer's static scales)."""
+    """The paged cache's element type for a model config: the compute dtype, int8 for an INT8
+    KV cache or float8 e4m3 for an FP8 one (K and V stored as ``x / scale`` rounded to the
+    cache type, with the layer's static scales)."""
     from kiln.models.base import torch_dtype
 
     algo = config.quantization.kv_cache_quant_algo
@@ -22,6 +23,18 @@ def kv_cache_dtype(config) -> torch.dtype:
         raise ConfigError(f"quantization.kv_cache_quant_algo {algo!r} is not implemented; kiln runs "
                           f"{', '.join(KV_CACHE_DTYPES)}")
     return KV_CACHE_DTYPES[algo]
+
+
+def kv_code_max(dtype: torch.dtype) -> float:
+    """The largest code magnitude of a quantized cache type: 127 for int8, 448 for float8 e4m3
+    (its largest finite value). A layer's scale maps its calibrated max|x| onto it."""
+    return float(torch.finfo(dtype).max if dtype.is_floating_point else torch.iinfo(dtype).max)
+
+
+def indexable(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` itself, or for a float8 cache its bytes as uint8: PyTorch's CPU index_copy_ and
+    index_fill_ have no float8 kernels, and moving bytes is all they do here."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,

@@ -7,7 +7,7 @@ import torch
 from kiln.models.base import torch_dtype
 from kiln.runtime.attention import BACKENDS, select_backend
 from kiln.runtime.engine import Engine
-from kiln.runtime.kv_cache import allocate_kv_cache, kv_cache_dtype
+from kiln.runtime.kv_cache import allocate_kv_cache, indexable, kv_cache_dtype
 from kiln.runtime.logits_processors import TokenHistory, process_logits
 from kiln.runtime.metadata import AttentionMetadata
 from kiln.runtime.sampling import sample
@@ -52,8 +52,8 @@ class ModelRunner:
             return
         index = torch.tensor(blocks)
         for k, v in self.kv_caches:
-            k.index_fill_(0, index, 0)
-            v.index_fill_(0, index, 0)
+            indexable(k).index_fill_(0, index, 0)  # zero bytes: 0.0 in every cache type
+            indexable(v).index_fill_(0, index, 0)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

@@ -1,9 +1,12 @@
 """The one-call native decode step against the layer-by-layer path it replaces, and where it applies.
 
 Both run the same kernels in the same order, so their logits must be identical, not just close
-(HF agreement of batch-1 decode is covered by the model tests, which now take this path).
+(HF agreement of batch-1 decode is covered by the model tests, which now take this path); with a
+quantized KV cache (INT8, FP8) both also write the same codes.
 """
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -16,42 +19,48 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from tests.conftest import convert_and_build
 from tests.utils.tiny_models import make_gpt2, make_llama
-from tests.utils.tiny_tokenizer import VOCAB_SIZE, save_tiny_tokenizer
+from tests.utils.tiny_tokenizer import CORPUS, VOCAB_SIZE, save_tiny_tokenizer
 
-CASES = {  # name: (make_llama options, engine dtype or weight-only quant_algo)
-    "llama-fp32": (dict(num_heads=4, num_kv_heads=2), "float32"),
+CASES = {  # name: (make_llama options, engine dtype or weight-only quant_algo, kv_cache_quant_algo)
+    "llama-fp32": (dict(num_heads=4, num_kv_heads=2), "float32", None),
     # Every bf16 matmul on AMX tiles (shapes divisible by 16 x 32): steps of any number of tokens.
-    "llama-bf16-tied": (dict(num_heads=4, num_kv_heads=1, tie=True, intermediate=128), "bfloat16"),
+    "llama-bf16-tied": (dict(num_heads=4, num_kv_heads=1, tie=True, intermediate=128), "bfloat16", None),
     # intermediate 136: the MLP's down projection cannot be tiled, so one-token steps only.
-    "qwen2-bias-bf16": (dict(num_heads=4, num_kv_heads=2, model_type="qwen2"), "bfloat16"),
+    "qwen2-bias-bf16": (dict(num_heads=4, num_kv_heads=2, model_type="qwen2"), "bfloat16", None),
     # Weight-only 4-bit linears (with zero points): any number of tokens.
-    "llama-w4a16": (dict(num_heads=4, num_kv_heads=2, intermediate=128), "W4A16"),
+    "llama-w4a16": (dict(num_heads=4, num_kv_heads=2, intermediate=128), "W4A16", None),
     # Calibrated modes: AWQ's input multiply; FP8 weights and activations; W4A8's FP8-rounded input.
-    "llama-awq": (dict(num_heads=4, num_kv_heads=2, intermediate=128), "W4A16_AWQ"),
-    "llama-fp8": (dict(num_heads=4, num_kv_heads=2, intermediate=128), "FP8"),
-    "llama-w4a8-awq": (dict(num_heads=4, num_kv_heads=2, intermediate=128), "W4A8_AWQ"),
+    "llama-awq": (dict(num_heads=4, num_kv_heads=2, intermediate=128, vocab=VOCAB_SIZE), "W4A16_AWQ", None),
+    "llama-fp8": (dict(num_heads=4, num_kv_heads=2, intermediate=128, vocab=VOCAB_SIZE), "FP8", None),
+    "llama-w4a8-awq": (dict(num_heads=4, num_kv_heads=2, intermediate=128, vocab=VOCAB_SIZE), "W4A8_AWQ", "INT8"),
     "llama3-rope-fp32": (dict(num_heads=8, num_kv_heads=8, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}), "float32"),
+        "original_max_position_embeddings": 64}), "float32", None),
+    # Quantized KV caches: the step writes int8 / float8 e4m3 codes and reads them back.
+    "llama-bf16-int8kv": (dict(num_heads=4, num_kv_heads=2, intermediate=128, vocab=VOCAB_SIZE), "bfloat16", "INT8"),
+    "llama-bf16-fp8kv": (dict(num_heads=4, num_kv_heads=2, intermediate=128, vocab=VOCAB_SIZE), "bfloat16", "FP8"),
+    "llama-fp32-fp8kv": (dict(num_heads=4, num_kv_heads=1, vocab=VOCAB_SIZE), "float32", "FP8"),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def engine_dir(request, tmp_path_factory):
-    options, dtype = CASES[request.param]
+    options, dtype, kv_algo = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    calibrated = dtype in ("W4A16_AWQ", "FP8", "W4A8_AWQ")
-    make_llama(root / "hf", hidden=64, layers=3, **options, **(dict(vocab=VOCAB_SIZE) if calibrated else {}))
+    make_llama(root / "hf", hidden=64, layers=3, **options)
     if dtype == "W4A16":
         quant = QuantConfig(quant_algo="W4A16", group_size=32, has_zero_point=True)
         return convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4}, quantization=quant)
-    if calibrated:
+    calibrated = dtype in ("W4A16_AWQ", "FP8", "W4A8_AWQ")
+    if calibrated or kv_algo is not None:  # scales calibrated on a few texts through the tiny tokenizer
         save_tiny_tokenizer(root / "hf")
-        calib = root / "calib.txt"
-        calib.write_text("Calibration text: the quick brown fox jumps over the lazy dog, then runs away again.")
-        quant = QuantConfig(quant_algo=dtype, group_size=64, has_zero_point=True)
-        return convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4}, quantization=quant,
-                                 calib_dataset=str(calib), calib_size=1)
+        calib = root / "calib.jsonl"
+        calib.write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
+        quant = QuantConfig(quant_algo=dtype if calibrated else None, group_size=64, has_zero_point=calibrated,
+                            kv_cache_quant_algo=kv_algo)
+        return convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4},
+                                 dtype=None if calibrated else dtype, quantization=quant, calib_dataset=str(calib),
+                                 calib_size=len(CORPUS))
     return convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4}, dtype=dtype)
 
 
@@ -80,6 +89,8 @@ def test_native_step_equals_layer_by_layer(engine_dir, batch, monkeypatch):
     tokens, logits, native = _generate(engine, prompts, 24, True, monkeypatch)
     ref_tokens, ref_logits, unused = _generate(engine, prompts, 24, False, monkeypatch)
     assert isinstance(native, NativeDecodeStep) and unused is None
+    kv_algo = engine.config.quantization.kv_cache_quant_algo
+    assert native.dims.kv_kind == {None: 0, "INT8": 1, "FP8": 2}[kv_algo]
     assert tokens == ref_tokens
     for ours, ref in zip(logits, ref_logits):
         assert torch.equal(ours, ref)
@@ -123,8 +134,12 @@ def test_stale_nan_in_the_cache_never_reaches_attention(engine_dir, backend):
         core = EngineCore(engine, max_num_seqs=3, num_blocks=40, attention_backend=backend)
         if poison:
             for k, v in core.runner.kv_caches:
-                k.fill_(float("nan"))
-                v.fill_(float("inf"))
+                if k.element_size() == 1:  # codes: float8 NaN bytes (int8: stale 127 and -1)
+                    k.view(torch.uint8).fill_(0x7F)
+                    v.view(torch.uint8).fill_(0xFF)
+                else:
+                    k.fill_(float("nan"))
+                    v.fill_(float("inf"))
         requests = [core.add_request(p, params, end_id=None, return_generation_logits=True) for p in prompts]
         while core.has_unfinished:
             core.step()

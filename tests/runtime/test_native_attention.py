@@ -6,8 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from kiln.errors import ConfigError
-from kiln.kernels import paged_decode_attention, supports_decode_attention
-from kiln.runtime.attention import select_backend
+from kiln.kernels import fp8_to_float, kv_quantize, paged_decode_attention, supports_decode_attention
+from kiln.runtime.attention import (NativePagedAttention, TorchPagedAttention, dequantize_kv, quantize_kv,
+                                    select_backend)
+from kiln.runtime.metadata import AttentionMetadata
 
 
 
@@ -152,3 +154,118 @@ def test_backend_selection():
     with pytest.raises(ConfigError, match="attention_backend"):
         select_backend("native", torch.float16)
 
+
+
+# -- quantized caches (INT8: int8 codes, FP8: float8 e4m3 codes) -------------------------------
+
+CODE_MAX = {torch.int8: 127, torch.float8_e4m3fn: 448}
+
+
+def _fp8_finite_codes() -> torch.Tensor:
+    """Every float8 e4m3 byte but the two NaNs (0x7F, 0xFF), in byte order."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    return codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)
+
+
+def test_fp8_codes_read_exactly():
+    """The kernels' float8 e4m3 reader (16 at a time as K is scored, one by one as V is summed)
+    gives PyTorch's value for each of the 254 finite bytes, bit for bit: signed zeros, the 7
+    subnormals, 448; and still does with denormals-are-zero set (no step passes through an fp32
+    subnormal, which that mode would read as 0)."""
+    codes = _fp8_finite_codes()
+    expected = codes.float().view(torch.int32)
+    assert codes.float().abs().max() == 448 and (expected == torch.tensor(-0.0).view(torch.int32)).any()
+
+    def read_all() -> None:
+        # Every byte through the vector loads (runs of 16) and through the scalar reader (short runs).
+        assert torch.equal(fp8_to_float(codes).view(torch.int32)[:240], expected[:240])
+        for start in range(0, len(codes), 15):
+            assert torch.equal(fp8_to_float(codes[start:start + 15]).view(torch.int32), expected[start:start + 15])
+
+    read_all()
+    torch.set_flush_denormal(True)  # this thread's MXCSR, which the single-threaded reader runs on
+    try:
+        read_all()
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def _midpoints(dtype: torch.dtype) -> torch.Tensor:
+    """The values half way between neighbouring codes of ``dtype`` (exact in float32)."""
+    if dtype == torch.int8:
+        values = torch.arange(-127, 128, dtype=torch.float64)
+    else:
+        values = _fp8_finite_codes().double().unique()
+    return ((values[:-1] + values[1:]) / 2).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_native_codes_equal_quantize_kv(dtype):
+    """The codes the native decode step writes (dtypes.h) are quantize_kv's, bit for bit: K/V-like
+    values of every size with an awkward scale, ties between codes, values past the range."""
+    g = torch.Generator().manual_seed(1)
+    values = torch.randn(20000, generator=g) * torch.logspace(-6, 1, 20000)
+    top = CODE_MAX[dtype]
+    cases = [(values, 0.0173), (values.bfloat16().float(), 0.0173), (_midpoints(dtype), 1.0),
+             (torch.tensor([top + 0.4, top * 3.0, 1e30, -top - 0.4, -1e30, 0.0, -0.0, 1e-30]), 1.0)]
+    for x, scale in cases:
+        ours = kv_quantize(x, scale, dtype)
+        ref = quantize_kv(x, torch.tensor(scale), dtype)
+        assert ours.dtype == ref.dtype == dtype
+        assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
+
+
+def _quantized_case(cache_dtype, q_dtype, seq_lens, block_size=16, heads=(9, 3, 64)):
+    """A paged case whose caches hold codes (scales from the values' max), with the dense
+    dequantized K/V each sequence attends to."""
+    num_heads, num_kv_heads, head_size = heads
+    q, kc, vc, rows, tables, lens, _ = _paged_case(seq_lens, num_heads, num_kv_heads, head_size, block_size,
+                                                   torch.float32, seed=4)
+    scales = torch.stack([kc.abs().max(), vc.abs().max()]) / CODE_MAX[cache_dtype]
+    kq, vq = quantize_kv(kc, scales[0], cache_dtype), quantize_kv(vc, scales[1], cache_dtype)
+    kd, vd = dequantize_kv(kq, scales[0], torch.float32), dequantize_kv(vq, scales[1], torch.float32)
+    dense = []
+    for table, n in zip(tables.tolist(), seq_lens):
+        idx = torch.tensor(table[: -(-n // block_size)])
+        shape = (-1, num_kv_heads, head_size)
+        dense.append((kd[idx].reshape(shape)[:n], vd[idx].reshape(shape)[:n]))
+    return q.to(q_dtype), kq, vq, rows, tables, lens, scales, dense
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 24)])
+def test_quantized_cache_matches_dense_attention(cache_dtype, dtype, heads):
+    """The _i8 / _f8 kernels read the codes from the cache (a block at a time, per KV head) and
+    equal attention over the dequantized K/V: SmolLM2's head shapes (vector conversion, bf16 dot
+    products), and heads of 24 (16 dims converted by vector, 8 one by one; scalar loops)."""
+    seq_lens = [1, 16, 17, 37, 48, 70]
+    q, kq, vq, rows, tables, lens, scales, dense = _quantized_case(cache_dtype, dtype, seq_lens, heads=heads)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, kq, vq, rows, tables, lens, out, 0.125, kv_scales=scales.tolist())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out[rows].float(), _reference(q, rows, dense, 0.125), atol=tol, rtol=tol)
+    untouched = torch.ones(q.shape[0], dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.isnan(out[untouched]).all()
+    with pytest.raises(ValueError, match="k_cache"):  # scales with a cache that holds no codes
+        paged_decode_attention(q, kq.float(), vq.float(), rows, tables, lens, out, 0.125, kv_scales=scales.tolist())
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_native_backend_equals_reference_backend_on_quantized_caches(cache_dtype):
+    """One decode step of four sequences through both backends: the same codes written, and the
+    native kernel's attention equals the reference backend's dequantize-then-attend."""
+    seq_lens, block_size = [3, 16, 29, 40], 16
+    _, kq, vq, _, tables, _, scales, _ = _quantized_case(cache_dtype, torch.float32, seq_lens, block_size)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(4, heads, 64, generator=g) for heads in (9, 3, 3))
+    outputs, caches = [], []
+    for backend in (TorchPagedAttention(), NativePagedAttention()):
+        cache = (kq.clone(), vq.clone())
+        md = AttentionMetadata.build(backend, [1] * 4, seq_lens, tables.tolist(), block_size)
+        backend.prepare(md)
+        outputs.append(backend.forward(q, k, v, cache, md, 0.125, kv_scales=scales))
+        caches.append(cache)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*caches))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
