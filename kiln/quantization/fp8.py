@@ -7,8 +7,9 @@ the nearest e4m3 value (ties to even, saturating at +-448); both sides' e4m3 val
 bfloat16, their products are summed in float32 and each sum is multiplied by the two scales
 once — what an FP8 tensor core with fp32 accumulation computes (kiln/kernels/fp8_linear.c).
 
-Scales: ``weights_scaling_factor = max|W| / 448`` and ``activation_scaling_factor = max|x| / 448``
-over the calibration prompts run through the float model (reference 002's tensor names; shape
+Scales: ``weights_scaling_factor = max|W| / 448`` and ``activation_scaling_factor = 2 max|x| / 448``
+over the calibration prompts run through the float model (a margin for inputs beyond those
+of the calibration text: ``ACTIVATION_HEADROOM``) (reference 002's tensor names; shape
 ``[1]``). In an engine the weight scale is repeated per output column, so the gated MLP's fused
 fc/gate keeps each half's scale; fc and gate read one input, so they share the activation scale.
 
@@ -48,10 +49,17 @@ def quantize_fp8_weight(weight: torch.Tensor) -> dict[str, torch.Tensor]:
             "weights_scaling_factor": scale}
 
 
+# Static activation scales leave this much room above the calibration maximum: on SmolLM2,
+# 66 of 120 linears met inputs up to 1.3x their calibrated maximum on held-out text, which a
+# scale of exactly max / 448 saturates (the outliers that matter most), while e4m3's 2^17
+# range loses nothing measurable to a 2x margin (perplexity 7.81 -> 7.78; 8x: 7.82).
+ACTIVATION_HEADROOM = 2.0
+
+
 def activation_scale(absmax: torch.Tensor) -> torch.Tensor:
     """The static per-tensor activation scale (float32 ``[1]``) of inputs whose per-channel
-    maxima are ``absmax``."""
-    return (absmax.float().max() / E4M3_MAX).clamp(min=_TINY).reshape(1)
+    maxima are ``absmax``: ``ACTIVATION_HEADROOM * max|x| / 448``."""
+    return (ACTIVATION_HEADROOM * absmax.float().max() / E4M3_MAX).clamp(min=_TINY).reshape(1)
 
 
 def fp8_round_input(x: torch.Tensor, act_scale: torch.Tensor, prequant: torch.Tensor | None = None, *,
