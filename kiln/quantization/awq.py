@@ -8,6 +8,13 @@ round-to-nearest (so the important columns lose less to rounding) and divides th
 error on a sample of calibration rows. ``alpha = 0`` is plain round-to-nearest, so the search
 never does worse than W4A16 on those rows.
 
+Then, as published, each linear's weight range is clipped: per output channel and group, the
+ratio of ``max|w|`` kept (1.0 down to 0.5 by 0.05) that minimises the error of the group's
+share of the output on the same rows. A rare large weight then no longer stretches its group's
+step for all the others. Ratio 1.0 is no clipping, and an output channel whose whole error
+(across groups) the chosen ratios do not lower keeps 1.0, so clipping never does worse on the
+calibration rows. The clipped range only changes the stored scales and zero points.
+
 Linears that read the same input (a gated MLP's ``fc`` and ``gate``) get one scale: the
 engine fuses them into one matmul with one input multiply.
 
@@ -24,13 +31,15 @@ from torch import nn
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.quantization.calibration import InputStats, collect_linear_inputs
-from kiln.quantization.weight_only import dequantize, quantizable_modules, quantize_model, quantize_weight
+from kiln.quantization.weight_only import (codes_4bit, dequantize, group_params, quantizable_modules, quantize_model,
+                                          quantize_weight)
 
 log = logging.getLogger(__name__)
 
 AWQ_ALGO = "W4A16_AWQ"
 AWQ_GROUP_SIZES = (64, 128)
 DEFAULT_GRID = 20
+CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # share of each group's max|w| kept: 1.0 .. 0.5
 
 
 def awq_scale(abs_mean: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -67,6 +76,36 @@ def search_scale(weights: list[torch.Tensor], rows: torch.Tensor, abs_mean: torc
     return best[0], best[1], best[2], rtn_error
 
 
+def search_clip(weight: torch.Tensor, rows: torch.Tensor, group_size: int, has_zero_point: bool,
+                ratios: tuple[float, ...] = CLIP_RATIOS) -> torch.Tensor:
+    """Clipping ratios ``[out, in / group_size]`` for quantizing ``weight`` ``[out, in]`` whose
+    inputs are ``rows`` ``[n, in]``: per output channel and group the ratio minimising
+    ``||x_g (w_g - Q(w_g))||^2`` over the rows (``x_g``, ``w_g``: the group's inputs and weights),
+    reset to 1.0 for an output channel whose whole output error that does not lower."""
+    w = weight.detach().float()
+    out_features, in_features = w.shape
+    groups = in_features // group_size
+    x = rows.float()
+    xg = x.view(-1, groups, group_size)
+    gram = torch.einsum("ngi,ngj->gij", xg, xg)  # [groups, g, g]: each group's error is a quadratic form in it
+    wg = w.view(out_features, groups, group_size)
+    best = torch.ones(out_features, groups)
+    best_error = torch.full((out_features, groups), float("inf"))
+    for ratio in ratios:
+        scale, zero = group_params(wg, has_zero_point, ratio)
+        delta = wg - (codes_4bit(wg, scale[..., None], zero[..., None]) - zero[..., None]) * scale[..., None]
+        error = (torch.einsum("ogi,gij->ogj", delta, gram) * delta).sum(-1)  # [out, groups]
+        better = error < best_error
+        best = torch.where(better, torch.full_like(best, ratio), best)
+        best_error = torch.where(better, error, best_error)
+    # The search treats groups apart; the output adds them up. Keep clipping where the sum agrees.
+    plain, clipped = (dequantize(quantize_weight(w, 4, group_size, has_zero_point, clip), 4, group_size)
+                      for clip in (None, best))
+    worse = ((x @ (w - clipped).t()).pow(2).sum(0) > (x @ (w - plain).t()).pow(2).sum(0))  # [out]
+    best[worse] = 1.0
+    return best
+
+
 def _input_groups(names: list[str], stats: dict[str, InputStats]) -> list[list[str]]:
     """``names`` grouped by shared input: siblings (same parent module) that saw identical rows."""
     groups: list[list[str]] = []
@@ -95,9 +134,10 @@ def check_awq_request(quant: QuantConfig, world_size: int, where: str) -> None:
 
 
 def awq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[list[int]],
-                       grid: int = DEFAULT_GRID, progress: bool = False) -> QuantConfig | None:
+                       grid: int = DEFAULT_GRID, progress: bool = False, clip: bool = True) -> QuantConfig | None:
     """Calibrate ``model`` (float, one rank) on ``token_lists``, search each input group's AWQ
-    scale and quantize its linears in place. Returns what ``quantize_model`` returns."""
+    scale and (``clip``) each linear's clipping ratios, and quantize its linears in place.
+    Returns what ``quantize_model`` returns."""
     chosen, _ = quantizable_modules(model, quant)  # raises for a group size not dividing a layer
     names = [name for name, _ in chosen]
     if not names:
@@ -107,17 +147,37 @@ def awq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[l
     stats = collect_linear_inputs(model, token_lists, names, progress=progress)
     modules = dict(chosen)
     scales: dict[str, torch.Tensor] = {}
+    clips: dict[str, torch.Tensor] = {}
     gains = []
     for group in _input_groups(names, stats):
         st = stats[group[0]]
-        s, alpha, error, rtn_error = search_scale([modules[n].weight for n in group], st.rows_sample(), st.abs_mean,
+        rows = st.rows_sample()
+        s, alpha, error, rtn_error = search_scale([modules[n].weight for n in group], rows, st.abs_mean,
                                                   quant.group_size, quant.has_zero_point, grid)
+        for name in group:
+            scales[name] = s
+            if clip:
+                clips[name] = search_clip(modules[name].weight.float() * s, rows / s, quant.group_size,
+                                          quant.has_zero_point)
+        if clip:
+            error = _group_error(group, modules, rows, s, clips, quant)
         log.debug("AWQ %s: alpha %.2f, output error %.4g (round-to-nearest %.4g)", "+".join(group), alpha, error,
                   rtn_error)
         gains.append(error / rtn_error if rtn_error > 0 else 1.0)
-        for name in group:
-            scales[name] = s
-    log.info("AWQ: %d input groups, output error %.1f%% of round-to-nearest's on average", len(gains),
-             100 * sum(gains) / len(gains))
-    return quantize_model(model, quant, prequant_scales=scales)
+    log.info("AWQ: %d input groups, output error %.1f%% of round-to-nearest's on average%s", len(gains),
+             100 * sum(gains) / len(gains), " (scales and clipping)" if clip else "")
+    return quantize_model(model, quant, prequant_scales=scales, clip_ratios=clips or None)
+
+
+def _group_error(group: list[str], modules: dict, rows: torch.Tensor, s: torch.Tensor, clips: dict[str, torch.Tensor],
+                 quant: QuantConfig) -> float:
+    """Summed squared output error on ``rows`` of the group's linears, scaled by ``s`` and clipped."""
+    x = rows.float()
+    total = 0.0
+    for name in group:
+        w = modules[name].weight.float()
+        q = dequantize(quantize_weight(w * s, 4, quant.group_size, quant.has_zero_point, clips[name]), 4,
+                       quant.group_size)
+        total += ((x / s) @ q.t() - x @ w.t()).pow(2).sum().item()
+    return total
 

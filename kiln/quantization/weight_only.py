@@ -173,12 +173,14 @@ def quantizable_modules(model: nn.Module, quant: QuantConfig) -> tuple[list[tupl
     return chosen, excluded
 
 
-def quantize_model(model: nn.Module, quant: QuantConfig,
-                   prequant_scales: dict[str, torch.Tensor] | None = None) -> QuantConfig | None:
+def quantize_model(model: nn.Module, quant: QuantConfig, prequant_scales: dict[str, torch.Tensor] | None = None,
+                   clip_ratios: dict[str, torch.Tensor] | None = None) -> QuantConfig | None:
     """Quantize the float weights of ``model``'s linears in place (round to nearest).
 
     ``prequant_scales`` (W4A16_AWQ, from ``kiln.quantization.awq``): each linear's per input
     channel ``s``; its codes then hold ``W diag(s)`` and its ``prequant_scaling_factor`` is 1/s.
+    ``clip_ratios`` (4-bit, AWQ's clipping search): a linear's ``[out, in / group_size]`` share
+    of each group's range kept (``group_params``).
     Returns ``quant`` as the checkpoint must record it: ``exclude_modules`` names every linear
     left in float (see ``quantizable_modules``), so a model built from it gets the same layout;
     None if no linear was quantized.
@@ -199,7 +201,8 @@ def quantize_model(model: nn.Module, quant: QuantConfig,
         weight = linear.weight.float()
         if awq:
             weight = weight * prequant_scales[name][None, :]
-        tensors = quantize_weight(weight, bits, quant.group_size, quant.has_zero_point)
+        clip = clip_ratios.get(name) if clip_ratios else None
+        tensors = quantize_weight(weight, bits, quant.group_size, quant.has_zero_point, clip)
         linear.use_weight_only(bits, quant.group_size, quant.has_zero_point, tensors)
         if awq:
             linear.use_prequant_scale((1.0 / prequant_scales[name]).float().contiguous())
