@@ -19,7 +19,7 @@ from kiln.quantization.awq import AWQ_ALGO, awq_quantize_model, check_awq_reques
 from kiln.quantization.calibration import DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
 from kiln.quantization.gptq import gptq_settings
 from kiln.quantization.gptq_quantize import GPTQ_ALGO, check_gptq_request, gptq_quantize_model
-from kiln.quantization.smoothquant import DEFAULT_ALPHA, smoothquant_model
+from kiln.quantization.smoothquant import smoothquant_model
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
                        tp_size: int = 1, pp_size: int = 1, customized_key_dict: dict | None = None,
                        use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
                        quantization: QuantConfig | None = None, progress: bool = True,
-                       smoothquant_alpha: float = DEFAULT_ALPHA, calib_dataset: str = "sharegpt",
+                       smoothquant_alpha: float | None = None, calib_dataset: str = "sharegpt",
                        calib_size: int = DEFAULT_CALIB_SIZE, calib_max_len: int = DEFAULT_CALIB_LEN,
                        gptq_act_order: bool = False, gptq_sequential: bool = True) -> Path:
     """Write ``config.json`` and ``rank{N}.safetensors`` for every rank, plus the tokenizer.
@@ -49,7 +49,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     (``kiln.quantization.awq``), ``W4A16_GPTQ`` (``kiln.quantization.gptq_quantize``, in
     ``gptq_act_order`` with ``gptq_sequential`` layer-by-layer calibration) and
     ``W8A8_SQ_PER_CHANNEL`` (SmoothQuant, ``kiln.quantization.smoothquant``, smoothing with
-    ``smoothquant_alpha``) first run the float model on ``calib_size`` texts of
+    ``smoothquant_alpha``, or each group's searched alpha when None) first run the float model on ``calib_size`` texts of
     ``calib_dataset`` (``sharegpt`` or a file, each cut to ``calib_max_len`` tokens), tokenized
     by the source's tokenizer. A ``kv_cache_quant_algo`` of
     INT8 records an INT8 KV cache with static per-layer K/V scales calibrated on the same texts
@@ -125,7 +125,7 @@ def _calibration_tokens(source, model_dir: Path, dataset: str, size: int, max_le
 
 
 def _quantize(model, quantization: QuantConfig, where: str, calibration: list[list[int]] | None = None,
-              smoothquant_alpha: float = DEFAULT_ALPHA, progress: bool = False, gptq_act_order: bool = False,
+              smoothquant_alpha: float | None = None, progress: bool = False, gptq_act_order: bool = False,
               gptq_sequential: bool = True):
     """Quantize ``model`` in place (AWQ, GPTQ and SmoothQuant: calibrated on the token lists
     ``calibration``); its config records what was quantized (see ``quantize_model``)."""

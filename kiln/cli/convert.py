@@ -4,7 +4,6 @@ from __future__ import annotations
 import time
 
 from kiln.quantization.calibration import DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
-from kiln.quantization.smoothquant import DEFAULT_ALPHA
 from kiln.quantization.weight_only import ROUND_TO_NEAREST_ALGOS, SMOOTHQUANT_ALGO
 
 
@@ -40,10 +39,11 @@ def add_parser(sub) -> None:
                         "Hessian's diagonal) instead of left to right; groups stay contiguous runs of inputs, "
                         "their scales fixed beforehand from the float weights (default: left to right, each "
                         "group's scale taken from the weights as updated when quantization reaches it)")
-    p.add_argument("--smoothquant_alpha", type=float, default=DEFAULT_ALPHA,
+    p.add_argument("--smoothquant_alpha", type=float, default=None,
                    help="W8A8_SQ_PER_CHANNEL: migration strength in [0, 1], the share of each input channel's "
-                        "activation range moved into the weights (s = max|x|^alpha / max|W|^(1-alpha); "
-                        f"default {DEFAULT_ALPHA})")
+                        "activation range moved into the weights (s = max|x|^alpha / max|W|^(1-alpha)), one "
+                        "value for every layer (default: searched per group of linears sharing an input, "
+                        "0 to 1 by 0.05, for the smallest int8 output error on the calibration rows)")
     p.add_argument("--group_size", type=int, default=64,
                    help="W4A16: input features sharing a scale, a multiple of 32; W4A16_AWQ: 64 or 128; "
                         "W4A16_GPTQ: 32, 64 or 128 (default 64)")
