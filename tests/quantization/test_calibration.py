@@ -65,11 +65,18 @@ def test_prompts_pack_in_order_under_the_token_budget():
     assert pack_prompts([4], 1) == [[0]]
 
 
-def test_row_sample_is_capped_and_spread():
+def test_row_sample_is_capped_and_spread_over_every_row_seen():
     stats = InputStats(max_sample=10)
-    for _ in range(3):
-        stats.observe(torch.arange(40.0).repeat(4, 1).t())
-    assert stats.rows_sample().shape[0] == 10 and stats.rows == 120
+    for start in (0, 40, 80):  # rows numbered 0..119 in their first column
+        stats.observe(torch.arange(start, start + 40.0).repeat(4, 1).t())
+    sample = stats.rows_sample()[:, 0]
+    assert stats.rows == 120 and 5 <= sample.numel() <= 10
+    assert torch.equal(sample, torch.arange(0, 120, stats.stride).float())  # evenly spaced, from all three calls
+    for size in (1, 7, 33):  # however the rows arrive
+        other = InputStats(max_sample=10)
+        for rows in torch.arange(120.0).repeat(4, 1).t().split(size):
+            other.observe(rows)
+        assert torch.equal(other.rows_sample(), stats.rows_sample())
 
 
 def test_sharegpt_calibration_texts_are_long_replies_held_out_from_evaluation():
