@@ -37,7 +37,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
                        quantization: QuantConfig | None = None, progress: bool = True,
                        smoothquant_alpha: float | None = None, calib_dataset: str = "sharegpt",
                        calib_size: int = DEFAULT_CALIB_SIZE, calib_max_len: int = DEFAULT_CALIB_LEN,
-                       gptq_act_order: bool = False, gptq_sequential: bool = True) -> Path:
+                       gptq_act_order: bool = True, gptq_sequential: bool = True, awq_gptq: bool = False) -> Path:
     """Write ``config.json`` and ``rank{N}.safetensors`` for every rank, plus the tokenizer.
 
     With ``use_parallel_embedding`` the embedding table is split over the tensor-parallel
@@ -46,8 +46,9 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     ``quant_algo``: W8A16, W4A16) quantizes the linear layers' weights by round-to-nearest
     (``kiln.quantization``). A GPTQ checkpoint (``quantization_config`` in config.json) is
     imported into the same layout as W4A16_GPTQ (``kiln.quantization.gptq``). ``W4A16_AWQ``
-    (``kiln.quantization.awq``), ``W4A16_GPTQ`` (``kiln.quantization.gptq_quantize``, in
-    ``gptq_act_order`` with ``gptq_sequential`` layer-by-layer calibration) and
+    (``kiln.quantization.awq``; with ``awq_gptq`` its scaled weights rounded by GPTQ),
+    ``W4A16_GPTQ`` (``kiln.quantization.gptq_quantize``, in ``gptq_act_order``, with
+    ``gptq_sequential`` layer-by-layer calibration) and
     ``W8A8_SQ_PER_CHANNEL`` (SmoothQuant, ``kiln.quantization.smoothquant``, smoothing with
     ``smoothquant_alpha``, or each group's searched alpha when None) first run the float model on ``calib_size`` texts of
     ``calib_dataset`` (``sharegpt`` or a file, each cut to ``calib_max_len`` tokens), tokenized
@@ -93,7 +94,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
                                   "embedding_sharding_dim": embedding_sharding_dim})
             if quantization is not None and quantization.quant_algo is not None:
                 model.config = _quantize(model, quantization, str(model_dir), calibration, smoothquant_alpha,
-                                         progress, gptq_act_order, gptq_sequential)
+                                         progress, gptq_act_order, gptq_sequential, awq_gptq)
             if kv_algo is not None:  # calibrated on the model the engine runs (weights quantized already)
                 _calibrate_kv_cache(model, calibration, calib_dataset, progress)
             write_rank_weights(tmp, rank, model.checkpoint_weights())
@@ -125,11 +126,16 @@ def _calibration_tokens(source, model_dir: Path, dataset: str, size: int, max_le
 
 
 def _quantize(model, quantization: QuantConfig, where: str, calibration: list[list[int]] | None = None,
-              smoothquant_alpha: float | None = None, progress: bool = False, gptq_act_order: bool = False,
-              gptq_sequential: bool = True):
+              smoothquant_alpha: float | None = None, progress: bool = False, gptq_act_order: bool = True,
+              gptq_sequential: bool = True, awq_gptq: bool = False):
     """Quantize ``model`` in place (AWQ, GPTQ and SmoothQuant: calibrated on the token lists
     ``calibration``); its config records what was quantized (see ``quantize_model``)."""
-    if quantization.quant_algo == AWQ_ALGO:
+    if awq_gptq and quantization.quant_algo != AWQ_ALGO:
+        raise ConfigError(f"--awq_gptq goes with --quant_algo {AWQ_ALGO}, not {quantization.quant_algo}")
+    if quantization.quant_algo == AWQ_ALGO and awq_gptq:
+        recorded = gptq_quantize_model(model, quantization, calibration or [], gptq_act_order, gptq_sequential,
+                                       awq_scales=True, progress=progress)
+    elif quantization.quant_algo == AWQ_ALGO:
         recorded = awq_quantize_model(model, quantization, calibration, progress=progress)
     elif quantization.quant_algo == GPTQ_ALGO:
         recorded = gptq_quantize_model(model, quantization, calibration or [], gptq_act_order, gptq_sequential,

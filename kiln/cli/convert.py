@@ -34,11 +34,16 @@ def add_parser(sub) -> None:
                         "factors calibrated on --calib_dataset; its engines compute in any dtype (default: none; "
                         "a GPTQ checkpoint made elsewhere is detected from its config.json and imported as "
                         "W4A16_GPTQ without this option)")
-    p.add_argument("--gptq_act_order", action="store_true",
-                   help="W4A16_GPTQ: quantize the input columns in order of decreasing activation energy (the "
-                        "Hessian's diagonal) instead of left to right; groups stay contiguous runs of inputs, "
-                        "their scales fixed beforehand from the float weights (default: left to right, each "
-                        "group's scale taken from the weights as updated when quantization reaches it)")
+    p.add_argument("--gptq_act_order", choices=["true", "false"], default="true",
+                   help="W4A16_GPTQ and --awq_gptq: true rounds the input columns in order of decreasing "
+                        "activation energy (the Hessian's diagonal), with each contiguous group's scale fixed "
+                        "beforehand from the float weights; false rounds them left to right, each group's "
+                        "scale taken from the weights as updated when rounding reaches it (default true: "
+                        "clearly better on SmolLM2, see benchmarks/README.md)")
+    p.add_argument("--awq_gptq", action="store_true",
+                   help="W4A16_AWQ: after the scale search, round the scaled weights by GPTQ (layer after layer, "
+                        "as W4A16_GPTQ does) instead of clipping and rounding them to nearest; the checkpoint "
+                        "is an ordinary W4A16_AWQ one. Wants more calibration text (--calib_size 128)")
     p.add_argument("--smoothquant_alpha", type=float, default=None,
                    help="W8A8_SQ_PER_CHANNEL: migration strength in [0, 1], the share of each input channel's "
                         "activation range moved into the weights (s = max|x|^alpha / max|W|^(1-alpha)), one "
@@ -116,7 +121,7 @@ def run(args) -> int:
                              customized_key_dict=parse_key_map(args.key_map) if args.key_map else None,
                              smoothquant_alpha=args.smoothquant_alpha, calib_dataset=args.calib_dataset,
                              calib_size=args.calib_size, calib_max_len=args.calib_max_len,
-                             gptq_act_order=args.gptq_act_order)
+                             gptq_act_order=args.gptq_act_order == "true", awq_gptq=args.awq_gptq)
     config = read_config(out)
     quant = f", {config.quantization.quant_algo}" if config.quantization.quant_algo else ""
     quant += f", {config.quantization.kv_cache_quant_algo} KV cache" if config.quantization.kv_cache_quant_algo else ""

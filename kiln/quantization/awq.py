@@ -106,7 +106,7 @@ def search_clip(weight: torch.Tensor, rows: torch.Tensor, group_size: int, has_z
     return best
 
 
-def _input_groups(names: list[str], stats: dict[str, InputStats]) -> list[list[str]]:
+def input_groups(names: list[str], stats: dict[str, InputStats]) -> list[list[str]]:
     """``names`` grouped by shared input: siblings (same parent module) that saw identical rows."""
     groups: list[list[str]] = []
     for name in names:
@@ -149,7 +149,7 @@ def awq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[l
     scales: dict[str, torch.Tensor] = {}
     clips: dict[str, torch.Tensor] = {}
     gains = []
-    for group in _input_groups(names, stats):
+    for group in input_groups(names, stats):
         st = stats[group[0]]
         rows = st.rows_sample()
         s, alpha, error, rtn_error = search_scale([modules[n].weight for n in group], rows, st.abs_mean,

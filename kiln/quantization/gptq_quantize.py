@@ -14,10 +14,12 @@ rounding (their diagonal set to 1).
 
 Each group's scale and zero point (``weight_only.group_params``, the same as round-to-nearest)
 are taken when quantization reaches the group's first column, from the weights as updated so
-far. With ``act_order`` columns are quantized in order of decreasing ``diag H`` (the most
-active inputs first, while there is most freedom left to compensate); kiln's groups stay
-contiguous runs of inputs, so their parameters are fixed beforehand from the original weights
-("static groups") and only the order of quantization changes.
+far. With ``act_order`` (the default) columns are quantized in order of decreasing ``diag H``
+(the most active inputs first, while there is most freedom left to compensate); kiln's groups
+stay contiguous runs of inputs, so their parameters are fixed beforehand from the original
+weights ("static groups") and only the order of quantization changes. On SmolLM2 in-order
+GPTQ hurts the attention's qkv (whose few loud input channels, quantized late, gather the
+compensation and stretch their groups) and act-order avoids that.
 
 With a diagonal ``H`` (uncorrelated inputs) no error moves to another column and the result
 is round-to-nearest exactly.
@@ -27,6 +29,11 @@ quantized layers before it produce (the model run layer by layer over packed ste
 layer also corrects what the earlier ones lost. Within a layer one pass calibrates all its
 linears (the MLP's on the attention's float-computed output). ``sequential=False`` calibrates
 every layer on the float model instead (one pass over the whole model).
+
+With AWQ's scales (``W4A16_AWQ`` with ``awq_scales``) each layer's linears first get their
+per input channel scale ``s`` (``kiln.quantization.awq.search_scale``, on the same inputs),
+then GPTQ rounds ``W diag(s)`` against ``diag(1/s) H diag(1/s)``, the Hessian of the inputs
+``x / s`` that weight meets; the checkpoint is an ordinary W4A16_AWQ one.
 """
 from __future__ import annotations
 
@@ -160,30 +167,56 @@ def _quantize_columns(w: torch.Tensor, u: torch.Tensor, codes: torch.Tensor, sca
 def check_gptq_request(quant: QuantConfig, world_size: int, where: str) -> None:
     """ConfigErrors for GPTQ settings kiln cannot honour, raised before any calibration."""
     if quant.group_size not in GPTQ_GROUP_SIZES:
-        raise ConfigError(f"{where}: --quant_algo {GPTQ_ALGO} takes --group_size "
+        raise ConfigError(f"{where}: --quant_algo {quant.quant_algo} with GPTQ takes --group_size "
                           f"{', '.join(map(str, GPTQ_GROUP_SIZES))}, got {quant.group_size}")
     if world_size != 1:
-        raise ConfigError(f"{where}: --quant_algo {GPTQ_ALGO} calibrates the whole float model; convert with "
-                          f"--tp_size 1 --pp_size 1 (got {world_size} ranks)")
+        raise ConfigError(f"{where}: --quant_algo {quant.quant_algo} with GPTQ calibrates the whole float model; "
+                          f"convert with --tp_size 1 --pp_size 1 (got {world_size} ranks)")
+
+
+def _awq_scales(names: list[str], stats: dict, modules: dict[str, nn.Module], quant: QuantConfig) -> dict[str, torch.Tensor]:
+    """AWQ's per input channel scale ``s`` of each linear, searched per group sharing an input."""
+    from kiln.quantization.awq import input_groups, search_scale
+
+    scales = {}
+    for group in input_groups(names, stats):
+        st = stats[group[0]]
+        s, *_ = search_scale([modules[n].weight for n in group], st.rows_sample(), st.abs_mean, quant.group_size,
+                             quant.has_zero_point)
+        scales.update((n, s) for n in group)
+    return scales
 
 
 def _quantize_linears(modules: dict[str, nn.Module], hessians: dict[str, HessianAccumulator], quant: QuantConfig,
-                      act_order: bool, damp: float, done: dict[str, dict[str, torch.Tensor]]) -> list[float]:
+                      act_order: bool, damp: float, done: dict[str, dict[str, torch.Tensor]],
+                      stats: dict | None = None) -> list[float]:
     """GPTQ each of ``modules`` (their accumulators leave ``hessians``) into ``done`` (name ->
-    W4A16 tensors); each float weight becomes its dequantized self meanwhile, so later passes
-    see the quantized layer at float speed. Returns each one's output error relative to
-    round-to-nearest's (``tr((W - Q) H (W - Q)^T)``: the squared error on the calibration rows)."""
+    W4A16 tensors, plus ``prequant_scaling_factor`` 1/s when ``stats`` are given for AWQ's
+    scales: then ``W diag(s)`` is quantized against ``diag(1/s) H diag(1/s)``, the Hessian of
+    the inputs ``x / s`` it will see). Each float weight becomes the weight its tensors stand
+    for meanwhile, so later passes see the quantized layer at float speed. Returns each one's
+    output error relative to round-to-nearest's (``tr((W - Q) H (W - Q)^T)``: the squared error
+    on the calibration rows)."""
+    scales = _awq_scales(list(modules), stats, modules, quant) if stats is not None else {}
     ratios = []
     for name, linear in modules.items():
         h = hessians.pop(name).hessian(linear.in_features)  # popped: its hook stops collecting
         weight = linear.weight.detach().float()
-        tensors = gptq_quantize_weight(weight, h, quant.group_size, quant.has_zero_point, act_order, damp)
-        dequantized = dequantize(tensors, 4, quant.group_size)
+        s = scales.get(name)
+        if s is None:
+            tensors = gptq_quantize_weight(weight, h, quant.group_size, quant.has_zero_point, act_order, damp)
+            effective = dequantize(tensors, 4, quant.group_size)
+        else:
+            h_scaled = h / (s.double()[:, None] * s.double()[None, :])
+            tensors = gptq_quantize_weight(weight * s, h_scaled, quant.group_size, quant.has_zero_point, act_order,
+                                           damp)
+            effective = dequantize(tensors, 4, quant.group_size) / s
+            tensors["prequant_scaling_factor"] = (1.0 / s).float().contiguous()
         rtn = dequantize(quantize_weight(weight, 4, quant.group_size, quant.has_zero_point), 4, quant.group_size)
-        errors = [_output_error(weight - q, h) for q in (dequantized, rtn)]
+        errors = [_output_error(weight - q, h) for q in (effective, rtn)]
         ratios.append(errors[0] / errors[1] if errors[1] > 0 else 1.0)
         log.debug("GPTQ %s: output error %.4g (round-to-nearest %.4g)", name, *errors)
-        linear.weight.data.copy_(dequantized)
+        linear.weight.data.copy_(effective)
         done[name] = tensors
     return ratios
 
@@ -203,18 +236,20 @@ def _stage_of(name: str) -> str:
 
 
 @torch.inference_mode()
-def gptq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[list[int]], act_order: bool = False,
-                        sequential: bool = True, damp: float = DEFAULT_DAMP,
+def gptq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[list[int]], act_order: bool = True,
+                        sequential: bool = True, damp: float = DEFAULT_DAMP, awq_scales: bool = False,
                         progress: bool = False) -> QuantConfig | None:
     """Calibrate ``model`` (float, one rank) on ``token_lists`` and GPTQ its linears in place
     (part after part on the quantized parts' outputs, or all on the float model's with
-    ``sequential=False``). Returns ``quant`` as the checkpoint must record it (see
-    ``weight_only.quantize_model``); None if no linear was chosen."""
+    ``sequential=False``). With ``awq_scales`` (``quant`` a W4A16_AWQ one) each linear first
+    gets AWQ's input scales, searched on the same inputs, and GPTQ rounds the scaled weights.
+    Returns ``quant`` as the checkpoint must record it (see ``weight_only.quantize_model``);
+    None if no linear was chosen."""
     from tqdm import tqdm
 
-    from kiln.quantization.calibration import prompt_steps, step_kv_caches
+    from kiln.quantization.calibration import InputStats, prompt_steps, step_kv_caches
 
-    check_gptq_request(quant, model.config.mapping.world_size, GPTQ_ALGO)
+    check_gptq_request(quant, model.config.mapping.world_size, quant.quant_algo)
     chosen, excluded = quantizable_modules(model, quant)
     if not chosen:
         return None
@@ -222,10 +257,13 @@ def gptq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[
         raise ConfigError(f"{GPTQ_ALGO}: no calibration text of 2 tokens or more (--calib_dataset)")
     modules = dict(chosen)
     hessians = {name: HessianAccumulator() for name in modules}
+    stats = {name: InputStats() for name in modules} if awq_scales else None
 
     def collect(name: str, x: torch.Tensor) -> None:
         if name in hessians:  # not yet quantized
             hessians[name].add(x)
+            if stats is not None:
+                stats[name].observe(x)
 
     handles = [modules[name].register_forward_pre_hook(lambda m, args, name=name: collect(name, args[0]))
                for name in modules]
@@ -236,7 +274,7 @@ def gptq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[
     def post(step, h: torch.Tensor) -> None:  # the lm_head's input, without computing [tokens, vocab] logits
         x = t.finish(h)
         if "lm_head" in hessians:
-            hessians["lm_head"].add(x)
+            collect("lm_head", x)
 
     # Each stage: (name, run(step, its input) -> its output); linears are quantized stage by stage.
     stages = [("pre", lambda step, _: model.first_layer_input(step.input_ids, step.positions))]
@@ -251,7 +289,7 @@ def gptq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[
                 h = None
                 for _, run in stages:
                     h = run(step, h)
-            ratios = _quantize_linears(modules, hessians, quant, act_order, damp, done)
+            ratios = _quantize_linears(modules, hessians, quant, act_order, damp, done, stats)
         else:
             hidden = [None] * len(steps)
             for stage, run in tqdm(stages, desc="GPTQ", unit="stage", disable=not progress):
@@ -259,14 +297,17 @@ def gptq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[
                 if mine:  # a pass for the Hessians, then the linears quantized, then their outputs
                     for step, h in zip(steps, hidden):
                         run(step, h)
-                    ratios += _quantize_linears(mine, hessians, quant, act_order, damp, done)
+                    ratios += _quantize_linears(mine, hessians, quant, act_order, damp, done, stats)
                 if stage != "post":
                     hidden = [run(step, h) for step, h in zip(steps, hidden)]
     finally:
         for handle in handles:
             handle.remove()
     for name, tensors in done.items():
+        prequant = tensors.pop("prequant_scaling_factor", None)
         modules[name].use_weight_only(4, quant.group_size, quant.has_zero_point, tensors)
-    log.info("GPTQ: %d linears, output error %.1f%% of round-to-nearest's on average (calibration rows)",
-             len(ratios), 100 * sum(ratios) / len(ratios))
-    return dataclasses.replace(quant, exclude_modules=excluded, pre_quant_scale=False)
+        if prequant is not None:
+            modules[name].use_prequant_scale(prequant)
+    log.info("GPTQ%s: %d linears, output error %.1f%% of round-to-nearest's on average (calibration rows)",
+             " with AWQ scales" if awq_scales else "", len(ratios), 100 * sum(ratios) / len(ratios))
+    return dataclasses.replace(quant, exclude_modules=excluded, pre_quant_scale=awq_scales)

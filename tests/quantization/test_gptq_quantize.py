@@ -1,7 +1,8 @@
 """GPTQ at convert time (W4A16_GPTQ): the blocked Cholesky algorithm against a plain
 column-by-column reference written from the optimal-brain-surgeon update, round-to-nearest
 when nothing can be compensated, lower output error than round-to-nearest where inputs are
-correlated, act-order with kiln's contiguous groups, a tiny Llama end to end, clear errors."""
+correlated, act-order with kiln's contiguous groups, a tiny Llama end to end (GPTQ, and AWQ's
+scales with GPTQ's rounding), clear errors."""
 from __future__ import annotations
 
 import json
@@ -155,6 +156,11 @@ CALIB_TEXTS = [
     "Quantization stores weights in four bits and corrects the rounding of each column in turn.",
     "Calibration text runs through the float model so each layer sees the inputs it will meet.",
 ] * 4
+HELD_OUT_TEXTS = [  # text like the calibration's (this tokenizer's words), never calibrated on
+    "The lazy engine predicts the next article; the quick model measures the fox.",
+    "Run the checkpoint through the scheduler, then summarize how the cache pages its tokens.",
+    "Each column of the weights is rounded in turn while the runtime batches the text.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -170,10 +176,12 @@ def gptq_and_rtn(tmp_path_factory):
     calib = root / "calib.jsonl"
     calib.write_text("".join(json.dumps({"text": t}) + "\n" for t in CALIB_TEXTS))
     engines = {}
-    for name, quant in (("gptq", "W4A16_GPTQ"), ("rtn", "W4A16")):
+    for name, quant, group_size, extra in (("gptq", "W4A16_GPTQ", 32, {}), ("rtn", "W4A16", 32, {}),
+                                           ("awq_gptq", "W4A16_AWQ", 64, {"awq_gptq": True}),
+                                           ("rtn64", "W4A16", 64, {})):
         engines[name] = convert_and_build(root / "hf", root / name, {"tokens_per_block": 4}, calib_dataset=str(calib),
                                           calib_size=len(CALIB_TEXTS),
-                                          quantization=QuantConfig(quant_algo=quant, group_size=32))
+                                          quantization=QuantConfig(quant_algo=quant, group_size=group_size), **extra)
     return hf, root, engines
 
 
@@ -190,17 +198,36 @@ def test_gptq_checkpoint_is_the_w4a16_layout_recorded_as_gptq(gptq_and_rtn):
     assert json.loads((engines["gptq"] / "config.json").read_text())["quantization"]["quant_algo"] == "W4A16_GPTQ"
 
 
-def test_gptq_engine_is_closer_to_float_than_round_to_nearest(gptq_and_rtn):
-    hf, _, engines = gptq_and_rtn
-    errors = {"gptq": 0.0, "rtn": 0.0}
-    gen = torch.Generator().manual_seed(11)
-    for n in (14, 25, 31):
-        ids = torch.randint(3, 300, (n,), generator=gen).tolist()
+def test_gptq_engines_are_closer_to_float_than_round_to_nearest(gptq_and_rtn):
+    from kiln.tokenizer import load_tokenizer
+
+    hf, root, engines = gptq_and_rtn
+    tokenizer = load_tokenizer(root / "hf")
+    errors = dict.fromkeys(engines, 0.0)
+    for text in HELD_OUT_TEXTS:
+        ids = tokenizer(text)["input_ids"]
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].float()
         for name, engine in engines.items():
             errors[name] += (kiln_prompt_logits(engine, ids) - ref).pow(2).mean().item()
-    assert errors["gptq"] < 0.8 * errors["rtn"], errors  # measured about 0.64 (mean squared logit error)
+    # mean squared logit error against RTN's at the same group size: measured 0.19x and 0.25x
+    assert errors["gptq"] < 0.5 * errors["rtn"], errors
+    assert errors["awq_gptq"] < 0.5 * errors["rtn64"], errors
+
+
+def test_awq_gptq_checkpoint_is_an_awq_one(gptq_and_rtn):
+    """AWQ's scales with GPTQ's rounding: the W4A16_AWQ layout, one prequant factor per shared input."""
+    from safetensors import safe_open
+
+    _, root, engines = gptq_and_rtn
+    config = json.loads((root / "awq_gptq" / "checkpoint" / "config.json").read_text())["quantization"]
+    assert config["quant_algo"] == "W4A16_AWQ" and config["pre_quant_scale"] and config["group_size"] == 64
+    with safe_open(str(root / "awq_gptq" / "checkpoint" / "rank0.safetensors"), "pt") as f:
+        fc = f.get_tensor("transformer.layers.1.mlp.fc.prequant_scaling_factor")
+        assert torch.equal(fc, f.get_tensor("transformer.layers.1.mlp.gate.prequant_scaling_factor"))
+        assert f.get_tensor("transformer.layers.1.mlp.proj.prequant_scaling_factor").shape == (128,)
+    assert fc[[3, 17, 40]].max() < fc.median()  # the loud channels scaled up before rounding
+    assert json.loads((engines["awq_gptq"] / "config.json").read_text())["quantization"]["quant_algo"] == "W4A16_AWQ"
 
 
 def test_bad_gptq_requests_are_clear_errors(tmp_path):
@@ -210,13 +237,16 @@ def test_bad_gptq_requests_are_clear_errors(tmp_path):
     make_llama(tmp_path / "hf", hidden=64, layers=1, intermediate=128, vocab=300)
     save_tiny_tokenizer(tmp_path / "hf")
     for group_size in (48, 256):
-        with pytest.raises(ConfigError, match="--group_size 32, 64, 128"):
+        with pytest.raises(ConfigError, match="with GPTQ takes --group_size 32, 64, 128"):
             convert_checkpoint(tmp_path / "hf", tmp_path / "a", progress=False,
                                quantization=QuantConfig(quant_algo="W4A16_GPTQ", group_size=group_size))
     with pytest.raises(ConfigError, match="--tp_size 1"):
         convert_checkpoint(tmp_path / "hf", tmp_path / "b", progress=False, tp_size=2,
                            quantization=QuantConfig(quant_algo="W4A16_GPTQ"))
+    with pytest.raises(ConfigError, match="--awq_gptq goes with --quant_algo W4A16_AWQ"):
+        convert_checkpoint(tmp_path / "hf", tmp_path / "c", progress=False, awq_gptq=True,
+                           quantization=QuantConfig(quant_algo="W4A16"))
     model = LlamaForCausalLM.from_hugging_face(tmp_path / "hf", dtype="float32")
     with pytest.raises(ConfigError, match="no calibration text"):
         gptq_quantize_model(model, QuantConfig(quant_algo="W4A16_GPTQ"), [])
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not any((tmp_path / d).exists() for d in "abc")
