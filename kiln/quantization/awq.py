@@ -37,7 +37,7 @@ from kiln.quantization.weight_only import (codes_4bit, dequantize, group_params,
 log = logging.getLogger(__name__)
 
 AWQ_ALGO = "W4A16_AWQ"
-AWQ_GROUP_SIZES = (64, 128)
+AWQ_GROUP_SIZES = (32, 64, 128)  # the kernels take any multiple of 32; these are the usual ones
 DEFAULT_GRID = 20
 CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # share of each group's max|w| kept: 1.0 .. 0.5
 
@@ -126,7 +126,7 @@ def input_groups(names: list[str], stats: dict[str, InputStats]) -> list[list[st
 def check_awq_request(quant: QuantConfig, world_size: int, where: str) -> None:
     """ConfigErrors for AWQ settings kiln cannot honour, raised before any calibration."""
     if quant.group_size not in AWQ_GROUP_SIZES:
-        raise ConfigError(f"{where}: {AWQ_ALGO} takes --group_size {' or '.join(map(str, AWQ_GROUP_SIZES))}, "
+        raise ConfigError(f"{where}: {AWQ_ALGO} takes --group_size {', '.join(map(str, AWQ_GROUP_SIZES))}, "
                           f"got {quant.group_size}")
     if world_size != 1:
         raise ConfigError(f"{where}: {AWQ_ALGO} calibrates the whole float model; convert with --tp_size 1 "
