@@ -76,33 +76,34 @@ def search_scale(weights: list[torch.Tensor], rows: torch.Tensor, abs_mean: torc
     return best[0], best[1], best[2], rtn_error
 
 
-def search_clip(weight: torch.Tensor, rows: torch.Tensor, group_size: int, has_zero_point: bool,
+def search_clip(weight: torch.Tensor, gram: torch.Tensor, group_size: int, has_zero_point: bool,
                 ratios: tuple[float, ...] = CLIP_RATIOS) -> torch.Tensor:
     """Clipping ratios ``[out, in / group_size]`` for quantizing ``weight`` ``[out, in]`` whose
-    inputs are ``rows`` ``[n, in]``: per output channel and group the ratio minimising
-    ``||x_g (w_g - Q(w_g))||^2`` over the rows (``x_g``, ``w_g``: the group's inputs and weights),
-    reset to 1.0 for an output channel whose whole output error that does not lower."""
+    inputs ``X`` have the Gram matrix ``gram = X^T X`` ``[in, in]`` (any positive multiple): per
+    output channel and group the ratio minimising ``||X_g (w_g - Q(w_g))||^2`` (``X_g``, ``w_g``:
+    the group's inputs and weights), reset to 1.0 for an output channel whose whole output error
+    ``||X (w - Q(w))||^2`` that does not lower."""
     w = weight.detach().float()
+    gram = gram.float()
     out_features, in_features = w.shape
     groups = in_features // group_size
-    x = rows.float()
-    xg = x.view(-1, groups, group_size)
-    gram = torch.einsum("ngi,ngj->gij", xg, xg)  # [groups, g, g]: each group's error is a quadratic form in it
+    # [groups, g, g]: the diagonal blocks; each group's own error is a quadratic form in its block
+    blocks = gram.view(groups, group_size, groups, group_size).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
     wg = w.view(out_features, groups, group_size)
     best = torch.ones(out_features, groups)
     best_error = torch.full((out_features, groups), float("inf"))
     for ratio in ratios:
         scale, zero = group_params(wg, has_zero_point, ratio)
         delta = wg - (codes_4bit(wg, scale[..., None], zero[..., None]) - zero[..., None]) * scale[..., None]
-        error = (torch.einsum("ogi,gij->ogj", delta, gram) * delta).sum(-1)  # [out, groups]
+        error = (torch.einsum("ogi,gij->ogj", delta, blocks) * delta).sum(-1)  # [out, groups]
         better = error < best_error
         best = torch.where(better, torch.full_like(best, ratio), best)
         best_error = torch.where(better, error, best_error)
     # The search treats groups apart; the output adds them up. Keep clipping where the sum agrees.
-    plain, clipped = (dequantize(quantize_weight(w, 4, group_size, has_zero_point, clip), 4, group_size)
-                      for clip in (None, best))
-    worse = ((x @ (w - clipped).t()).pow(2).sum(0) > (x @ (w - plain).t()).pow(2).sum(0))  # [out]
-    best[worse] = 1.0
+    deltas = [w - dequantize(quantize_weight(w, 4, group_size, has_zero_point, clip), 4, group_size)
+              for clip in (None, best)]
+    plain, clipped = (((d @ gram) * d).sum(1) for d in deltas)  # [out]
+    best[clipped > plain] = 1.0
     return best
 
 
@@ -157,8 +158,9 @@ def awq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[l
         for name in group:
             scales[name] = s
             if clip:
-                clips[name] = search_clip(modules[name].weight.float() * s, rows / s, quant.group_size,
-                                          quant.has_zero_point)
+                scaled_rows = rows.float() / s
+                clips[name] = search_clip(modules[name].weight.float() * s, scaled_rows.t() @ scaled_rows,
+                                          quant.group_size, quant.has_zero_point)
         if clip:
             error = _group_error(group, modules, rows, s, clips, quant)
         log.debug("AWQ %s: alpha %.2f, output error %.4g (round-to-nearest %.4g)", "+".join(group), alpha, error,

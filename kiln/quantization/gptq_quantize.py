@@ -24,6 +24,12 @@ compensation and stretch their groups) and act-order avoids that.
 With a diagonal ``H`` (uncorrelated inputs) no error moves to another column and the result
 is round-to-nearest exactly.
 
+Before the columns are rounded, each group's range is clipped by AWQ's search
+(``awq.search_clip``: per output channel and group the share of ``max|w|`` kept, 1.0 down to
+0.5, minimising the output error ``d^T H d`` of the group's rounding; kept where it lowers the
+channel's whole error), the ranges taken from the float weights. On SmolLM2 this alone takes
+GPTQ's perplexity loss at group size 64 from +15% to +10% (float-calibrated, in a quick check).
+
 Layers are quantized in order: each layer's linears are calibrated on the inputs the already
 quantized layers before it produce (the model run layer by layer over packed steps), so a
 layer also corrects what the earlier ones lost. Within a layer one pass calibrates all its
@@ -46,6 +52,7 @@ from torch import nn
 
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
+from kiln.quantization.awq import input_groups, search_clip, search_scale
 from kiln.quantization.weight_only import (codes_4bit, dequantize, group_params, pack_4bit, quantizable_modules,
                                           quantize_weight)
 
@@ -97,10 +104,11 @@ def _inverse_cholesky(hessian: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, has_zero_point: bool,
-                         act_order: bool = False, damp: float = DEFAULT_DAMP,
-                         block_size: int = BLOCK_SIZE) -> dict[str, torch.Tensor]:
+                         act_order: bool = False, damp: float = DEFAULT_DAMP, block_size: int = BLOCK_SIZE,
+                         clip: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """W4A16 tensors (``weight_only.quantize_weight``'s layout) of float ``weight`` ``[out, in]``
-    by GPTQ against ``hessian`` ``[in, in]`` (see the module doc)."""
+    by GPTQ against ``hessian`` ``[in, in]`` (see the module doc); ``clip`` ``[out, in / group_size]``:
+    each group's range ratio (``weight_only.group_params``)."""
     w = weight.detach().float().clone()
     out_features, in_features = w.shape
     if in_features % group_size or block_size % group_size:
@@ -110,7 +118,7 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
     if act_order:
         order = torch.argsort(hessian.diagonal(), descending=True, stable=True)
         # Static groups: every group's parameters from the original weights, before any update.
-        scale, zero = group_params(w.view(out_features, num_groups, group_size), has_zero_point)
+        scale, zero = group_params(w.view(out_features, num_groups, group_size), has_zero_point, clip)
         hessian = hessian[order][:, order]
         w = w[:, order]
     else:
@@ -121,7 +129,7 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
     codes = torch.empty(out_features, in_features)
     with _one_thread():
         u = _inverse_cholesky(hessian, damp).float()
-        _quantize_columns(w, u, codes, scale, zero, group_of, group_size, has_zero_point, act_order, block_size)
+        _quantize_columns(w, u, codes, scale, zero, group_of, group_size, has_zero_point, act_order, block_size, clip)
     if act_order:
         codes = codes[:, torch.argsort(order)]
     return pack_4bit(codes, scale, zero, has_zero_point)
@@ -141,7 +149,7 @@ def _one_thread():
 
 def _quantize_columns(w: torch.Tensor, u: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                       group_of: torch.Tensor, group_size: int, has_zero_point: bool, act_order: bool,
-                      block_size: int) -> None:
+                      block_size: int, clip: torch.Tensor | None) -> None:
     """GPTQ's loop over the columns of ``w`` ``[out, in]`` (in quantization order, updated in
     place), writing ``codes`` and, unless ``act_order`` fixed them, each group's ``scale``/``zero``."""
     in_features = w.shape[1]
@@ -154,7 +162,7 @@ def _quantize_columns(w: torch.Tensor, u: torch.Tensor, codes: torch.Tensor, sca
             column = start + i
             g = int(group_of[column])
             if not act_order and column % group_size == 0:  # a group starts: its parameters from the updated weights
-                s, z = group_params(block[:, i:i + group_size], has_zero_point)
+                s, z = group_params(block[:, i:i + group_size], has_zero_point, None if clip is None else clip[:, g])
                 scale[:, g], zero[:, g] = s, z
             q = codes_4bit(block[:, i], scale[:, g], zero[:, g])
             codes[:, column] = q
@@ -176,8 +184,6 @@ def check_gptq_request(quant: QuantConfig, world_size: int, where: str) -> None:
 
 def _awq_scales(names: list[str], stats: dict, modules: dict[str, nn.Module], quant: QuantConfig) -> dict[str, torch.Tensor]:
     """AWQ's per input channel scale ``s`` of each linear, searched per group sharing an input."""
-    from kiln.quantization.awq import input_groups, search_scale
-
     scales = {}
     for group in input_groups(names, stats):
         st = stats[group[0]]
@@ -188,12 +194,13 @@ def _awq_scales(names: list[str], stats: dict, modules: dict[str, nn.Module], qu
 
 
 def _quantize_linears(modules: dict[str, nn.Module], hessians: dict[str, HessianAccumulator], quant: QuantConfig,
-                      act_order: bool, damp: float, done: dict[str, dict[str, torch.Tensor]],
+                      act_order: bool, damp: float, clip_ranges: bool, done: dict[str, dict[str, torch.Tensor]],
                       stats: dict | None = None) -> list[float]:
     """GPTQ each of ``modules`` (their accumulators leave ``hessians``) into ``done`` (name ->
     W4A16 tensors, plus ``prequant_scaling_factor`` 1/s when ``stats`` are given for AWQ's
     scales: then ``W diag(s)`` is quantized against ``diag(1/s) H diag(1/s)``, the Hessian of
-    the inputs ``x / s`` it will see). Each float weight becomes the weight its tensors stand
+    the inputs ``x / s`` it will see). With ``clip_ranges`` each group's range is first searched
+    (``awq.search_clip`` against ``H``). Each float weight becomes the weight its tensors stand
     for meanwhile, so later passes see the quantized layer at float speed. Returns each one's
     output error relative to round-to-nearest's (``tr((W - Q) H (W - Q)^T)``: the squared error
     on the calibration rows)."""
@@ -203,14 +210,12 @@ def _quantize_linears(modules: dict[str, nn.Module], hessians: dict[str, Hessian
         h = hessians.pop(name).hessian(linear.in_features)  # popped: its hook stops collecting
         weight = linear.weight.detach().float()
         s = scales.get(name)
-        if s is None:
-            tensors = gptq_quantize_weight(weight, h, quant.group_size, quant.has_zero_point, act_order, damp)
-            effective = dequantize(tensors, 4, quant.group_size)
-        else:
-            h_scaled = h / (s.double()[:, None] * s.double()[None, :])
-            tensors = gptq_quantize_weight(weight * s, h_scaled, quant.group_size, quant.has_zero_point, act_order,
-                                           damp)
-            effective = dequantize(tensors, 4, quant.group_size) / s
+        w, hw = (weight, h) if s is None else (weight * s, h / (s.double()[:, None] * s.double()[None, :]))
+        clip = search_clip(w, hw, quant.group_size, quant.has_zero_point) if clip_ranges else None
+        tensors = gptq_quantize_weight(w, hw, quant.group_size, quant.has_zero_point, act_order, damp, clip=clip)
+        effective = dequantize(tensors, 4, quant.group_size)
+        if s is not None:
+            effective = effective / s
             tensors["prequant_scaling_factor"] = (1.0 / s).float().contiguous()
         rtn = dequantize(quantize_weight(weight, 4, quant.group_size, quant.has_zero_point), 4, quant.group_size)
         errors = [_output_error(weight - q, h) for q in (effective, rtn)]
@@ -238,11 +243,12 @@ def _stage_of(name: str) -> str:
 @torch.inference_mode()
 def gptq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[list[int]], act_order: bool = True,
                         sequential: bool = True, damp: float = DEFAULT_DAMP, awq_scales: bool = False,
-                        progress: bool = False) -> QuantConfig | None:
+                        clip_ranges: bool = True, progress: bool = False) -> QuantConfig | None:
     """Calibrate ``model`` (float, one rank) on ``token_lists`` and GPTQ its linears in place
     (part after part on the quantized parts' outputs, or all on the float model's with
     ``sequential=False``). With ``awq_scales`` (``quant`` a W4A16_AWQ one) each linear first
     gets AWQ's input scales, searched on the same inputs, and GPTQ rounds the scaled weights.
+    ``clip_ranges``: each group's range first searched on the output error (see the module doc).
     Returns ``quant`` as the checkpoint must record it (see ``weight_only.quantize_model``);
     None if no linear was chosen."""
     from tqdm import tqdm
@@ -289,7 +295,7 @@ def gptq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[
                 h = None
                 for _, run in stages:
                     h = run(step, h)
-            ratios = _quantize_linears(modules, hessians, quant, act_order, damp, done, stats)
+            ratios = _quantize_linears(modules, hessians, quant, act_order, damp, clip_ranges, done, stats)
         else:
             hidden = [None] * len(steps)
             for stage, run in tqdm(stages, desc="GPTQ", unit="stage", disable=not progress):
@@ -297,7 +303,7 @@ def gptq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[
                 if mine:  # a pass for the Hessians, then the linears quantized, then their outputs
                     for step, h in zip(steps, hidden):
                         run(step, h)
-                    ratios += _quantize_linears(mine, hessians, quant, act_order, damp, done, stats)
+                    ratios += _quantize_linears(mine, hessians, quant, act_order, damp, clip_ranges, done, stats)
                 if stage != "post":
                     hidden = [run(step, h) for step, h in zip(steps, hidden)]
     finally:

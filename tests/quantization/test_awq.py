@@ -70,7 +70,7 @@ def _channel_errors(x: torch.Tensor, w: torch.Tensor, clip: torch.Tensor | None,
 def test_clipping_is_never_worse_on_the_calibration_rows(has_zero_point):
     for seed in range(3):
         w, x = _randn(64, 256, seed=seed) * (1 + seed), _outlier_rows(300, 256, seed=seed + 20)
-        clip = search_clip(w, x, GROUP, has_zero_point)
+        clip = search_clip(w, x.t() @ x, GROUP, has_zero_point)
         assert clip.shape == (64, 4) and clip.min() >= 0.5 and clip.max() <= 1.0
         clipped, plain = _channel_errors(x, w, clip, has_zero_point), _channel_errors(x, w, None, has_zero_point)
         assert torch.all(clipped <= plain * (1 + 1e-6))  # every output channel, not only the sum
@@ -84,7 +84,7 @@ def test_clipping_gives_up_a_lone_weight_outlier_for_its_groups_other_weights(ha
     w, x = _randn(32, 128, seed=4) * 0.02, _randn(400, 128, seed=5)
     w[7, 70] = 0.5  # group 1 of output channel 7 (~8x the group's other weights)
     x[:, 70] *= 0.05  # its input is quiet
-    clip = search_clip(w, x, GROUP, has_zero_point)
+    clip = search_clip(w, x.t() @ x, GROUP, has_zero_point)
     assert clip[7, 1] < 0.6  # measured 0.5 with and without zero points
     assert torch.all(clip[:, 0] >= 0.8)  # plain Gaussian groups keep most of their range
     clipped, plain = _channel_errors(x, w, clip, has_zero_point), _channel_errors(x, w, None, has_zero_point)

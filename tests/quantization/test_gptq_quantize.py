@@ -13,6 +13,7 @@ import torch
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.quantization import dequantize, quantize_weight
+from kiln.quantization.awq import search_clip
 from kiln.quantization.gptq_quantize import gptq_quantize_model, gptq_quantize_weight
 from kiln.quantization.weight_only import codes_4bit, group_params
 from tests.conftest import convert_and_build
@@ -113,7 +114,8 @@ def test_gptq_output_error_is_lower_than_round_to_nearest(has_zero_point):
 
 def test_act_order_keeps_contiguous_groups_with_the_original_weights_scales():
     """Act-order only changes the order columns are quantized in: each contiguous group keeps
-    the scale and zero point round-to-nearest gives it, and its codes absorb the errors."""
+    the scale and zero point round-to-nearest gives it (clipped or not), and its codes absorb
+    the errors."""
     w, x = _randn(64, 256, seed=8), _correlated_rows(800, 256, seed=9)
     x[:, 200:] *= 5.0  # the loudest inputs last, so act-order reorders
     h = _hessian(x)
@@ -126,6 +128,13 @@ def test_act_order_keeps_contiguous_groups_with_the_original_weights_scales():
     in_order = gptq_quantize_weight(w, h, 64, True, act_order=False)
     assert not torch.equal(in_order["weights_scaling_factor"], rtn["weights_scaling_factor"])
     assert _output_error(x, w, got, 64) < 0.6 * _output_error(x, w, rtn, 64)  # measured 0.45
+    # Clipped ranges (AWQ's search against H) are static groups too: round-to-nearest's clipped scales.
+    clip = search_clip(w, h, 64, True)
+    assert clip.min() < 1.0
+    clipped = gptq_quantize_weight(w, h, 64, True, act_order=True, clip=clip)
+    rtn_clipped = quantize_weight(w, 4, 64, True, clip)
+    assert torch.equal(clipped["weights_scaling_factor"], rtn_clipped["weights_scaling_factor"])
+    assert torch.equal(clipped["zero"], rtn_clipped["zero"])
 
 
 def test_sequential_and_float_calibration_agree_on_the_first_layer(tmp_path):
