@@ -15,12 +15,13 @@ from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 from kiln.models import get_model_class
 from kiln.quantization import SMOOTHQUANT_ALGO, quantize_model
-from kiln.quantization.awq import AWQ_ALGOS, awq_quantize_model, check_awq_request
+from kiln.quantization.awq import AWQ_ALGO, AWQ_ALGOS, awq_quantize_model, check_awq_request
 from kiln.quantization.calibration import DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
 from kiln.quantization.fp8 import fp8_quantize_model
 from kiln.quantization.gptq import gptq_settings
 from kiln.quantization.weight_only import FP8_ALGO, untie_lm_head_for
-from kiln.quantization.smoothquant import DEFAULT_ALPHA, smoothquant_model
+from kiln.quantization.gptq_quantize import GPTQ_ALGO, check_gptq_request, gptq_quantize_model
+from kiln.quantization.smoothquant import smoothquant_model
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +37,9 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
                        tp_size: int = 1, pp_size: int = 1, customized_key_dict: dict | None = None,
                        use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
                        quantization: QuantConfig | None = None, progress: bool = True,
-                       smoothquant_alpha: float = DEFAULT_ALPHA, calib_dataset: str = "sharegpt",
-                       calib_size: int = DEFAULT_CALIB_SIZE, calib_max_len: int = DEFAULT_CALIB_LEN) -> Path:
+                       smoothquant_alpha: float | None = None, calib_dataset: str = "sharegpt",
+                       calib_size: int = DEFAULT_CALIB_SIZE, calib_max_len: int = DEFAULT_CALIB_LEN,
+                       gptq_act_order: bool = True, gptq_sequential: bool = True, awq_gptq: bool = False) -> Path:
     """Write ``config.json`` and ``rank{N}.safetensors`` for every rank, plus the tokenizer.
 
     With ``use_parallel_embedding`` the embedding table is split over the tensor-parallel
@@ -46,10 +48,12 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     ``quant_algo``: W8A16, W4A16) quantizes the linear layers' weights by round-to-nearest
     (``kiln.quantization``). A GPTQ checkpoint (``quantization_config`` in config.json) is
     imported into the same layout as W4A16_GPTQ (``kiln.quantization.gptq``). ``W4A16_AWQ`` and
-    ``W4A8_AWQ`` (``kiln.quantization.awq``), ``FP8`` (``kiln.quantization.fp8``) and
-    ``W8A8_SQ_PER_CHANNEL`` (SmoothQuant,
-    ``kiln.quantization.smoothquant``, smoothing with ``smoothquant_alpha``) first run the float
-    model on ``calib_size`` texts of ``calib_dataset`` (``sharegpt`` or a file, each cut to
+    ``W4A8_AWQ`` (``kiln.quantization.awq``; with ``awq_gptq`` W4A16_AWQ's scaled weights rounded
+    by GPTQ), ``W4A16_GPTQ`` (``kiln.quantization.gptq_quantize``, in ``gptq_act_order``, with
+    ``gptq_sequential`` layer-by-layer calibration), ``FP8`` (``kiln.quantization.fp8``) and
+    ``W8A8_SQ_PER_CHANNEL`` (SmoothQuant, ``kiln.quantization.smoothquant``, smoothing with
+    ``smoothquant_alpha``, or each group's searched alpha when None) first run the float model
+    on ``calib_size`` texts of ``calib_dataset`` (``sharegpt`` or a file, each cut to
     ``calib_max_len`` tokens), tokenized by the source's tokenizer. A ``kv_cache_quant_algo``
     (INT8 or FP8) records a KV cache of that type with static per-layer K/V scales calibrated on
     the same texts (``kiln.quantization.kv_cache``). The output appears all at once when everything succeeded
@@ -69,9 +73,12 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
         raise ConfigError(f"--kv_cache_quant_algo {kv_algo}: converts a single-rank checkpoint (tp_size = "
                           f"pp_size = 1), got tp_size={tp_size} pp_size={pp_size}")
     world = Mapping(world_size=tp_size * pp_size, tp_size=tp_size, pp_size=pp_size)
-    calibrated = quantization is not None and quantization.quant_algo in (*AWQ_ALGOS, SMOOTHQUANT_ALGO, FP8_ALGO)
+    calibrated = quantization is not None and quantization.quant_algo in (*AWQ_ALGOS, GPTQ_ALGO, SMOOTHQUANT_ALGO,
+                                                                           FP8_ALGO)
     if calibrated and quantization.quant_algo in AWQ_ALGOS:
         check_awq_request(quantization, world.world_size, str(model_dir))
+    elif calibrated and quantization.quant_algo == GPTQ_ALGO:
+        check_gptq_request(quantization, world.world_size, str(model_dir))
     elif calibrated and world.world_size != 1:
         raise ConfigError(f"--quant_algo {quantization.quant_algo} calibrates the whole model in one process: "
                           "use --tp_size 1 --pp_size 1")
@@ -88,7 +95,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
                                   "embedding_sharding_dim": embedding_sharding_dim})
             if quantization is not None and quantization.quant_algo is not None:
                 model.config = _quantize(model, quantization, str(model_dir), calibration, smoothquant_alpha,
-                                         progress)
+                                         progress, gptq_act_order, gptq_sequential, awq_gptq)
             if kv_algo is not None:  # calibrated on the model the engine runs (weights quantized already)
                 _calibrate_kv_cache(model, kv_algo, calibration, calib_dataset, progress)
             write_rank_weights(tmp, rank, model.checkpoint_weights())
@@ -120,12 +127,21 @@ def _calibration_tokens(source, model_dir: Path, dataset: str, size: int, max_le
 
 
 def _quantize(model, quantization: QuantConfig, where: str, calibration: list[list[int]] | None = None,
-              smoothquant_alpha: float = DEFAULT_ALPHA, progress: bool = False):
-    """Quantize ``model`` in place (AWQ and SmoothQuant: calibrated on the token lists
+              smoothquant_alpha: float | None = None, progress: bool = False, gptq_act_order: bool = True,
+              gptq_sequential: bool = True, awq_gptq: bool = False):
+    """Quantize ``model`` in place (AWQ, GPTQ and SmoothQuant: calibrated on the token lists
     ``calibration``); its config records what was quantized (see ``quantize_model``)."""
     untie_lm_head_for(model, quantization)  # a quantized head gets its own copy of a tied table
-    if quantization.quant_algo in AWQ_ALGOS:
+    if awq_gptq and quantization.quant_algo != AWQ_ALGO:
+        raise ConfigError(f"--awq_gptq goes with --quant_algo {AWQ_ALGO}, not {quantization.quant_algo}")
+    if quantization.quant_algo == AWQ_ALGO and awq_gptq:
+        recorded = gptq_quantize_model(model, quantization, calibration or [], gptq_act_order, gptq_sequential,
+                                       awq_scales=True, progress=progress)
+    elif quantization.quant_algo in AWQ_ALGOS:
         recorded = awq_quantize_model(model, quantization, calibration, progress=progress)
+    elif quantization.quant_algo == GPTQ_ALGO:
+        recorded = gptq_quantize_model(model, quantization, calibration or [], gptq_act_order, gptq_sequential,
+                                       progress=progress)
     elif quantization.quant_algo == SMOOTHQUANT_ALGO:
         recorded = smoothquant_model(model, quantization, calibration or [], smoothquant_alpha, progress)
     elif quantization.quant_algo == FP8_ALGO:

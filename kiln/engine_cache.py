@@ -49,7 +49,8 @@ def cache_key(path: Path, options: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-CALIBRATION_OPTIONS = ("calib_dataset", "calib_size", "calib_max_len", "smoothquant_alpha")
+CALIBRATION_OPTIONS = ("calib_dataset", "calib_size", "calib_max_len", "smoothquant_alpha", "gptq_act_order",
+                       "awq_gptq")
 
 
 def split_quantization(quantization) -> tuple[dict | None, dict]:
@@ -81,7 +82,8 @@ def resolve_engine(model: str | Path, *, dtype: str | None = None, build_options
 
     ``quantization`` (an external model only: an algorithm name such as ``"W8A16"``, a
     ``QuantConfig``, or a dict of its fields plus ``calib_dataset`` / ``calib_size`` /
-    ``calib_max_len`` / ``smoothquant_alpha``) is applied when converting.
+    ``calib_max_len`` / ``smoothquant_alpha`` / ``gptq_act_order`` / ``awq_gptq``) is applied when
+    converting.
     """
     from kiln.build import build_engine, resolve_build_config
     from kiln.checkpoint.format import read_config

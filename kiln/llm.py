@@ -35,10 +35,11 @@ class LLM:
     Anything but an engine is converted and built once into the engine cache
     (``cache_dir``, default ``~/.cache/kiln``) and reused on later calls. ``quantization``
     quantizes an HF dir or GGUF file while converting: an algorithm name (``"W8A16"``,
-    ``"W4A16"``, ``"W4A16_AWQ"``, ``"W4A8_AWQ"``, ``"FP8"``, ``"W8A8_SQ_PER_CHANNEL"``), a
+    ``"W4A16"``, ``"W4A16_AWQ"``, ``"W4A16_GPTQ"``, ``"W4A8_AWQ"``, ``"FP8"``, ``"W8A8_SQ_PER_CHANNEL"``), a
     ``QuantConfig``, or a dict of its fields (``group_size``, ``has_zero_point``,
     ``exclude_modules``, ``kv_cache_quant_algo``) plus calibration options (``calib_dataset``,
-    ``calib_size``, ``calib_max_len``, ``smoothquant_alpha``) as ``kiln convert`` takes them.
+    ``calib_size``, ``calib_max_len``, ``smoothquant_alpha``, ``gptq_act_order``, ``awq_gptq``) as
+    ``kiln convert`` takes them.
     """
 
     def __init__(self, model: str | Path, *, tokenizer: str | Path | None = None, dtype: str | None = None,

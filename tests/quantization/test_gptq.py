@@ -162,7 +162,7 @@ def test_tp_and_requantization_of_gptq_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="already quantized"):
         convert_checkpoint(tmp_path / "hf", tmp_path / "b", progress=False,
                            quantization=QuantConfig(quant_algo="W4A16"))
-    make_llama(tmp_path / "float", hidden=64, layers=1, intermediate=128)
-    with pytest.raises(ConfigError, match="comes from converting a GPTQ checkpoint"):  # not a round-to-nearest algo
-        convert_checkpoint(tmp_path / "float", tmp_path / "c", progress=False,
-                           quantization=QuantConfig(quant_algo="W4A16_GPTQ"))
+    from kiln.quantization import quantize_model
+
+    with pytest.raises(ConfigError, match="W4A16_GPTQ comes from a GPTQ checkpoint or a calibrated convert"):
+        quantize_model(torch.nn.Module(), QuantConfig(quant_algo="W4A16_GPTQ"))  # not a round-to-nearest algo

@@ -1,6 +1,7 @@
 """SmoothQuant W8A8 (W8A8_SQ_PER_CHANNEL): the int8 linear against its exact float64
 reference, torch._int_mm against the integer emulation, smoothing against activation
-outliers, and a calibrated tiny Llama end to end against float32 Hugging Face."""
+outliers, the per-group alpha search against fixed alphas, and a calibrated tiny Llama end
+to end against float32 Hugging Face."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import torch
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.quantization.smoothquant import (int8_matmul, int8_matmul_reference, quantize_activations,
-                                           quantize_w8a8_weight, smoothing_factors, w8a8_linear)
+                                           quantize_w8a8_weight, search_alpha, smoothing_factors, w8a8_linear)
 from tests.conftest import convert_and_build
 from tests.utils.compare import hf_greedy, kiln_greedy, kiln_prompt_logits
 from tests.utils.tiny_models import make_llama
@@ -69,6 +70,30 @@ def test_smoothing_moves_activation_outliers_into_the_weights():
     assert smoothed < 0.5 * plain and smoothed < 0.5 * all_to_activations, (smoothed, plain, all_to_activations)
     print(f"relative output error: no smoothing {plain:.4f}, alpha 0 {all_to_activations:.4f}, "
           f"alpha 0.5 {smoothed:.4f}")
+
+
+def _w8a8_error(weights: list[torch.Tensor], x: torch.Tensor, s: torch.Tensor) -> float:
+    """Summed squared error of the W8A8 outputs of ``weights`` smoothed by ``s`` on rows ``x``."""
+    error = 0.0
+    for w in weights:
+        t = quantize_w8a8_weight(w, s)
+        y = w8a8_linear(x, t["weight"], t["weights_scaling_factor"], t["prequant_scaling_factor"], None)
+        error += (y.double() - x.double() @ w.double().t()).pow(2).sum().item()
+    return error
+
+
+def test_searched_alpha_is_never_worse_than_a_fixed_one_on_the_calibration_rows():
+    cases = []
+    for seed, loudness in ((6, 60.0), (8, 3.0)):  # strong outliers, and nearly none
+        x = _randn(256, 128, seed=seed)
+        x[:, [3, 40, 77, 100]] *= loudness
+        weights = [_randn(64, 128, seed=seed + 1) * 0.05, _randn(96, 128, seed=seed + 2) * 0.05]  # fc and gate
+        s, alpha, error = search_alpha(weights, x, x.abs().amax(0))
+        assert error == pytest.approx(_w8a8_error(weights, x, s), rel=1e-4)
+        for fixed in (0.0, 0.25, 0.5, 0.75, 1.0):
+            assert error <= _w8a8_error(weights, x, smoothing_factors(x.abs().amax(0), weights, fixed)) * (1 + 1e-6)
+        cases.append(alpha)
+    assert cases[0] != cases[1], cases  # the best migration depends on the activations
 
 
 @pytest.fixture(scope="module")
