@@ -55,8 +55,8 @@ def add_parser(sub) -> None:
                         "value for every layer (default: searched per group of linears sharing an input, "
                         "0 to 1 by 0.05, for the smallest int8 output error on the calibration rows)")
     p.add_argument("--group_size", type=int, default=64,
-                   help="W4A16: input features sharing a scale, a multiple of 32; W4A16_AWQ, W4A8_AWQ and "
-                        "W4A16_GPTQ: 32, 64 or 128 (default 64)")
+                   help="4-bit modes (W4A16, W4A16_AWQ, W4A8_AWQ, W4A16_GPTQ): input features sharing a scale, "
+                        "a multiple of 32 dividing every quantized layer's input features (default 64)")
     p.add_argument("--has_zero_point", action="store_true",
                    help="W4A16, W4A16_AWQ, W4A16_GPTQ: asymmetric codes with a zero point per group, so a "
                         "group's 16 codes span its own min..max (default: symmetric around zero)")

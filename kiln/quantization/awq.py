@@ -31,7 +31,7 @@ from torch import nn
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.quantization.calibration import InputStats, collect_linear_inputs
-from kiln.quantization.weight_only import (codes_4bit, dequantize, group_params, quantizable_modules, quantize_model,
+from kiln.quantization.weight_only import (check_group_size, codes_4bit, dequantize, group_params, quantizable_modules, quantize_model,
                                           quantize_weight)
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 AWQ_ALGO = "W4A16_AWQ"
 W4A8_AWQ_ALGO = "W4A8_AWQ"  # AWQ's 4-bit weights with FP8 e4m3 activations (static per-tensor scale)
 AWQ_ALGOS = (AWQ_ALGO, W4A8_AWQ_ALGO)
-AWQ_GROUP_SIZES = (32, 64, 128)  # the kernels take any multiple of 32; these are the usual ones
 DEFAULT_GRID = 20
 CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # share of each group's max|w| kept: 1.0 .. 0.5
 
@@ -140,9 +139,7 @@ def input_groups(names: list[str], stats: dict[str, InputStats]) -> list[list[st
 
 def check_awq_request(quant: QuantConfig, world_size: int, where: str) -> None:
     """ConfigErrors for AWQ settings kiln cannot honour, raised before any calibration."""
-    if quant.group_size not in AWQ_GROUP_SIZES:
-        raise ConfigError(f"{where}: {quant.quant_algo} takes --group_size {', '.join(map(str, AWQ_GROUP_SIZES))}, "
-                          f"got {quant.group_size}")
+    check_group_size(quant, where)
     if world_size != 1:
         raise ConfigError(f"{where}: {quant.quant_algo} calibrates the whole float model; convert with --tp_size 1 "
                           f"--pp_size 1 (got {world_size} ranks)")

@@ -171,11 +171,15 @@ def collect_linear_inputs(model: nn.Module, token_lists: list[list[int]], names:
                           make: Callable[[], InputStats] = InputStats, progress: bool = False,
                           max_step_tokens: int = DEFAULT_STEP_TOKENS) -> dict[str, InputStats]:
     """:class:`InputStats` of the inputs of the modules ``names`` over every calibration prompt
-    (the same, row sample included, however the prompts are packed into steps)."""
+    (the same, row sample included, however the prompts are packed into steps). ``lm_head``'s
+    input is the model's output (the final hidden states): observed there, so calibration never
+    computes ``[tokens, vocab]`` logits."""
     modules = dict(model.named_modules())
     stats = {name: make() for name in names}
     handles = [modules[name].register_forward_pre_hook(lambda m, args, name=name: stats[name].observe(args[0]))
-               for name in names]
+               for name in names if name != "lm_head"]
+    if "lm_head" in stats:
+        handles.append(model.register_forward_hook(lambda m, args, out: stats["lm_head"].observe(out)))
     try:
         run_prompts(model, token_lists, progress, max_step_tokens=max_step_tokens)
     finally:

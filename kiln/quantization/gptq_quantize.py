@@ -53,14 +53,13 @@ from torch import nn
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.quantization.awq import input_groups, search_clip, search_scale
-from kiln.quantization.weight_only import (codes_4bit, dequantize, group_params, pack_4bit, quantizable_modules,
+from kiln.quantization.weight_only import (check_group_size, codes_4bit, dequantize, group_params, pack_4bit, quantizable_modules,
                                           quantize_weight)
 
 log = logging.getLogger(__name__)
 
 GPTQ_ALGO = "W4A16_GPTQ"
 BLOCK_SIZE = 128  # columns per lazy update; every GPTQ group size divides it, so groups never straddle blocks
-GPTQ_GROUP_SIZES = (32, 64, 128)
 DEFAULT_DAMP = 0.01
 
 
@@ -174,9 +173,7 @@ def _quantize_columns(w: torch.Tensor, u: torch.Tensor, codes: torch.Tensor, sca
 
 def check_gptq_request(quant: QuantConfig, world_size: int, where: str) -> None:
     """ConfigErrors for GPTQ settings kiln cannot honour, raised before any calibration."""
-    if quant.group_size not in GPTQ_GROUP_SIZES:
-        raise ConfigError(f"{where}: --quant_algo {quant.quant_algo} with GPTQ takes --group_size "
-                          f"{', '.join(map(str, GPTQ_GROUP_SIZES))}, got {quant.group_size}")
+    check_group_size(quant, where)
     if world_size != 1:
         raise ConfigError(f"{where}: --quant_algo {quant.quant_algo} with GPTQ calibrates the whole float model; "
                           f"convert with --tp_size 1 --pp_size 1 (got {world_size} ranks)")

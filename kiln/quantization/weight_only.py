@@ -189,6 +189,14 @@ def use_weight_only_layout(model: nn.Module, quant: QuantConfig, tile_order: boo
             linear.use_activation_scale()
 
 
+def check_group_size(quant: QuantConfig, where: str = "quantization") -> None:
+    """A ConfigError unless 4-bit ``quant.group_size`` is a multiple of 32: the kernels tile the
+    input in 32-feature chunks, each inside one group."""
+    if quant.group_size % 32:
+        raise ConfigError(f"{where}: --group_size {quant.group_size} for {quant.quant_algo}: must be a multiple of "
+                          "32 (the 4-bit kernels' tile), e.g. 32, 64 or 128")
+
+
 def quantizable_modules(model: nn.Module, quant: QuantConfig) -> tuple[list[tuple[str, nn.Module]], list[str]]:
     """The linears ``quantize_model`` quantizes, and the names it leaves in float: excluded ones
     plus those of a shape the kernels cannot tile (with a warning). Raises a ConfigError for a
@@ -196,6 +204,8 @@ def quantizable_modules(model: nn.Module, quant: QuantConfig) -> tuple[list[tupl
     from kiln import kernels
 
     bits = 8 if quant.quant_algo == FP8_ALGO else WEIGHT_ONLY_ALGOS.get(quant.quant_algo)  # FP8: 1-byte codes
+    if bits == 4:
+        check_group_size(quant)
     excluded = list(DEFAULT_EXCLUDED if quant.exclude_modules is None else quant.exclude_modules)
     chosen = []
     for name, linear in quantized_modules(model, quant):

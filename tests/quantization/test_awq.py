@@ -198,9 +198,9 @@ def test_bad_awq_requests_are_clear_errors(tmp_path):
 
     make_llama(tmp_path / "hf", hidden=64, layers=1, intermediate=128, vocab=300)
     awq = QuantConfig(quant_algo="W4A16_AWQ")
-    with pytest.raises(ConfigError, match="group_size 32, 64, 128"):
+    with pytest.raises(ConfigError, match="group_size 48 for W4A16_AWQ: must be a multiple of 32"):
         convert_checkpoint(tmp_path / "hf", tmp_path / "a", progress=False,
-                           quantization=QuantConfig(quant_algo="W4A16_AWQ", group_size=96))
+                           quantization=QuantConfig(quant_algo="W4A16_AWQ", group_size=48))
     with pytest.raises(ConfigError, match="tokenizer"):  # no tokenizer saved next to the weights
         convert_checkpoint(tmp_path / "hf", tmp_path / "b", progress=False, quantization=awq,
                            calib_dataset=str(tmp_path / "hf" / "config.json"))
