@@ -156,6 +156,10 @@ def native_library() -> ctypes.CDLL | None:
     lib.kiln_fp8_quantize_rows.restype = None
     lib.kiln_fp8_to_bf16.argtypes = [_PTR, _I64, _PTR]
     lib.kiln_fp8_to_bf16.restype = None
+    lib.kiln_w8a8_supported.argtypes = [_I64, _I64]
+    lib.kiln_w8a8_supported.restype = ctypes.c_int
+    lib.kiln_w8a8_linear_bf16.argtypes = [_PTR] * 6 + [_I64] * 3 + [ctypes.c_int]
+    lib.kiln_w8a8_linear_bf16.restype = None
     return lib
 
 
@@ -461,6 +465,31 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zer
     return y
 
 
+def w8a8_supported(x: torch.Tensor, codes: torch.Tensor) -> bool:
+    """Whether ``w8a8_linear`` takes bf16 ``x`` with int8 ``codes`` ``[n, k]`` (n % 16 == 0,
+    k % 32 == 0, a CPU with AVX512-VNNI)."""
+    lib = native_library()
+    return (lib is not None and x.dtype == torch.bfloat16 and codes.dtype == torch.int8 and x.device.type == "cpu"
+            and bool(lib.kiln_w8a8_supported(codes.shape[0], codes.shape[1])))
+
+
+def w8a8_linear(x: torch.Tensor, codes: torch.Tensor, weight_scales: torch.Tensor, prequant: torch.Tensor | None,
+                bias: torch.Tensor | None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """SmoothQuant's W8A8 ``x W^T (+ bias)`` for bf16 ``x`` ``[m, k]``: each row times
+    ``prequant`` quantized to int8 with its own scale, integer dot products with the row-major
+    int8 ``codes`` ``[n, k]``, scaled by the row's and ``weight_scales``' factors (float32 ``[n]``);
+    bit for bit ``kiln.quantization.smoothquant.w8a8_linear``'s torch arithmetic (w8a8_linear.c).
+    Needs ``w8a8_supported``."""
+    m, k = x.shape
+    n = codes.shape[0]
+    y = _output(out, m, n, torch.bfloat16)
+    native_library().kiln_w8a8_linear_bf16(
+        x.contiguous().data_ptr(), codes.data_ptr(), weight_scales.data_ptr(),
+        prequant.data_ptr() if prequant is not None else None, bias.data_ptr() if bias is not None else None,
+        y.data_ptr(), m, n, k, torch.get_num_threads())
+    return y
+
+
 def fp8_linear(x: torch.Tensor, codes: torch.Tensor, weight_scales: torch.Tensor, act_scale: float,
                prequant: torch.Tensor | None, bias: torch.Tensor | None, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 linear of bf16 ``x`` ``[m, k]`` (fp8_linear.c): ``x * prequant / act_scale`` rounded to
@@ -499,9 +528,11 @@ class LinearWeights(ctypes.Structure):
     """A linear layer for ``decode_step``: weight (tile-ordered codes when ``bits`` is 8 or 4, or
     e4m3 codes when ``fp8``), bias (or NULL), tile-packed bf16 copy (or NULL), for quantized
     weights the group size, float32 scales and zeros (or NULL), AWQ's ``prequant`` multiplier
-    (or NULL) and a static FP8 activation scale (FP8, W4A8_AWQ; 0 for none)."""
+    (or NULL) and a static FP8 activation scale (FP8, W4A8_AWQ; 0 for none); ``w8a8``: a
+    SmoothQuant layer (row-major int8 codes, scales per column, ``prequant`` its smoothing)."""
     _fields_ = [("weight", _PTR), ("bias", _PTR), ("packed", _PTR), ("bits", _I64), ("group", _I64),
-                ("scales", _PTR), ("zeros", _PTR), ("prequant", _PTR), ("fp8", _I64), ("act_scale", ctypes.c_float)]
+                ("scales", _PTR), ("zeros", _PTR), ("prequant", _PTR), ("fp8", _I64), ("act_scale", ctypes.c_float),
+                ("w8a8", _I64)]
 
 
 class DecoderLayerWeights(ctypes.Structure):

@@ -41,7 +41,9 @@ enum { LINEAR = 0, ATTENTION = 1, OTHER = 2 };
  * quantized one (bits 8 or 4) has tile-ordered codes as its weight, float32 scales and zeros (or
  * NULL), and its group size; an FP8 one (fp8 set) e4m3 codes in tile order and float32 scales
  * per column. AWQ's input multiplier `prequant` (float32 [k], or NULL) and a static FP8
- * activation scale `act_scale` (FP8, W4A8_AWQ; 0 for none) apply to the input first. */
+ * activation scale `act_scale` (FP8, W4A8_AWQ; 0 for none) apply to the input first. A
+ * SmoothQuant W8A8 one (w8a8 set): row-major int8 codes, float32 scales per column and the
+ * smoothing multiplier `prequant` (w8a8_linear.c). */
 typedef struct {
     const void *weight, *bias, *packed;
     int64_t bits, group;
@@ -49,6 +51,7 @@ typedef struct {
     const float *prequant;
     int64_t fp8;
     float act_scale;
+    int64_t w8a8;  /* SmoothQuant: row-major int8 codes, scales per column, int8 activations per row */
 } kiln_linear;
 
 /* window: the layer's sliding attention window (0: none); kv_scales: float32 [K scale, V scale]
@@ -77,7 +80,9 @@ int64_t kiln_decode_step_scratch(const kiln_decoder_dims *d, int64_t m) {
  * row, which the skinny GEMM streams faster (the same choice as kiln.layers.linear). */
 static void linear_bf16(const bf16_t *x, const kiln_linear *L, bf16_t *y, int64_t m, int64_t n, int64_t k,
                         int num_threads) {
-    if (L->fp8) {
+    if (L->w8a8) {
+        kiln_w8a8_linear_bf16(x, L->weight, L->scales, L->prequant, L->bias, y, m, n, k, num_threads);
+    } else if (L->fp8) {
         kiln_fp8_linear_bf16(x, L->weight, L->scales, L->act_scale, L->prequant, L->bias, y, m, n, k, num_threads);
     } else if (L->bits) {
         bf16_t *prepared = NULL;  /* the input after AWQ's multiply (and W4A8's FP8 rounding) */

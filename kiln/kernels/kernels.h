@@ -59,6 +59,10 @@ void kiln_fp8_linear_bf16(const bf16_t *x, const uint8_t *codes, const float *w_
 void kiln_prepare_quant_input(const bf16_t *x, int64_t m, int64_t k, const float *prequant, float act_scale,
                               bf16_t *out, int num_threads);
 
+int kiln_w8a8_supported(int64_t n, int64_t k);
+void kiln_w8a8_linear_bf16(const bf16_t *x, const int8_t *codes, const float *w_scale, const float *prequant,
+                           const bf16_t *bias, bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads);
+
 DECLARE_KERNELS(f32, float)
 DECLARE_KERNELS(bf16, bf16_t)
 

@@ -8,8 +8,8 @@ shape that kernel computes: an RMSNorm of its own before attention and before th
 (sequential, pre-norm: not OPT's post-norm nor a parallel layer), a fused qkv projection
 with rotate-half rotary (or none) and no q/k norm, plain causal attention or a sliding
 window (no soft-capping, no ALiBi), a fused SiLU-gated MLP, one rank, fp32 or bf16 weights
-(or, in bf16 engines, weight-only int8/4-bit codes with AWQ's input multiply, FP8 and
-W4A8_AWQ; not SmoothQuant's int8 activations), a KV cache of the model dtype or a quantized one
+(or, in bf16 engines, weight-only int8/4-bit codes with AWQ's input multiply, FP8,
+W4A8_AWQ and SmoothQuant W8A8), a KV cache of the model dtype or a quantized one
 (INT8, FP8: the step writes the codes with the layer's scales, as the attention backend does,
 and reads them through the matching kernel);
 any other model (Gemma 2, BLOOM...), the PyTorch attention backend, steps with a
@@ -55,11 +55,13 @@ def supports_native_decode(model) -> bool:
         if any(p.device.type != "cpu" or not p.is_contiguous() for p in layer.parameters()):
             return False
         for module in layer.modules():
-            if getattr(module, "act_quant", False):  # SmoothQuant W8A8: decode_step has no int8-activation matmul
-                return False
+            if getattr(module, "act_quant", False) and not (
+                    dtype == torch.bfloat16 and kernels.w8a8_supported(torch.empty(0, dtype=dtype), module.weight)):
+                return False  # SmoothQuant W8A8: the native int8 kernel takes bf16 and tiling shapes
             quantized = getattr(module, "quant_bits", None) is not None or getattr(module, "fp8", False)
             if quantized and not (module.tile_order and dtype == torch.bfloat16):
                 return False
+            quantized = quantized or getattr(module, "act_quant", False)
             floats = [p for name, p in module.named_parameters(recurse=False)
                       if not (quantized and name in QUANTIZED_PARAMETERS)
                       and name != "kv_cache_scaling_factor"]  # float32 KV cache scales: read as such
@@ -98,7 +100,8 @@ class NativeDecodeStep:
             for field, linear in (("qkv", attn.qkv), ("dense", attn.dense), ("fused_fc", mlp.fused_fc),
                                   ("proj", mlp.proj)):
                 setattr(entry, field, _linear_weights(linear))
-                packed_everywhere &= bool(linear.quant_bits or linear.fp8 or getattr(entry, field).packed)
+                packed_everywhere &= bool(linear.quant_bits or linear.fp8 or linear.act_quant
+                                          or getattr(entry, field).packed)
         # How many tokens a step may have: any number on AMX tiles or quantized weights; fp32
         # up to the skinny GEMM's limit (MKL wins beyond); bf16 without AMX one (oneDNN wins).
         if self.dtype == torch.bfloat16:
@@ -145,6 +148,9 @@ def _linear_weights(linear) -> kernels.LinearWeights:
     act_scale = getattr(linear, "activation_scaling_factor", None)
     extras = dict(prequant=ptr(getattr(linear, "prequant_scaling_factor", None)),
                   act_scale=float(act_scale) if act_scale is not None else 0.0)
+    if linear.act_quant:
+        return kernels.LinearWeights(ptr(linear.weight), ptr(linear.bias), None, 0, 0,
+                                     ptr(linear.weights_scaling_factor), None, fp8=0, w8a8=1, **extras)
     if linear.fp8:
         return kernels.LinearWeights(ptr(linear.weight), ptr(linear.bias), None, 0, 0,
                                      ptr(linear.weights_scaling_factor), None, fp8=1, **extras)

@@ -92,8 +92,15 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def w8a8_linear(x: torch.Tensor, codes: torch.Tensor, weights_scale: torch.Tensor, prequant: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T (+ bias)`` for a SmoothQuant linear (``x`` ``[..., in]``; output in ``x``'s dtype)."""
-    rows = x.reshape(-1, x.shape[-1]).float() * prequant
+    """``x W^T (+ bias)`` for a SmoothQuant linear (``x`` ``[..., in]``; output in ``x``'s dtype).
+    bf16 inputs go through the native kernel where it runs (``kernels.w8a8_linear``: the same
+    numbers, bit for bit, without torch's per-op overhead)."""
+    from kiln import kernels
+
+    rows = x.reshape(-1, x.shape[-1])
+    if kernels.w8a8_supported(rows, codes) and (bias is None or bias.dtype == torch.bfloat16):
+        return kernels.w8a8_linear(rows, codes, weights_scale, prequant, bias).view(*x.shape[:-1], codes.shape[0])
+    rows = rows.float() * prequant
     q, a = quantize_activations(rows)
     y = int8_matmul(q, codes).float() * a * weights_scale
     if bias is not None:

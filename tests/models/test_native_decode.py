@@ -33,6 +33,8 @@ CASES = {  # name: (make_llama options, engine dtype or weight-only quant_algo, 
     "llama-awq": (dict(num_heads=4, num_kv_heads=2, intermediate=128, vocab=VOCAB_SIZE), "W4A16_AWQ", None),
     "llama-fp8": (dict(num_heads=4, num_kv_heads=2, intermediate=128, vocab=VOCAB_SIZE), "FP8", None),
     "llama-w4a8-awq": (dict(num_heads=4, num_kv_heads=2, intermediate=128, vocab=VOCAB_SIZE), "W4A8_AWQ", "INT8"),
+    # SmoothQuant W8A8 (int8 activations per token) in a bf16 engine (a bf16 checkpoint's).
+    "llama-sq": (dict(num_heads=4, num_kv_heads=2, intermediate=128, vocab=VOCAB_SIZE), "W8A8_SQ_PER_CHANNEL", None),
     "llama3-rope-fp32": (dict(num_heads=8, num_kv_heads=8, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}), "float32", None),
@@ -51,7 +53,7 @@ def engine_dir(request, tmp_path_factory):
     if dtype == "W4A16":
         quant = QuantConfig(quant_algo="W4A16", group_size=32, has_zero_point=True)
         return convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4}, quantization=quant)
-    calibrated = dtype in ("W4A16_AWQ", "FP8", "W4A8_AWQ")
+    calibrated = dtype in ("W4A16_AWQ", "FP8", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL")
     if calibrated or kv_algo is not None:  # scales calibrated on a few texts through the tiny tokenizer
         save_tiny_tokenizer(root / "hf")
         calib = root / "calib.jsonl"
@@ -59,7 +61,8 @@ def engine_dir(request, tmp_path_factory):
         quant = QuantConfig(quant_algo=dtype if calibrated else None, group_size=64, has_zero_point=calibrated,
                             kv_cache_quant_algo=kv_algo)
         return convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4},
-                                 dtype=None if calibrated else dtype, quantization=quant, calib_dataset=str(calib),
+                                 dtype="bfloat16" if dtype == "W8A8_SQ_PER_CHANNEL" else None if calibrated else dtype,
+                                 quantization=quant, calib_dataset=str(calib),
                                  calib_size=len(CORPUS))
     return convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4}, dtype=dtype)
 

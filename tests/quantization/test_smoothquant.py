@@ -153,13 +153,45 @@ def test_engine_stays_close_to_float_hf(sq_model):
     assert agree >= 0.75
 
 
-def test_engine_takes_no_native_decode_path(sq_model):
+def test_bf16_engine_takes_the_native_decode_path(sq_model, tmp_path):
+    from kiln.build import build_engine
     from kiln.models.base import DecoderModelForCausalLM
     from kiln.models.native_decode import supports_native_decode
 
-    model = DecoderModelForCausalLM.from_checkpoint(sq_model[2], engine_layout=True)
+    float_model = DecoderModelForCausalLM.from_checkpoint(sq_model[2], engine_layout=True)
+    assert float_model.config.dtype == "float32" and not supports_native_decode(float_model)  # int8 kernel: bf16 only
+    engine = build_engine(sq_model[1] / "checkpoint", tmp_path / "bf16", progress=False, dtype="bfloat16")
+    model = DecoderModelForCausalLM.from_checkpoint(engine, engine_layout=True)
     assert model.transformer.layers["0"].mlp.fused_fc.act_quant
-    assert not supports_native_decode(model)
+    assert model.transformer.layers["0"].mlp.fused_fc.weight.dtype == torch.int8
+    assert model.config.dtype == "bfloat16" and supports_native_decode(model)
+
+
+def _torch_w8a8(x, codes, weights_scale, prequant, bias):
+    """SmoothQuant's arithmetic in torch ops (what the native kernel must equal bit for bit)."""
+    q, a = quantize_activations(x.float() * prequant)
+    y = int8_matmul(q, codes).float() * a * weights_scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+@pytest.mark.parametrize("m,n,k,with_bias", [(1, 96, 64, False), (3, 64, 1536, True), (5, 48, 96, True),
+                                             (37, 160, 576, False)])
+def test_native_w8a8_kernel_equals_torch_bit_for_bit(m, n, k, with_bias):
+    from kiln import kernels
+
+    g = torch.Generator().manual_seed(m * n + k)
+    x = (torch.randn(m, k, generator=g) * torch.rand(k, generator=g) * 8).bfloat16()
+    x[0, 3] = 0  # zeros and ties stay exact
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    weights_scale = torch.rand(n, generator=g) * 1e-2
+    prequant = torch.rand(k, generator=g) + 0.25
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    assert kernels.w8a8_supported(x, codes)
+    assert torch.equal(kernels.w8a8_linear(x, codes, weights_scale, prequant, bias),
+                       _torch_w8a8(x, codes, weights_scale, prequant, bias))
+    assert not kernels.w8a8_supported(x.float(), codes) and not kernels.w8a8_supported(x[:, :48], codes[:, :48])
 
 
 def test_bad_smoothquant_requests_are_clear_errors(tmp_path):
