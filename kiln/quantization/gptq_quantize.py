@@ -59,7 +59,7 @@ from kiln.quantization.weight_only import (check_group_size, codes_4bit, dequant
 log = logging.getLogger(__name__)
 
 GPTQ_ALGO = "W4A16_GPTQ"
-BLOCK_SIZE = 128  # columns per lazy update; every GPTQ group size divides it, so groups never straddle blocks
+BLOCK_SIZE = 128  # columns per lazy update (rounded up to whole groups, so groups never straddle blocks)
 DEFAULT_DAMP = 0.01
 
 
@@ -110,9 +110,10 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
     each group's range ratio (``weight_only.group_params``)."""
     w = weight.detach().float().clone()
     out_features, in_features = w.shape
-    if in_features % group_size or block_size % group_size:
-        raise ValueError(f"GPTQ: group_size {group_size} must divide in_features {in_features} and the block "
-                         f"size {block_size}")
+    if in_features % group_size:
+        raise ValueError(f"GPTQ: group_size {group_size} must divide in_features {in_features}")
+    if block_size % group_size:  # groups must not straddle blocks: whole groups per block
+        block_size = group_size * -(-block_size // group_size)
     num_groups = in_features // group_size
     if act_order:
         order = torch.argsort(hessian.diagonal(), descending=True, stable=True)
