@@ -334,9 +334,13 @@ static void quant_gemv(const bf16_t *x, const kiln_qweight *W, const bf16_t *bia
             const int mt = m - t0 < 4 ? (int)(m - t0) : 4;
             float out[4 * 64];
             for (int b = 0; b < blocks; b += (blocks == 4 ? 4 : 1)) {
+/* 4-bit keeps two accumulators per row and block: past 2 rows, 4 blocks would spill them. */
 #define ROWS(MT)                                                                                   \
-                if (blocks == 4) gemv_blocks(W, &in, t0, MT, nb0, 4, out);                          \
-                else gemv_blocks(W, &in, t0, MT, nb0 + b, 1, out + 16 * b);
+                if (blocks == 4 && (W->bits == 8 || MT <= 2)) gemv_blocks(W, &in, t0, MT, nb0, 4, out);   \
+                else if (blocks == 4) {                                                            \
+                    gemv_blocks(W, &in, t0, MT, nb0, 2, out);                                      \
+                    gemv_blocks(W, &in, t0, MT, nb0 + 2, 2, out + 32);                             \
+                } else gemv_blocks(W, &in, t0, MT, nb0 + b, 1, out + 16 * b);
                 switch (mt) {
                 case 1: ROWS(1) break;
                 case 2: ROWS(2) break;
