@@ -37,6 +37,7 @@ engine GPTQ-g192 bfloat16 --quant_algo W4A16_GPTQ --group_size 192 --has_zero_po
 engine AWQ+GPTQ-g64 bfloat16 --quant_algo W4A16_AWQ --group_size 64 --has_zero_point --awq_gptq --calib_size 128
 engine FP8 bfloat16 --quant_algo FP8
 engine W4A8_AWQ-g64 bfloat16 --quant_algo W4A8_AWQ --group_size 64 --has_zero_point
-engine SQ bfloat16 --quant_algo W8A8_SQ_PER_CHANNEL
+engine SQ bfloat16 --quant_algo W8A8_SQ_PER_CHANNEL --smoothquant_alpha search
+engine SQ-a0.5 bfloat16 --quant_algo W8A8_SQ_PER_CHANNEL --smoothquant_alpha 0.5
 engine KV-INT8 bfloat16 --kv_cache_quant_algo INT8
 engine KV-FP8 bfloat16 --kv_cache_quant_algo FP8

@@ -21,7 +21,7 @@ from kiln.quantization.fp8 import fp8_quantize_model
 from kiln.quantization.gptq import gptq_settings
 from kiln.quantization.weight_only import FP8_ALGO, untie_lm_head_for
 from kiln.quantization.gptq_quantize import GPTQ_ALGO, check_gptq_request, gptq_quantize_model
-from kiln.quantization.smoothquant import smoothquant_model
+from kiln.quantization.smoothquant import DEFAULT_ALPHA, SEARCH_ALPHA, smoothquant_model
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
                        tp_size: int = 1, pp_size: int = 1, customized_key_dict: dict | None = None,
                        use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
                        quantization: QuantConfig | None = None, progress: bool = True,
-                       smoothquant_alpha: float | None = None, calib_dataset: str = "sharegpt",
+                       smoothquant_alpha: float | str = DEFAULT_ALPHA, calib_dataset: str = "sharegpt",
                        calib_size: int = DEFAULT_CALIB_SIZE, calib_max_len: int = DEFAULT_CALIB_LEN,
                        gptq_act_order: bool = True, gptq_sequential: bool = True, awq_gptq: bool = False) -> Path:
     """Write ``config.json`` and ``rank{N}.safetensors`` for every rank, plus the tokenizer.
@@ -52,7 +52,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     by GPTQ), ``W4A16_GPTQ`` (``kiln.quantization.gptq_quantize``, in ``gptq_act_order``, with
     ``gptq_sequential`` layer-by-layer calibration), ``FP8`` (``kiln.quantization.fp8``) and
     ``W8A8_SQ_PER_CHANNEL`` (SmoothQuant, ``kiln.quantization.smoothquant``, smoothing with
-    ``smoothquant_alpha``, or each group's searched alpha when None) first run the float model
+    ``smoothquant_alpha``, or each group's searched alpha when it is ``"search"``) first run the float model
     on ``calib_size`` texts of ``calib_dataset`` (``sharegpt`` or a file, each cut to
     ``calib_max_len`` tokens), tokenized by the source's tokenizer. A ``kv_cache_quant_algo``
     (INT8 or FP8) records a KV cache of that type with static per-layer K/V scales calibrated on
@@ -127,7 +127,7 @@ def _calibration_tokens(source, model_dir: Path, dataset: str, size: int, max_le
 
 
 def _quantize(model, quantization: QuantConfig, where: str, calibration: list[list[int]] | None = None,
-              smoothquant_alpha: float | None = None, progress: bool = False, gptq_act_order: bool = True,
+              smoothquant_alpha: float | str = DEFAULT_ALPHA, progress: bool = False, gptq_act_order: bool = True,
               gptq_sequential: bool = True, awq_gptq: bool = False):
     """Quantize ``model`` in place (AWQ, GPTQ and SmoothQuant: calibrated on the token lists
     ``calibration``); its config records what was quantized (see ``quantize_model``)."""
@@ -143,7 +143,8 @@ def _quantize(model, quantization: QuantConfig, where: str, calibration: list[li
         recorded = gptq_quantize_model(model, quantization, calibration or [], gptq_act_order, gptq_sequential,
                                        progress=progress)
     elif quantization.quant_algo == SMOOTHQUANT_ALGO:
-        recorded = smoothquant_model(model, quantization, calibration or [], smoothquant_alpha, progress)
+        alpha = None if smoothquant_alpha == SEARCH_ALPHA else smoothquant_alpha
+        recorded = smoothquant_model(model, quantization, calibration or [], alpha, progress)
     elif quantization.quant_algo == FP8_ALGO:
         recorded = fp8_quantize_model(model, quantization, calibration or [], progress)
     else:

@@ -1,12 +1,24 @@
 """``kiln convert``: a Hugging Face directory or GGUF file -> a kiln checkpoint."""
 from __future__ import annotations
 
+import argparse
 import time
 
 from kiln.quantization.calibration import DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
 from kiln.quantization.awq import AWQ_ALGOS
 from kiln.quantization.gptq_quantize import GPTQ_ALGO
+from kiln.quantization.smoothquant import DEFAULT_ALPHA, SEARCH_ALPHA
 from kiln.quantization.weight_only import FP8_ALGO, ROUND_TO_NEAREST_ALGOS, SMOOTHQUANT_ALGO
+
+
+def _alpha(text: str) -> float | str:
+    """--smoothquant_alpha: a number or 'search'."""
+    if text == SEARCH_ALPHA:
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or '{SEARCH_ALPHA}', got {text!r}") from None
 
 
 def add_parser(sub) -> None:
@@ -49,11 +61,12 @@ def add_parser(sub) -> None:
                    help="W4A16_AWQ: after the scale search, round the scaled weights by GPTQ (layer after layer, "
                         "as W4A16_GPTQ does) instead of clipping and rounding them to nearest; the checkpoint "
                         "is an ordinary W4A16_AWQ one. Wants more calibration text (--calib_size 128)")
-    p.add_argument("--smoothquant_alpha", type=float, default=None,
+    p.add_argument("--smoothquant_alpha", type=_alpha, default=DEFAULT_ALPHA, metavar="A|search",
                    help="W8A8_SQ_PER_CHANNEL: migration strength in [0, 1], the share of each input channel's "
                         "activation range moved into the weights (s = max|x|^alpha / max|W|^(1-alpha)), one "
-                        "value for every layer (default: searched per group of linears sharing an input, "
-                        "0 to 1 by 0.05, for the smallest int8 output error on the calibration rows)")
+                        "value for every layer; 'search' picks it per group of linears sharing an input (0 to 1 "
+                        "by 0.05, the smallest int8 output error on the calibration rows) (default "
+                        f"{DEFAULT_ALPHA}: best on SmolLM2's held-out text, see benchmarks/README.md)")
     p.add_argument("--group_size", type=int, default=64,
                    help="4-bit modes (W4A16, W4A16_AWQ, W4A8_AWQ, W4A16_GPTQ): input features sharing a scale, "
                         "a multiple of 32 dividing every quantized layer's input features (default 64)")

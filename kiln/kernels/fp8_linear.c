@@ -115,7 +115,9 @@ void kiln_prepare_quant_input(const bf16_t *x, int64_t m, int64_t k, const float
         for (int64_t i = 0; i < m * k; ++i) out[i] = bf16_store(bf16_load(out[i]) * act_scale);
         return;
     }
-    for (int64_t i = 0; i < m * k; ++i) out[i] = bf16_store(bf16_load(x[i]) * prequant[i % k]);
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(m * k > 65536)")
+    for (int64_t t = 0; t < m; ++t)
+        for (int64_t i = 0; i < k; ++i) out[t * k + i] = bf16_store(bf16_load(x[t * k + i]) * prequant[i]);
 }
 
 /* Codes to bf16 values, one byte at a time (tests compare it with torch's own conversion). */
