@@ -217,6 +217,10 @@ typedef struct {
 static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight *W, const gemv_input *in,
                                                              int64_t t0, int MT, int64_t nb0, int NB, float *out) {
     const int64_t k = W->k, span = flush_span(W), groups = W->bits == 8 ? 1 : k / W->group;
+    /* Each block's codes are short (k bytes or k / 2 per column: a few KB), too short for the
+     * hardware prefetcher to ramp up on: each load prefetches the same spot of the next panel
+     * of 4 blocks (the next task, usually this thread's), a whole panel ahead. */
+    const int64_t next_panel = 4 * 16 * k * W->bits / 8;
     __m512 total[4][4];
     for (int t = 0; t < MT; ++t)
         for (int b = 0; b < NB; ++b) total[t][b] = _mm512_setzero_ps();
@@ -230,7 +234,7 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
                 const uint8_t *tiles[4];
                 for (int b = 0; b < NB; ++b) {
                     tiles[b] = W->codes + ((nb0 + b) * (k / 32) + kb) * 512;
-                    _mm_prefetch((const char *)(tiles[b] + 2 * 512), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(tiles[b] + next_panel), _MM_HINT_T0);
                 }
                 for (int p = 0; p < 16; p += 2) {
                     for (int b = 0; b < NB; ++b) {
@@ -249,7 +253,7 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
             for (int64_t j = k0 / 8; j < k1 / 8; ++j) {
                 for (int b = 0; b < NB; ++b) {
                     const uint8_t *chunk = W->codes + ((nb0 + b) * (k / 8) + j) * 64;
-                    _mm_prefetch((const char *)(chunk + 32 * 64), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(chunk + next_panel), _MM_HINT_T0);
                     const __m512i bytes = _mm512_loadu_si512(chunk);
                     const __m512i low = _mm512_and_si512(bytes, mask);                       /* k 8j .. 8j + 3 */
                     const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask);  /* k 8j + 4 .. */
