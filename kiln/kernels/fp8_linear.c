@@ -184,41 +184,27 @@ static inline __attribute__((always_inline)) void gemv_blocks(const fp8_weight *
         for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + t * 64 + 16 * b, acc[t][b]);
 }
 
-/* Rows of x' in tiles of four against panels of four output blocks (split over threads). */
-static void fp8_gemv(const bf16_t *x, const fp8_weight *W, const float *col_scale, const bf16_t *bias, bf16_t *y,
-                     int64_t m, int num_threads) {
-    const int64_t k = W->k, n = W->n, nblocks = n / 16, tasks = (nblocks + 3) / 4;
-    _Pragma("omp parallel num_threads(num_threads)")
-    {
-        const e4m3_table table = load_table();
-        _Pragma("omp for schedule(static)")
-        for (int64_t task = 0; task < tasks; ++task) {
-            const int64_t nb0 = task * 4;
-            const int blocks = nblocks - nb0 < 4 ? (int)(nblocks - nb0) : 4;
-            for (int64_t t0 = 0; t0 < m; t0 += 4) {
-                const int mt = m - t0 < 4 ? (int)(m - t0) : 4;
-                const bf16_t *xt = x + t0 * k;
-                float out[4 * 64];
-                for (int b = 0; b < blocks; b += (blocks == 4 ? 4 : 1)) {
+typedef struct {
+    const fp8_weight *W;
+    const bf16_t *x;
+} fp8_tile_ctx;
+
+/* One tile for kiln_gemv_panels: a full panel at once, a last panel's 1-3 blocks one at a time. */
+static void fp8_tile(const void *ctx, int64_t t0, int mt, int64_t nb0, int blocks, float *out) {
+    const fp8_weight *W = ((const fp8_tile_ctx *)ctx)->W;
+    const bf16_t *xt = ((const fp8_tile_ctx *)ctx)->x + t0 * W->k;
+    const e4m3_table table = load_table();
+    for (int b = 0; b < blocks; b += (blocks == 4 ? 4 : 1)) {
 #define ROWS(MT)                                                                                   \
-                    if (blocks == 4) gemv_blocks(W, xt, MT, nb0, 4, &table, out);                   \
-                    else gemv_blocks(W, xt, MT, nb0 + b, 1, &table, out + 16 * b);
-                    switch (mt) {
-                    case 1: ROWS(1) break;
-                    case 2: ROWS(2) break;
-                    case 3: ROWS(3) break;
-                    default: ROWS(4) break;
-                    }
-#undef ROWS
-                }
-                for (int t = 0; t < mt; ++t)
-                    for (int c = 0; c < 16 * blocks; ++c) {
-                        const int64_t col = nb0 * 16 + c;
-                        y[(t0 + t) * n + col] = bf16_store(out[t * 64 + c] * col_scale[col] +
-                                                           (bias ? bf16_load(bias[col]) : 0.f));
-                    }
-            }
+        if (blocks == 4) gemv_blocks(W, xt, MT, nb0, 4, &table, out);                              \
+        else gemv_blocks(W, xt, MT, nb0 + b, 1, &table, out + 16 * b);
+        switch (mt) {
+        case 1: ROWS(1) break;
+        case 2: ROWS(2) break;
+        case 3: ROWS(3) break;
+        default: ROWS(4) break;
         }
+#undef ROWS
     }
 }
 #endif
@@ -248,8 +234,10 @@ void kiln_fp8_linear_bf16(const bf16_t *x, const uint8_t *codes, const float *w_
     for (int64_t c = 0; c < n; ++c) col_scale[c] = act_scale * w_scale[c];
     const fp8_weight W = {codes, n, k};
 #ifdef HAVE_FP8_VECTORS
-    if (m <= FP8_GEMV_MAX_ROWS) fp8_gemv(xq, &W, col_scale, bias, y, m, num_threads);
-    else
+    if (m <= FP8_GEMV_MAX_ROWS) {
+        const fp8_tile_ctx ctx = {&W, xq};
+        kiln_gemv_panels(fp8_tile, &ctx, bias, col_scale, y, m, n, num_threads);
+    } else
 #endif
         kiln_linear_panels(xq, fp8_panel, &W, bias, col_scale, y, m, n, k, num_threads);
     free(col_scale);

@@ -164,6 +164,27 @@ void kiln_packed_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t
     kiln_linear_panels(x, packed_panel, packed, bias, NULL, y, m, n, k, num_threads);
 }
 
+void kiln_gemv_panels(kiln_gemv_tile_fn tile, const void *ctx, const bf16_t *bias, const float *col_scale,
+                      bf16_t *y, int64_t m, int64_t n, int num_threads) {
+    const int64_t nblocks = n / 16, tasks = (nblocks + 3) / 4;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t nb0 = task * 4;
+        const int blocks = nblocks - nb0 < 4 ? (int)(nblocks - nb0) : 4;
+        for (int64_t t0 = 0; t0 < m; t0 += 4) {
+            const int mt = m - t0 < 4 ? (int)(m - t0) : 4;
+            float out[4 * 64];
+            tile(ctx, t0, mt, nb0, blocks, out);
+            for (int t = 0; t < mt; ++t)
+                for (int c = 0; c < 16 * blocks; ++c) {
+                    const int64_t col = nb0 * 16 + c;
+                    const float scale = col_scale ? col_scale[col] : 1.f;
+                    y[(t0 + t) * n + col] = bf16_store(out[t * 64 + c] * scale + (bias ? bf16_load(bias[col]) : 0.f));
+                }
+        }
+    }
+}
+
 /* The plain-C loop, callable on any CPU (tests compare it with the vector paths). */
 void kiln_portable_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
                                int64_t n, int64_t k, int num_threads) {

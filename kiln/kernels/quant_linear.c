@@ -322,44 +322,39 @@ static void *prepare_gemv_input(const bf16_t *x, const kiln_qweight *W, int64_t 
     return mem;
 }
 
-/* Rows of x in tiles of four against panels of four output blocks (the last panel: its 1-3
- * blocks one at a time); a panel's codes stay in L1/L2 between row tiles. */
+typedef struct {
+    const kiln_qweight *W;
+    const gemv_input *in;
+} quant_tile_ctx;
+
+/* One tile for kiln_gemv_panels: a full panel at once, a last panel's 1-3 blocks one at a time.
+ * 4-bit keeps two accumulators per row and block: past 2 rows, 4 blocks would spill them. */
+static void quant_tile(const void *ctx, int64_t t0, int mt, int64_t nb0, int blocks, float *out) {
+    const kiln_qweight *W = ((const quant_tile_ctx *)ctx)->W;
+    const gemv_input *in = ((const quant_tile_ctx *)ctx)->in;
+    for (int b = 0; b < blocks; b += (blocks == 4 ? 4 : 1)) {
+#define ROWS(MT)                                                                                   \
+        if (blocks == 4 && (W->bits == 8 || MT <= 2)) gemv_blocks(W, in, t0, MT, nb0, 4, out);    \
+        else if (blocks == 4) {                                                                    \
+            gemv_blocks(W, in, t0, MT, nb0, 2, out);                                               \
+            gemv_blocks(W, in, t0, MT, nb0 + 2, 2, out + 32);                                      \
+        } else gemv_blocks(W, in, t0, MT, nb0 + b, 1, out + 16 * b);
+        switch (mt) {
+        case 1: ROWS(1) break;
+        case 2: ROWS(2) break;
+        case 3: ROWS(3) break;
+        default: ROWS(4) break;
+        }
+#undef ROWS
+    }
+}
+
 static void quant_gemv(const bf16_t *x, const kiln_qweight *W, const bf16_t *bias, bf16_t *y, int64_t m,
                        int num_threads) {
-    const int64_t n = W->n, nblocks = n / 16;
     gemv_input in;
     void *mem = prepare_gemv_input(x, W, m, &in);
-    const int64_t tasks = (nblocks + 3) / 4;
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
-    for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t nb0 = task * 4;
-        const int blocks = nblocks - nb0 < 4 ? (int)(nblocks - nb0) : 4;
-        for (int64_t t0 = 0; t0 < m; t0 += 4) {
-            const int mt = m - t0 < 4 ? (int)(m - t0) : 4;
-            float out[4 * 64];
-            for (int b = 0; b < blocks; b += (blocks == 4 ? 4 : 1)) {
-/* 4-bit keeps two accumulators per row and block: past 2 rows, 4 blocks would spill them. */
-#define ROWS(MT)                                                                                   \
-                if (blocks == 4 && (W->bits == 8 || MT <= 2)) gemv_blocks(W, &in, t0, MT, nb0, 4, out);   \
-                else if (blocks == 4) {                                                            \
-                    gemv_blocks(W, &in, t0, MT, nb0, 2, out);                                      \
-                    gemv_blocks(W, &in, t0, MT, nb0 + 2, 2, out + 32);                             \
-                } else gemv_blocks(W, &in, t0, MT, nb0 + b, 1, out + 16 * b);
-                switch (mt) {
-                case 1: ROWS(1) break;
-                case 2: ROWS(2) break;
-                case 3: ROWS(3) break;
-                default: ROWS(4) break;
-                }
-#undef ROWS
-            }
-            for (int t = 0; t < mt; ++t)
-                for (int c = 0; c < 16 * blocks; ++c) {
-                    const int64_t col = nb0 * 16 + c;
-                    y[(t0 + t) * n + col] = bf16_store(out[t * 64 + c] + (bias ? bf16_load(bias[col]) : 0.f));
-                }
-        }
-    }
+    const quant_tile_ctx ctx = {W, &in};
+    kiln_gemv_panels(quant_tile, &ctx, bias, NULL, y, m, W->n, num_threads);
     free(mem);
 }
 #endif
