@@ -3,9 +3,10 @@
 For each batch size, that many random prompts of ``--context`` tokens are prefilled, then
 ``--steps`` decode steps run with the native step's profile on: it adds the seconds spent in
 the linear layers, in attention and in the rest (norms, rotary, KV writes, SiLU, residuals)
-from inside the C step. Reported per step: the whole step (scheduling, LM head and sampling
-included), those three parts, and the linear layers' GFLOP/s against the bf16 matmul peak
-measured in the same run.
+from inside the C step. Reported per step: the whole step (scheduling and sampling included),
+those three parts, what runs outside them, and the linear layers' GFLOP/s against the bf16
+matmul peak measured in the same run. The LM head counts among the linears where the native
+step computes the logits too (column "head": "in"), else it runs outside.
 
     python benchmarks/decode_profile.py ENGINE_DIR [--batches 1 8 64] [--context 128] [--steps 16]
 """
@@ -38,7 +39,8 @@ def profile_batch(engine, batch: int, context: int, steps: int) -> dict:
     total = time.perf_counter() - started
     linear, attention, other = (native.profile / steps).tolist()
     native.profile = None
-    return {"step": total / steps, "linear": linear, "attention": attention, "other": other}
+    return {"step": total / steps, "linear": linear, "attention": attention, "other": other,
+            "head_in_step": native.computes_logits(batch)}
 
 
 def main() -> None:
@@ -61,14 +63,17 @@ def main() -> None:
     name = engine.config.quantization.quant_algo or engine.config.dtype
     print(f"{name}, {args.threads} threads, {args.context}-token contexts, {args.steps} steps; "
           f"bf16 matmul peak {peak:.0f} GFLOP/s; ms per step")
-    print(f"{'batch':>6} {'step':>8} {'linears':>8} {'attention':>10} {'rest':>7} {'outside':>8} "
+    print(f"{'batch':>6} {'head':>5} {'step':>8} {'linears':>8} {'attention':>10} {'rest':>7} {'outside':>8} "
           f"{'linear GFLOP/s':>15} {'of peak':>8}")
+    head = engine.model.lm_head
     for batch in args.batches:
         r = profile_batch(engine, batch, args.context, args.steps)
         outside = r["step"] - r["linear"] - r["attention"] - r["other"]
-        gflops = flops_per_token * batch / r["linear"] / 1e9
-        print(f"{batch:>6} {1000 * r['step']:8.2f} {1000 * r['linear']:8.2f} {1000 * r['attention']:10.2f} "
-              f"{1000 * r['other']:7.2f} {1000 * outside:8.2f} {gflops:15.0f} {gflops / peak:8.0%}", flush=True)
+        flops = flops_per_token + (2 * head.in_features * head.out_features if r["head_in_step"] else 0)
+        gflops = flops * batch / r["linear"] / 1e9
+        print(f"{batch:>6} {'in' if r['head_in_step'] else 'out':>5} {1000 * r['step']:8.2f} "
+              f"{1000 * r['linear']:8.2f} {1000 * r['attention']:10.2f} {1000 * r['other']:7.2f} "
+              f"{1000 * outside:8.2f} {gflops:15.0f} {gflops / peak:8.0%}", flush=True)
 
 
 if __name__ == "__main__":

@@ -116,6 +116,8 @@ def native_library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = _DECODE_ARGTYPES
         fn.restype = ctypes.c_int
+    lib.kiln_argmax_rows_f32.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int]
+    lib.kiln_argmax_rows_f32.restype = None
     for suffix in _SUFFIX.values():
         getattr(lib, f"kiln_rmsnorm_{suffix}").argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float,
                                                             ctypes.c_int]
@@ -126,7 +128,7 @@ def native_library() -> ctypes.CDLL | None:
         getattr(lib, f"kiln_skinny_gemm_{suffix}").argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
         getattr(lib, f"kiln_skinny_gemm_{suffix}").restype = None
         getattr(lib, f"kiln_decode_step_{suffix}").argtypes = [
-            _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int, _PTR]
+            _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int, _PTR]
         getattr(lib, f"kiln_decode_step_{suffix}").restype = ctypes.c_int
     lib.kiln_kv_quantize.argtypes = [_PTR, _I64, ctypes.c_float, _I64, _PTR]
     lib.kiln_kv_quantize.restype = None
@@ -195,6 +197,15 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     getattr(native_library(), f"kiln_rmsnorm_{_SUFFIX[x.dtype]}")(
         x.data_ptr(), x.stride(0), weight.contiguous().data_ptr(), out.data_ptr(), rows, dim, eps,
         torch.get_num_threads())
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a contiguous float32 ``[rows, n]`` (int64 ``[rows]``: the first
+    maximum, or the first NaN), in one native pass; torch's runs ~30 us on a vocabulary."""
+    rows, n = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    native_library().kiln_argmax_rows_f32(x.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -544,11 +555,18 @@ class DecoderLayerWeights(ctypes.Structure):
 
 
 class DecoderDims(ctypes.Structure):
-    """The shapes ``decode_step`` needs (per rank; ``rot_dim`` 0 means no rotary) and the KV
-    cache's element kind (0: the model dtype, else ``KV_KINDS`` of its dtype)."""
+    """The shapes ``decode_step`` needs (per rank; ``rot_dim`` 0 means no rotary), the KV
+    cache's element kind (0: the model dtype, else ``KV_KINDS`` of its dtype) and the LM head's
+    output width when the step computes logits (0: it does not)."""
     _fields_ = [(name, _I64) for name in (
         "hidden", "heads", "kv_heads", "head_size", "rot_dim", "inter", "block_size", "max_blocks")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_kind", _I64)]
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_kind", _I64), ("head_width", _I64)]
+
+
+class DecoderHead(ctypes.Structure):
+    """The final RMSNorm's weight and eps and the LM head for ``decode_step``, whose first
+    ``vocab`` outputs are the logits."""
+    _fields_ = [("norm", _PTR), ("eps", ctypes.c_float), ("linear", LinearWeights), ("vocab", _I64)]
 
 
 def decode_step_scratch_size(dims: DecoderDims, num_tokens: int) -> int:
@@ -558,7 +576,8 @@ def decode_step_scratch_size(dims: DecoderDims, num_tokens: int) -> int:
 
 def decode_step(hidden: torch.Tensor, layers: ctypes.Array, dims: DecoderDims, cos: torch.Tensor, sin: torch.Tensor,
                 slots: torch.Tensor, token_index: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                scratch: torch.Tensor, profile: torch.Tensor | None = None) -> None:
+                scratch: torch.Tensor, profile: torch.Tensor | None = None, head: DecoderHead | None = None,
+                logits: torch.Tensor | None = None) -> None:
     """Run every layer of a LLaMA-shaped stack on ``hidden`` ``[m, hidden]`` (in place): one
     token of each of ``m`` sequences.
 
@@ -570,11 +589,14 @@ def decode_step(hidden: torch.Tensor, layers: ctypes.Array, dims: DecoderDims, c
     ``token_index`` is ``arange(m)`` (all int64). ``cos``/``sin``: float32 ``[m, dims.rot_dim]``.
     The caller has checked every pointer (see ``kiln.models.native_decode``): nothing is
     checked here. ``profile`` (float64 ``[3]``, or None): seconds in the linear layers, in
-    attention and in the rest are added to it.
+    attention and in the rest are added to it. With a ``head`` (and ``dims.head_width`` set)
+    the step ends with the final norm and the LM head and writes float32 ``logits``
+    ``[m, head.vocab]``; ``hidden`` is then the last layer's output.
     """
     rc = getattr(native_library(), f"kiln_decode_step_{_SUFFIX[hidden.dtype]}")(
         hidden.data_ptr(), hidden.shape[0], layers, len(layers), ctypes.byref(dims), cos.data_ptr(), sin.data_ptr(),
         slots.data_ptr(), token_index.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), scratch.data_ptr(),
+        ctypes.byref(head) if head is not None else None, logits.data_ptr() if logits is not None else None,
         torch.get_num_threads(), profile.data_ptr() if profile is not None else None)
     if rc != 0:
         raise RuntimeError(f"decode_step: attention kernel failed with code {rc}")

@@ -16,9 +16,12 @@
  * [m, rot_dim] float32, scratch of kiln_decode_step_scratch(dims, m) elements. A quantized KV
  * cache (dims kv_kind KILN_KV_INT8 or KILN_KV_FP8, each layer's kv_scales [K, V]) takes the
  * codes of k * (1 / k_scale) and v * (1 / v_scale) (dtypes.h, as kiln.runtime.attention.
- * quantize_kv writes them) and is read by the matching attention variant. With `profile`
- * (else NULL) the seconds spent in the linear layers, in attention and in the rest are added
- * to profile[0..2].
+ * quantize_kv writes them) and is read by the matching attention variant. With a `head` (else
+ * NULL) the step goes on to the model's last norm and LM head and writes each token's first
+ * `vocab` outputs, as float32, to logits [m, vocab] (rounded through the model dtype first, as
+ * the PyTorch path's `lm_head(x).float()` is): a decode step then needs nothing else before
+ * sampling. With `profile` (else NULL) the seconds spent in the linear layers (the LM head
+ * included), in attention and in the rest are added to profile[0..2].
  */
 
 /* Adds the seconds `stmt` takes to profile[slot] when profiling. */
@@ -64,16 +67,26 @@ typedef struct {
     const float *kv_scales;
 } kiln_decoder_layer;
 
-/* kv_kind: the caches' element type (KILN_KV_FLOAT: the model dtype; KILN_KV_INT8, KILN_KV_FP8). */
+/* kv_kind: the caches' element type (KILN_KV_FLOAT: the model dtype; KILN_KV_INT8, KILN_KV_FP8);
+ * head_width: the LM head's outputs when the step computes logits (0: it does not). */
 typedef struct {
     int64_t hidden, heads, kv_heads, head_size, rot_dim, inter, block_size, max_blocks;
     float eps, scale;
-    int64_t kv_kind;
+    int64_t kv_kind, head_width;
 } kiln_decoder_dims;
+
+/* The final RMSNorm (its own eps) and the LM head, whose first `vocab` outputs are the logits. */
+typedef struct {
+    const void *norm;
+    float eps;
+    kiln_linear linear;
+    int64_t vocab;
+} kiln_decoder_head;
 
 int64_t kiln_decode_step_scratch(const kiln_decoder_dims *d, int64_t m) {
     const int64_t q = d->heads * d->head_size, kv = d->kv_heads * d->head_size;
-    return m * (2 * d->hidden + (q + 2 * kv) + q + 3 * d->inter);
+    const int64_t layers = 2 * d->hidden + (q + 2 * kv) + q + 3 * d->inter;
+    return m * (layers > d->hidden + d->head_width ? layers : d->hidden + d->head_width);
 }
 
 /* y [m, n] = x [m, k] W^T + b: AMX tiles when the weight has a packed copy, except for one
@@ -124,7 +137,8 @@ int kiln_decode_step_##SUFFIX(T *hidden, int64_t m, const kiln_decoder_layer *la
                               int64_t num_layers, const kiln_decoder_dims *d, const float *cos,   \
                               const float *sin, const int64_t *slots, const int64_t *token_index, \
                               const int64_t *block_tables, const int64_t *seq_lens, T *scratch,   \
-                              int num_threads, double *profile) {                                  \
+                              const kiln_decoder_head *head, float *logits, int num_threads,      \
+                              double *profile) {                                                   \
     const int64_t H = d->hidden, D = d->head_size, I = d->inter;                                   \
     const int64_t q_size = d->heads * D, kv_size = d->kv_heads * D, qkv_width = q_size + 2 * kv_size; \
     T *normed = scratch, *qkv = normed + m * H, *attn = qkv + m * qkv_width, *out = attn + m * q_size; \
@@ -165,6 +179,14 @@ int kiln_decode_step_##SUFFIX(T *hidden, int64_t m, const kiln_decoder_layer *la
         TIMED(OTHER, kiln_silu_mul_##SUFFIX(gate_up, 2 * I, act, m, I, num_threads));              \
         TIMED(LINEAR, linear_##SUFFIX(act, &L->proj, out, m, H, I, num_threads));                   \
         TIMED(OTHER, residual_add_##SUFFIX(hidden, out, m * H));                                   \
+    }                                                                                              \
+    if (head) {                                                                                    \
+        const int64_t W = d->head_width;                                                           \
+        T *head_out = normed + m * H;                                                              \
+        TIMED(OTHER, kiln_rmsnorm_##SUFFIX(hidden, H, head->norm, normed, m, H, head->eps, num_threads)); \
+        TIMED(LINEAR, linear_##SUFFIX(normed, &head->linear, head_out, m, W, H, num_threads));    \
+        for (int64_t t = 0; t < m; ++t)                                                            \
+            for (int64_t c = 0; c < head->vocab; ++c) logits[t * head->vocab + c] = LOAD(head_out[t * W + c]); \
     }                                                                                              \
     return 0;                                                                                      \
 }

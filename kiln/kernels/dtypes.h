@@ -22,6 +22,15 @@ static inline bf16_t bf16_store(float f) {
     return (bf16_t)(v.u >> 16);
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 bf16 values as fp32 lanes (exact: a shift). */
+static inline __m512 load16_bf16(const bf16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
+}
+#endif
+
 static inline float f32_load(float x) { return x; }
 static inline float f32_store(float x) { return x; }
 

@@ -72,3 +72,46 @@ void kiln_rotary_##SUFFIX(T *x, int64_t token_stride, const float *cos, const fl
 
 DEFINE_ELEMENTWISE(f32, float, f32_load, f32_store, f32_round)
 DEFINE_ELEMENTWISE(bf16, bf16_t, bf16_load, bf16_store, bf16_round)
+
+/* out[r] = the index of row r's largest value: the first on ties, or the first NaN if the row
+ * has any (torch.argmax's answers); greedy decoding's pick. NaNs are found by their bits, which
+ * -ffast-math's float comparisons could not be trusted to see. The second pass looks for the
+ * value 64 at a time, a vector compare each. */
+static inline uint32_t abs_bits(float x) {
+    union { float f; uint32_t u; } v = {x};
+    return v.u & 0x7fffffffu;
+}
+
+static int64_t first_match(const float *x, int64_t n, float value, int nan) {
+    for (int64_t c0 = 0; c0 < n; c0 += 64) {
+        const int64_t c1 = c0 + 64 < n ? c0 + 64 : n;
+        int hit = 0;
+        if (nan) {
+            _Pragma("omp simd reduction(|:hit)")
+            for (int64_t i = c0; i < c1; ++i) hit |= abs_bits(x[i]) > 0x7f800000u;
+        } else {
+            _Pragma("omp simd reduction(|:hit)")
+            for (int64_t i = c0; i < c1; ++i) hit |= x[i] == value;
+        }
+        if (hit)
+            for (int64_t i = c0; i < c1; ++i)
+                if (nan ? abs_bits(x[i]) > 0x7f800000u : x[i] == value) return i;
+    }
+    return 0;  /* a row of -inf: its first */
+}
+
+void kiln_argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *out, int num_threads) {
+    _Pragma("omp parallel for if(rows >= 16) num_threads(num_threads)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * n;
+        float best = -INFINITY;
+        uint32_t top = 0;
+        _Pragma("omp simd reduction(max:best) reduction(max:top)")
+        for (int64_t i = 0; i < n; ++i) {
+            best = xr[i] > best ? xr[i] : best;
+            const uint32_t a = abs_bits(xr[i]);
+            top = a > top ? a : top;
+        }
+        out[r] = first_match(xr, n, best, top > 0x7f800000u);
+    }
+}

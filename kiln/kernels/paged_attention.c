@@ -55,9 +55,6 @@ static inline __m512 load16_f8(const fp8_t *p) {
     const __m512 v = _mm512_cvtph_ps(_mm256_and_si256(x, _mm256_set1_epi16((short)0xbfff)));
     return _mm512_mul_ps(v, _mm512_set1_ps(256.f));
 }
-static inline __m512 load16_bf16(const bf16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
-}
 
 /* Lane j of the result is the sum of the lanes of v[j]. */
 static inline __m512 reduce16(const __m512 v[16]) {

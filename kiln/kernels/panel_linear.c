@@ -12,6 +12,7 @@
  * through it: the panel comes from memory once and from L1/L2 after, and each weight vector
  * loaded feeds ROW_TILE multiplies.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -166,21 +167,25 @@ void kiln_packed_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t
 
 void kiln_gemv_panels(kiln_gemv_tile_fn tile, const void *ctx, const bf16_t *bias, const float *col_scale,
                       bf16_t *y, int64_t m, int64_t n, int num_threads) {
-    const int64_t nblocks = n / 16, tasks = (nblocks + 3) / 4;
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
-    for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t nb0 = task * 4;
-        const int blocks = nblocks - nb0 < 4 ? (int)(nblocks - nb0) : 4;
-        for (int64_t t0 = 0; t0 < m; t0 += 4) {
-            const int mt = m - t0 < 4 ? (int)(m - t0) : 4;
-            float out[4 * 64];
-            tile(ctx, t0, mt, nb0, blocks, out);
-            for (int t = 0; t < mt; ++t)
-                for (int c = 0; c < 16 * blocks; ++c) {
-                    const int64_t col = nb0 * 16 + c;
-                    const float scale = col_scale ? col_scale[col] : 1.f;
-                    y[(t0 + t) * n + col] = bf16_store(out[t * 64 + c] * scale + (bias ? bf16_load(bias[col]) : 0.f));
-                }
+    const int64_t nblocks = n / 16;
+    /* Each thread takes an equal run of blocks (a block more for some) in panels of up to 4. */
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t b_begin = nblocks * me / threads, b_end = nblocks * (me + 1) / threads;
+        for (int64_t nb0 = b_begin; nb0 < b_end; nb0 += 4) {
+            const int blocks = b_end - nb0 < 4 ? (int)(b_end - nb0) : 4;
+            for (int64_t t0 = 0; t0 < m; t0 += 4) {
+                const int mt = m - t0 < 4 ? (int)(m - t0) : 4;
+                float out[4 * 64];
+                tile(ctx, t0, mt, nb0, blocks, out);
+                for (int t = 0; t < mt; ++t)
+                    for (int c = 0; c < 16 * blocks; ++c) {
+                        const int64_t col = nb0 * 16 + c;
+                        const float scale = col_scale ? col_scale[col] : 1.f;
+                        y[(t0 + t) * n + col] = bf16_store(out[t * 64 + c] * scale + (bias ? bf16_load(bias[col]) : 0.f));
+                    }
+            }
         }
     }
 }

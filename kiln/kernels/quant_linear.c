@@ -219,7 +219,7 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
     const int64_t k = W->k, span = flush_span(W), groups = W->bits == 8 ? 1 : k / W->group;
     /* Each block's codes are short (k bytes or k / 2 per column: a few KB), too short for the
      * hardware prefetcher to ramp up on: each load prefetches the same spot of the next panel
-     * of 4 blocks (the next task, usually this thread's), a whole panel ahead. */
+     * of 4 blocks (this thread's next, but at the end of its run), a whole panel ahead. */
     const int64_t next_panel = 4 * 16 * k * W->bits / 8;
     __m512 total[4][4];
     for (int t = 0; t < MT; ++t)
@@ -286,7 +286,9 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
 }
 
 /* Each row of x in 16-bit fixed point (and, for 4-bit weights, split into hi/lo bytes), with its
- * scale and its sum per flush span. Returns the one allocation holding them. */
+ * scale and its sum per flush span. Returns the one allocation holding them. Sixteen values a
+ * vector: done serially before the threads start, a scalar loop here cost as much as the
+ * GEMV of a small layer. */
 static void *prepare_gemv_input(const bf16_t *x, const kiln_qweight *W, int64_t m, gemv_input *in) {
     const int64_t k = W->k, span = flush_span(W), spans = k / span;
     char *mem = malloc((sizeof(int16_t) + 2) * m * k + sizeof(float) * m * (spans + 1));
@@ -295,22 +297,25 @@ static void *prepare_gemv_input(const bf16_t *x, const kiln_qweight *W, int64_t 
     float *xscale = (float *)(lo + m * k), *xsum = xscale + m;
     for (int64_t t = 0; t < m; ++t) {
         const bf16_t *xr = x + t * k;
-        float amax = 0.f;
-        for (int64_t i = 0; i < k; ++i) {
-            const float v = fabsf(bf16_load(xr[i]));
-            amax = v > amax ? v : amax;
-        }
+        __m512 vmax = _mm512_setzero_ps();
+        for (int64_t i = 0; i < k; i += 16)  /* k is a multiple of 32 */
+            vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16_bf16(xr + i)));
+        const float amax = _mm512_reduce_max_ps(vmax);
         xscale[t] = amax > 0.f ? amax / 16383.f : 1.f;  /* 15 bits: a pair's products stay in int32 */
-        for (int64_t i = 0; i < k; ++i) {
-            const int16_t q = (int16_t)lrintf(bf16_load(xr[i]) / xscale[t]);
-            x16[t * k + i] = q;
-            hi[t * k + i] = (int8_t)(q >> 7);  /* floor: q = 128 hi + lo, lo in 0..127 */
-            lo[t * k + i] = (int8_t)(q & 127);
-        }
-        for (int64_t sp = 0; sp < spans; ++sp) {  /* the span's sum of x as the kernel sees it */
-            int64_t sum = 0;
-            for (int64_t i = sp * span; i < (sp + 1) * span; ++i) sum += x16[t * k + i];
-            xsum[t * spans + sp] = (float)sum * xscale[t];
+        const __m512 s = _mm512_set1_ps(xscale[t]);
+        __m512i sum = _mm512_setzero_si512();
+        for (int64_t i = 0; i < k; i += 16) {
+            /* rounded to nearest even, as lrintf does in the default rounding mode */
+            const __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(load16_bf16(xr + i), s));
+            _mm256_storeu_si256((__m256i *)(x16 + t * k + i), _mm512_cvtepi32_epi16(q));
+            /* floor: q = 128 hi + lo, lo in 0..127 */
+            _mm_storeu_si128((__m128i *)(hi + t * k + i), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 7)));
+            _mm_storeu_si128((__m128i *)(lo + t * k + i), _mm512_cvtepi32_epi8(_mm512_and_si512(q, _mm512_set1_epi32(127))));
+            sum = _mm512_add_epi32(sum, q);
+            if ((i + 16) % span == 0) {  /* the span's sum of x as the kernel sees it */
+                xsum[t * spans + (i + 16) / span - 1] = (float)_mm512_reduce_add_epi32(sum) * xscale[t];
+                sum = _mm512_setzero_si512();
+            }
         }
     }
     in->x16 = x16;

@@ -265,6 +265,16 @@ class DecoderModelForCausalLM(nn.Module):
             hidden = layer(hidden, positions, metadata, cache)
         return t.finish(hidden)
 
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata,
+                      kv_caches: list) -> torch.Tensor | None:
+        """float32 logits ``[num_tokens, vocab_size]`` of every token of a decode step, when the
+        native decode step runs the whole of it (layers, final norm and LM head in one call:
+        what ``compute_logits(forward(...))`` gives, bit for bit); else None, and nothing ran."""
+        native = native_decode_for(self, kv_caches, metadata)
+        if native is None or not native.computes_logits(metadata.num_tokens):
+            return None
+        return native(self.first_layer_input(input_ids, positions), positions, metadata, logits=True)
+
     def first_layer_input(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The first decoder layer's input ``[num_tokens, hidden]``: the token embeddings, scaled,
         normalised and position-embedded as the family does (layer-by-layer calibration starts here)."""

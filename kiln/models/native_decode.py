@@ -14,7 +14,10 @@ W4A8_AWQ and SmoothQuant W8A8), a KV cache of the model dtype or a quantized one
 and reads them through the matching kernel);
 any other model (Gemma 2, BLOOM...), the PyTorch attention backend, steps with a
 prompt chunk and steps of more tokens than its matmuls are best at
-(``NativeDecodeStep.max_tokens``) take the layer-by-layer path.
+(``NativeDecodeStep.max_tokens``) take the layer-by-layer path. Where the final norm is an
+RMSNorm and the LM head a linear the step takes (no soft-capping), the same call goes on to
+the logits (``DecoderModelForCausalLM.decode_logits``): a batch-1 step is then one native
+call between the token embedding and the argmax.
 """
 from __future__ import annotations
 
@@ -54,22 +57,39 @@ def supports_native_decode(model) -> bool:
             return False
         if any(p.device.type != "cpu" or not p.is_contiguous() for p in layer.parameters()):
             return False
-        for module in layer.modules():
-            if getattr(module, "act_quant", False) and not (
-                    dtype == torch.bfloat16 and kernels.w8a8_supported(torch.empty(0, dtype=dtype), module.weight)):
-                return False  # SmoothQuant W8A8: the native int8 kernel takes bf16 and tiling shapes
-            quantized = getattr(module, "quant_bits", None) is not None or getattr(module, "fp8", False)
-            if quantized and not (module.tile_order and dtype == torch.bfloat16):
-                return False
-            quantized = quantized or getattr(module, "act_quant", False)
-            floats = [p for name, p in module.named_parameters(recurse=False)
-                      if not (quantized and name in QUANTIZED_PARAMETERS)
-                      and name != "kv_cache_scaling_factor"]  # float32 KV cache scales: read as such
-            if any(p.dtype != dtype for p in floats):
-                return False
+        if not all(_module_supported(module, dtype) for module in layer.modules()):
+            return False
         if layer.input_layernorm.eps != layer.post_layernorm.eps:
             return False
     return True
+
+
+def supports_native_head(model) -> bool:
+    """Whether ``decode_step`` can go on to ``model``'s logits: a final RMSNorm, no projection
+    after it, no soft-capping, and an LM head of a kind the step's linears take."""
+    t = model.transformer
+    head = getattr(model, "lm_head", None)
+    if (head is None or type(getattr(t, "ln_f", None)) is not RmsNorm or hasattr(t, "project_out")
+            or model.final_logit_softcap is not None):
+        return False
+    dtype = t.vocab_embedding.weight.dtype
+    return (all(p.device.type == "cpu" and p.is_contiguous() for p in (*head.parameters(), t.ln_f.weight))
+            and t.ln_f.weight.dtype == dtype and _module_supported(head, dtype))
+
+
+def _module_supported(module, dtype: torch.dtype) -> bool:
+    """Whether the step's linears take ``module``'s parameters (float ones of the model dtype)."""
+    if getattr(module, "act_quant", False) and not (
+            dtype == torch.bfloat16 and kernels.w8a8_supported(torch.empty(0, dtype=dtype), module.weight)):
+        return False  # SmoothQuant W8A8: the native int8 kernel takes bf16 and tiling shapes
+    quantized = getattr(module, "quant_bits", None) is not None or getattr(module, "fp8", False)
+    if quantized and not (module.tile_order and dtype == torch.bfloat16):
+        return False
+    quantized = quantized or getattr(module, "act_quant", False)
+    floats = [p for name, p in module.named_parameters(recurse=False)
+              if not (quantized and name in QUANTIZED_PARAMETERS)
+              and name != "kv_cache_scaling_factor"]  # float32 KV cache scales: read as such
+    return all(p.dtype == dtype for p in floats)
 
 
 class NativeDecodeStep:
@@ -100,8 +120,15 @@ class NativeDecodeStep:
             for field, linear in (("qkv", attn.qkv), ("dense", attn.dense), ("fused_fc", mlp.fused_fc),
                                   ("proj", mlp.proj)):
                 setattr(entry, field, _linear_weights(linear))
-                packed_everywhere &= bool(linear.quant_bits or linear.fp8 or linear.act_quant
-                                          or getattr(entry, field).packed)
+                packed_everywhere &= _packed(linear, getattr(entry, field))
+        # The final norm and LM head too, when the step can compute them: the caller then gets
+        # logits from the one call (see ``__call__``).
+        self.head: kernels.DecoderHead | None = None
+        if supports_native_head(model):
+            self.head = kernels.DecoderHead(norm=t.ln_f.weight.data_ptr(), eps=t.ln_f.eps,
+                                            linear=_linear_weights(model.lm_head), vocab=model.config.vocab_size)
+            self.dims.head_width = model.lm_head.out_features
+            self._head_packed = _packed(model.lm_head, self.head.linear)
         # How many tokens a step may have: any number on AMX tiles or quantized weights; fp32
         # up to the skinny GEMM's limit (MKL wins beyond); bf16 without AMX one (oneDNN wins).
         if self.dtype == torch.bfloat16:
@@ -122,9 +149,14 @@ class NativeDecodeStep:
         first = next(iter(model.transformer.layers.values()))
         return id(kv_caches), kv_caches[0][0].data_ptr(), first.attention.qkv.weight.data_ptr()
 
-    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor:
+    def computes_logits(self, num_tokens: int) -> bool:
+        """Whether a step of ``num_tokens`` tokens can end with the logits (``__call__(logits=True)``)."""
+        return self.head is not None and (num_tokens == 1 or self.dtype != torch.bfloat16 or self._head_packed)
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, logits: bool = False) -> torch.Tensor:
         """Every layer on the step's tokens (one per sequence); ``hidden`` ``[m, hidden]`` is
-        updated in place."""
+        updated in place and returned, or with ``logits`` (where ``computes_logits``), the
+        float32 logits ``[m, vocab_size]`` of the final norm and LM head."""
         st = metadata.backend_state
         tables = st["decode_blocks"]
         self.dims.max_blocks = tables.shape[1]
@@ -136,9 +168,16 @@ class NativeDecodeStep:
         needed = kernels.decode_step_scratch_size(self.dims, hidden.shape[0])
         if self.scratch.numel() < needed:
             self.scratch = torch.empty(needed, dtype=self.dtype)
+        out = torch.empty(hidden.shape[0], self.head.vocab, dtype=torch.float32) if logits else None
         kernels.decode_step(hidden, self.weights, self.dims, cos, sin, metadata.slot_mapping, st["decode_tokens"],
-                            tables, st["decode_lens"], self.scratch, self.profile)
-        return hidden
+                            tables, st["decode_lens"], self.scratch, self.profile, self.head if logits else None, out)
+        return out if logits else hidden
+
+
+def _packed(linear, weights: kernels.LinearWeights) -> bool:
+    """Whether the step's kernels take ``linear`` at any number of rows (bf16 without a packed
+    copy: one row only)."""
+    return bool(linear.quant_bits or linear.fp8 or linear.act_quant or weights.packed)
 
 
 def _linear_weights(linear) -> kernels.LinearWeights:

@@ -78,12 +78,17 @@ class ModelRunner:
         if not input_ids:
             return result
         md = AttentionMetadata.build(self.backend, query_lens, seq_lens, tables, self.block_size)
-        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), md, self.kv_caches)
-        for seq, offset, count in context_rows:
-            result.context_logits[seq.seq_id] = self.model.compute_logits(hidden[offset:offset + count])
-        if not sampled_seqs:
-            return result
-        logits = self.model.compute_logits(hidden[torch.tensor(last_token)])
+        ids, positions = torch.tensor(input_ids), torch.tensor(positions)
+        logits = None
+        if not context_rows and len(last_token) == len(input_ids):  # a decode step: every token is sampled
+            logits = self.model.decode_logits(ids, positions, md, self.kv_caches)
+        if logits is None:
+            hidden = self.model(ids, positions, md, self.kv_caches)
+            for seq, offset, count in context_rows:
+                result.context_logits[seq.seq_id] = self.model.compute_logits(hidden[offset:offset + count])
+            if not sampled_seqs:
+                return result
+            logits = self.model.compute_logits(hidden[torch.tensor(last_token)])
         for seq, row in zip(sampled_seqs, logits):
             if seq.return_generation_logits:
                 result.generation_logits[seq.seq_id] = row.clone()

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kiln import kernels
 from kiln.errors import RequestError
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
@@ -108,6 +109,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
     row has a top-k (a partial sort), else the whole vocabulary.
     """
     params = [s.params for s in seqs]
+    if all(p.is_greedy and p.logprobs is None for p in params):  # greedy decoding: nothing but the argmax
+        return SampleOutput(_argmax(logits))
     n, vocab = logits.shape
     temperature = torch.tensor([p.temperature if not p.is_greedy and p.temperature > 0 else 1.0 for p in params])
     if (temperature != 1).any():
@@ -116,8 +119,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
     tokens = torch.empty(n, dtype=torch.int64)
     if greedy:
-        # max().indices: the same first-maximum index as argmax, but parallel (2.5x faster here).
-        tokens[greedy] = (logits if len(greedy) == n else logits[greedy]).max(dim=-1).indices
+        tokens[greedy] = _argmax(logits if len(greedy) == n else logits[greedy])
     if rows:
         sub = logits if len(rows) == n else logits[rows]
         top_k = [params[i].top_k if params[i].top_k > 0 else 0 for i in rows]
@@ -145,6 +147,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
             out.top_logprobs = [dict(zip(ids[r, : p.logprobs or 0].tolist(), values[r, : p.logprobs or 0].tolist()))
                                 for r, p in enumerate(params)]
     return out
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum: one native pass where the kernels are built, else torch's
+    max().indices (the same index as argmax, but parallel: 2.5x faster at 32 rows)."""
+    if kernels.native_library() is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+        return kernels.argmax_rows(logits)
+    return logits.max(dim=-1).indices
 
 
 def _filtered_probs(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -67,11 +67,16 @@ def engine_dir(request, tmp_path_factory):
     return convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4}, dtype=dtype)
 
 
-def _generate(engine: Engine, prompts: list[list[int]], new_tokens: int, use_native: bool, monkeypatch):
-    """Greedy tokens and every step's logits of each request, all running together."""
+def _generate(engine: Engine, prompts: list[list[int]], new_tokens: int, use_native: bool, monkeypatch,
+              python_logits: list | None = None):
+    """Greedy tokens and every step's logits of each request, all running together (each call of
+    the Python path's ``compute_logits`` appended to ``python_logits``, if given)."""
     with monkeypatch.context() as m:
         if not use_native:
             m.setattr(base, "native_decode_for", lambda *args: None)
+        if python_logits is not None:
+            compute_logits = engine.model.compute_logits
+            m.setattr(engine.model, "compute_logits", lambda h: python_logits.append(h) or compute_logits(h))
         core = EngineCore(engine, max_num_seqs=len(prompts), num_blocks=16 * len(prompts))
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         requests = [core.add_request(p, params, end_id=None, return_generation_logits=True) for p in prompts]
@@ -89,9 +94,15 @@ def test_native_step_equals_layer_by_layer(engine_dir, batch, monkeypatch):
     assert supports_native_decode(engine.model)
     gen = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, 256, (9 + 4 * i,), generator=gen).tolist() for i in range(batch)]
-    tokens, logits, native = _generate(engine, prompts, 24, True, monkeypatch)
+    python_logits = []
+    tokens, logits, native = _generate(engine, prompts, 24, True, monkeypatch, python_logits)
     ref_tokens, ref_logits, unused = _generate(engine, prompts, 24, False, monkeypatch)
     assert isinstance(native, NativeDecodeStep) and unused is None
+    # The step's final norm and LM head are native too: at batch 1 only the prompt's step
+    # leaves the logits to Python.
+    assert native.head is not None
+    if batch == 1:
+        assert len(python_logits) == 1
     kv_algo = engine.config.quantization.kv_cache_quant_algo
     assert native.dims.kv_kind == {None: 0, "INT8": 1, "FP8": 2}[kv_algo]
     assert tokens == ref_tokens

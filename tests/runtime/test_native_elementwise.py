@@ -1,5 +1,5 @@
-"""Fused native elementwise kernels (RMSNorm, SiLU-and-multiply, rotary) and the batch-1 bf16
-GEMV against eager PyTorch."""
+"""Fused native elementwise kernels (RMSNorm, SiLU-and-multiply, rotary, greedy argmax) and the
+batch-1 bf16 GEMV against eager PyTorch."""
 from __future__ import annotations
 
 import pytest
@@ -32,6 +32,24 @@ def test_rmsnorm_matches_eager(dtype, rows):
     got = kernels.rmsnorm(x, norm.weight, 1e-5)
     torch.testing.assert_close(got, expected, **TOL[dtype])
     torch.testing.assert_close(norm(x), expected, **TOL[dtype])  # the layer takes the native path
+
+
+@pytest.mark.parametrize("rows,n", [(1, 49152), (3, 100), (20, 65), (2, 1)])
+def test_argmax_rows_matches_torch(rows, n):
+    x = _randn(rows, n, dtype=torch.float32, seed=rows)
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_argmax_rows_takes_the_first_maximum_or_nan_as_torch_does():
+    x = _randn(5, 300, dtype=torch.float32)
+    x[0, 7] = x[0, 250] = 100.0  # a tie: the first
+    x[1, 120] = float("nan")  # a NaN wins, the first of them
+    x[1, 200] = float("nan")
+    x[1, 5] = float("inf")
+    x[2] = float("-inf")  # nothing above -inf: index 0
+    x[3, 299] = float("inf")  # the last column
+    x[4, 64] = 50.0  # the first of a 64-wide chunk
+    assert kernels.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist() == [7, 120, 0, 299, 64]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
