@@ -15,7 +15,9 @@ from pathlib import Path
 
 from kiln.errors import CheckpointError
 
-ENGINE_FORMAT_VERSION = 1
+# The layout of the tensors ``kiln build`` writes (an engine records it as ``engine_format``;
+# Engine refuses others). 2: 4-bit codes in panels of two blocks (kiln/kernels/quant_linear.c).
+ENGINE_FORMAT_VERSION = 2
 
 
 def default_cache_dir() -> Path:

@@ -9,6 +9,7 @@ from tqdm import tqdm
 from kiln.checkpoint.format import (atomic_output_dir, copy_tokenizer_files, read_config, read_config_dict,
                                     write_config, write_rank_weights)
 from kiln.config import BuildConfig, PretrainedConfig
+from kiln.engine_cache import ENGINE_FORMAT_VERSION
 from kiln.errors import BuildError, preview
 from kiln.models import get_model_class
 from kiln.quantization import use_weight_only_layout
@@ -121,6 +122,7 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_confi
                                  f"extra {preview(extra)}")
             write_rank_weights(tmp, rank, weights)
         dtype_field = {"dtype": dtype} if cast is not None else {}
-        write_config(tmp, {**raw, **dtype_field, "build_config": build_config.to_dict()})
+        write_config(tmp, {**raw, **dtype_field, "build_config": build_config.to_dict(),
+                           "engine_format": ENGINE_FORMAT_VERSION})
         copy_tokenizer_files(checkpoint_dir, tmp)
     return Path(output_dir)

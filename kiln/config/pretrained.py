@@ -147,7 +147,7 @@ class PretrainedConfig:
         kwargs = {k: v for k, v in d.items() if k in known}
         kwargs["mapping"] = Mapping.from_dict(d.get("mapping"), rank=rank)
         kwargs["quantization"] = QuantConfig.from_dict(d.get("quantization"))
-        extra = {k: v for k, v in d.items() if k not in known and k != "build_config"}
+        extra = {k: v for k, v in d.items() if k not in known and k not in ("build_config", "engine_format")}
         try:
             return cls(**kwargs, extra=extra)
         except ConfigError as e:

@@ -236,7 +236,7 @@ void kiln_fp8_linear_bf16(const bf16_t *x, const uint8_t *codes, const float *w_
 #ifdef HAVE_FP8_VECTORS
     if (m <= FP8_GEMV_MAX_ROWS) {
         const fp8_tile_ctx ctx = {&W, xq};
-        kiln_gemv_panels(fp8_tile, &ctx, bias, col_scale, y, m, n, num_threads);
+        kiln_gemv_panels(fp8_tile, &ctx, bias, col_scale, y, m, n, 1, num_threads);
     } else
 #endif
         kiln_linear_panels(xq, fp8_panel, &W, bias, col_scale, y, m, n, k, num_threads);

@@ -44,10 +44,11 @@ void kiln_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *we
  * (blocks 1-4), fp32 sums into out[t * 64 + 16 * b + c]. */
 typedef void (*kiln_gemv_tile_fn)(const void *ctx, int64_t t0, int mt, int64_t nb0, int blocks, float *out);
 /* y[t][c] = tile sums * col_scale[c] (none when NULL) + bias[c] (when not NULL): each thread
- * takes an equal run of output blocks (one more for some) in panels of up to four, rows in
- * tiles of four, so a panel's weights stay in L1/L2 between row tiles (panel_linear.c). */
+ * takes an equal run of whole units of `unit` output blocks (the weight layout's panel; 1 when
+ * blocks stand alone) and walks it in tiles of one unit (up to four blocks when unit is 1), rows
+ * in tiles of four, so a panel's weights stay in L1/L2 between row tiles (panel_linear.c). */
 void kiln_gemv_panels(kiln_gemv_tile_fn tile, const void *ctx, const bf16_t *bias, const float *col_scale,
-                      bf16_t *y, int64_t m, int64_t n, int num_threads);
+                      bf16_t *y, int64_t m, int64_t n, int64_t unit, int num_threads);
 void kiln_packed_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
                              int64_t n, int64_t k, int num_threads);
 void kiln_amx_pack_bf16(const bf16_t *w, bf16_t *packed, int64_t n, int64_t k, int num_threads);

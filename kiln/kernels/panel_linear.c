@@ -166,15 +166,15 @@ void kiln_packed_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t
 }
 
 void kiln_gemv_panels(kiln_gemv_tile_fn tile, const void *ctx, const bf16_t *bias, const float *col_scale,
-                      bf16_t *y, int64_t m, int64_t n, int num_threads) {
-    const int64_t nblocks = n / 16;
-    /* Each thread takes an equal run of blocks (a block more for some) in panels of up to 4. */
+                      bf16_t *y, int64_t m, int64_t n, int64_t unit, int num_threads) {
+    const int64_t nblocks = n / 16, units = (nblocks + unit - 1) / unit, width = unit == 1 ? 4 : unit;
     _Pragma("omp parallel num_threads(num_threads)")
     {
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t b_begin = nblocks * me / threads, b_end = nblocks * (me + 1) / threads;
-        for (int64_t nb0 = b_begin; nb0 < b_end; nb0 += 4) {
-            const int blocks = b_end - nb0 < 4 ? (int)(b_end - nb0) : 4;
+        const int64_t b_begin = units * me / threads * unit;
+        const int64_t b_end = min64(units * (me + 1) / threads * unit, nblocks);
+        for (int64_t nb0 = b_begin; nb0 < b_end; nb0 += width) {
+            const int blocks = (int)min64(width, b_end - nb0);
             for (int64_t t0 = 0; t0 < m; t0 += 4) {
                 const int mt = m - t0 < 4 ? (int)(m - t0) : 4;
                 float out[4 * 64];

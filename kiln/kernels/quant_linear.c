@@ -9,11 +9,14 @@
  * Engine layouts (kiln build; kiln.kernels.quant_pack / quant_pack_scales):
  *   int8 codes in the tile order of amx_linear.c, one byte a code (512 bytes a 16 x 32 tile:
  *     tile row p holds each column's pair of k); scales float32 [n].
- *   4-bit codes in "chunks": per 16-column block, each 8 consecutive k take 64 bytes, byte
- *     4c + i holding w[c][8j + i] in its low nibble and w[c][8j + 4 + i] in its high nibble. One
- *     64-byte load and a mask (or a shift) give 16 lanes of 4 codes of one column each: the
- *     operand VPDPBUSD multiplies by 4 bytes of x. Scales float16 [n / 16][groups][16] and zero
- *     points uint8 in the same order, so a block's 16 scales are one vector load.
+ *   4-bit codes in "chunks": per 16-column block, each 8 consecutive k (chunk j) take 64 bytes,
+ *     byte 4c + i holding w[c][8j + i] in its low nibble and w[c][8j + 4 + i] in its high nibble.
+ *     One 64-byte load and a mask (or a shift) give 16 lanes of 4 codes of one column each: the
+ *     operand VPDPBUSD multiplies by 4 bytes of x. Blocks pair up into panels (2P, 2P + 1; the
+ *     last alone when n / 16 is odd) whose chunks alternate: j of 2P, j of 2P + 1, j + 1 of 2P...
+ *     (chunk_at), so the GEMV reads a panel as one stream; with a few KB a block, separate
+ *     streams left ~25% of the memory bandwidth unused. Scales float16 [n / 16][groups][16] and
+ *     zero points uint8 in the same order, so a block's 16 scales are one vector load.
  *
  * A few rows of x take a GEMV straight from the codes in integers (quant_gemv); more rows, the
  * codes of a panel dequantized (u * s + (-zero * s) in fp32, rounded to bf16) into the tile
@@ -47,6 +50,13 @@ static inline float half_load(uint16_t h) {
     return v.f;
 }
 
+/* Byte offset of 4-bit chunk j (k 8j .. 8j + 7) of block nb: its panel's start, then the
+ * chunks before it, alternating between the panel's blocks. */
+static inline int64_t chunk_at(int64_t n, int64_t k, int64_t nb, int64_t j) {
+    const int64_t first = nb & ~(int64_t)1, pair = first + 1 < n / 16 ? 2 : 1;
+    return (first * (k / 8) + j * pair + (nb - first)) * 64;
+}
+
 /* Tile / chunk order from row-major codes: int8 [n, k] or packed 4-bit [n, k / 2] (byte j of a
  * row holds codes 2j in its low and 2j + 1 in its high nibble). */
 void kiln_quant_pack(const uint8_t *codes, uint8_t *out, int64_t n, int64_t k, int64_t bits, int num_threads) {
@@ -64,7 +74,7 @@ void kiln_quant_pack(const uint8_t *codes, uint8_t *out, int64_t n, int64_t k, i
             continue;
         }
         for (int64_t j = 0; j < chunks; ++j) {
-            uint8_t *chunk = out + (nb * chunks + j) * 64;
+            uint8_t *chunk = out + chunk_at(n, k, nb, j);
             for (int c = 0; c < 16; ++c) {
                 const uint8_t *row = codes + (nb * 16 + c) * (k / 2) + j * 4;  /* k 8j .. 8j + 7 */
                 for (int i = 0; i < 4; ++i) {
@@ -95,7 +105,7 @@ static inline void column_scales(const kiln_qweight *W, int64_t nb, int64_t g, f
 
 /* The 4-bit code of column c, k index kk (kk < 32) of k block kb in block nb (chunk order). */
 static inline int code4(const kiln_qweight *W, int64_t nb, int64_t kb, int c, int kk) {
-    const uint8_t byte = W->codes[(nb * (W->k / 8) + kb * 4 + kk / 8) * 64 + 4 * c + kk % 4];
+    const uint8_t byte = W->codes[chunk_at(W->n, W->k, nb, kb * 4 + kk / 8) + 4 * c + kk % 4];
     return (kk % 8) < 4 ? byte & 0x0f : byte >> 4;
 }
 
@@ -134,7 +144,7 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
             }
             const __m512i mask = _mm512_set1_epi8(0x0f);
             for (int j = 0; j < 4; ++j) {
-                const __m512i bytes = _mm512_loadu_si512(W->codes + ((nb0 + b) * (W->k / 8) + kb * 4 + j) * 64);
+                const __m512i bytes = _mm512_loadu_si512(W->codes + chunk_at(W->n, W->k, nb0 + b, kb * 4 + j));
                 const __m512i nibbles[2] = {_mm512_and_si512(bytes, mask),
                                             _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask)};
                 for (int h = 0; h < 2; ++h) {
@@ -213,14 +223,16 @@ typedef struct {
     int64_t spans;
 } gemv_input;
 
-/* MT rows (1-4) of x against NB (1, 2 or 4) output blocks; both constant once inlined. */
+/* MT rows (1-4) of x against NB output blocks (int8: 1 or 4; 4-bit: a whole panel, 1 or 2);
+ * both constant once inlined. */
 static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight *W, const gemv_input *in,
                                                              int64_t t0, int MT, int64_t nb0, int NB, float *out) {
-    const int64_t k = W->k, span = flush_span(W), groups = W->bits == 8 ? 1 : k / W->group;
-    /* Each block's codes are short (k bytes or k / 2 per column: a few KB), too short for the
-     * hardware prefetcher to ramp up on: each load prefetches the same spot of the next panel
-     * of 4 blocks (this thread's next, but at the end of its run), a whole panel ahead. */
-    const int64_t next_panel = 4 * 16 * k * W->bits / 8;
+    const int64_t k = W->k, span = flush_span(W);
+    /* A panel's codes are short (a few KB), too short for the hardware prefetcher to ramp up
+     * on: each load prefetches the same spot of the next panel (this thread's next, but at the
+     * end of its run), a whole panel ahead. */
+    const int64_t next_panel = (W->bits == 8 ? 4 : 2) * 16 * k * W->bits / 8;
+    const uint8_t *panel = W->bits == 4 ? W->codes + chunk_at(W->n, k, nb0, 0) : NULL;
     __m512 total[4][4];
     for (int t = 0; t < MT; ++t)
         for (int b = 0; b < NB; ++b) total[t][b] = _mm512_setzero_ps();
@@ -252,7 +264,7 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
             const __m512i mask = _mm512_set1_epi8(0x0f);
             for (int64_t j = k0 / 8; j < k1 / 8; ++j) {
                 for (int b = 0; b < NB; ++b) {
-                    const uint8_t *chunk = W->codes + ((nb0 + b) * (k / 8) + j) * 64;
+                    const uint8_t *chunk = panel + (j * NB + b) * 64;
                     _mm_prefetch((const char *)(chunk + next_panel), _MM_HINT_T0);
                     const __m512i bytes = _mm512_loadu_si512(chunk);
                     const __m512i low = _mm512_and_si512(bytes, mask);                       /* k 8j .. 8j + 3 */
@@ -280,7 +292,6 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
             }
         }
     }
-    (void)groups;
     for (int t = 0; t < MT; ++t)
         for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + t * 64 + 16 * b, total[t][b]);
 }
@@ -332,26 +343,24 @@ typedef struct {
     const gemv_input *in;
 } quant_tile_ctx;
 
-/* One tile for kiln_gemv_panels: a full panel at once, a last panel's 1-3 blocks one at a time.
- * 4-bit keeps two accumulators per row and block: past 2 rows, 4 blocks would spill them. */
+/* One tile for kiln_gemv_panels: 4-bit, one panel (1 or 2 blocks); int8, a full panel of 4 at
+ * once, a last panel's 1-3 blocks one at a time. */
 static void quant_tile(const void *ctx, int64_t t0, int mt, int64_t nb0, int blocks, float *out) {
     const kiln_qweight *W = ((const quant_tile_ctx *)ctx)->W;
     const gemv_input *in = ((const quant_tile_ctx *)ctx)->in;
-    for (int b = 0; b < blocks; b += (blocks == 4 ? 4 : 1)) {
 #define ROWS(MT)                                                                                   \
-        if (blocks == 4 && (W->bits == 8 || MT <= 2)) gemv_blocks(W, in, t0, MT, nb0, 4, out);    \
-        else if (blocks == 4) {                                                                    \
-            gemv_blocks(W, in, t0, MT, nb0, 2, out);                                               \
-            gemv_blocks(W, in, t0, MT, nb0 + 2, 2, out + 32);                                      \
-        } else gemv_blocks(W, in, t0, MT, nb0 + b, 1, out + 16 * b);
-        switch (mt) {
-        case 1: ROWS(1) break;
-        case 2: ROWS(2) break;
-        case 3: ROWS(3) break;
-        default: ROWS(4) break;
-        }
-#undef ROWS
+    if (W->bits == 4) {                                                                            \
+        if (blocks == 2) gemv_blocks(W, in, t0, MT, nb0, 2, out);                                  \
+        else gemv_blocks(W, in, t0, MT, nb0, 1, out);                                              \
+    } else if (blocks == 4) gemv_blocks(W, in, t0, MT, nb0, 4, out);                               \
+    else for (int b = 0; b < blocks; ++b) gemv_blocks(W, in, t0, MT, nb0 + b, 1, out + 16 * b);
+    switch (mt) {
+    case 1: ROWS(1) break;
+    case 2: ROWS(2) break;
+    case 3: ROWS(3) break;
+    default: ROWS(4) break;
     }
+#undef ROWS
 }
 
 static void quant_gemv(const bf16_t *x, const kiln_qweight *W, const bf16_t *bias, bf16_t *y, int64_t m,
@@ -359,7 +368,7 @@ static void quant_gemv(const bf16_t *x, const kiln_qweight *W, const bf16_t *bia
     gemv_input in;
     void *mem = prepare_gemv_input(x, W, m, &in);
     const quant_tile_ctx ctx = {W, &in};
-    kiln_gemv_panels(quant_tile, &ctx, bias, NULL, y, m, W->n, num_threads);
+    kiln_gemv_panels(quant_tile, &ctx, bias, NULL, y, m, W->n, W->bits == 4 ? 2 : 1, num_threads);
     free(mem);
 }
 #endif

@@ -14,6 +14,7 @@ import torch
 
 from kiln.checkpoint.format import read_config_dict
 from kiln.config import BuildConfig, PretrainedConfig
+from kiln.engine_cache import ENGINE_FORMAT_VERSION
 from kiln.errors import ConfigError, KilnError
 from kiln.models import get_model_class
 from kiln.runtime import host_memory
@@ -29,6 +30,11 @@ class Engine:
         if "build_config" not in raw:
             raise ConfigError(f"{self.engine_dir / 'config.json'}: no build_config section; "
                               "this is a checkpoint, not an engine (run kiln build)")
+        built_as = raw.get("engine_format", 1)
+        if built_as != ENGINE_FORMAT_VERSION:
+            raise ConfigError(f"{self.engine_dir}: engine format {built_as}, but this kiln runs format "
+                              f"{ENGINE_FORMAT_VERSION} (its kernels' weight layout changed): rebuild the engine "
+                              "from its checkpoint with kiln build")
         self.build_config = BuildConfig.from_dict(raw["build_config"])
         self.config = PretrainedConfig.from_dict(raw, rank=rank, source=str(self.engine_dir / "config.json"))
         if self.config.mapping.world_size != 1:

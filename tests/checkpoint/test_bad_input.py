@@ -156,3 +156,20 @@ def test_checkpoint_truncated_rank_file(good, tmp_path: Path) -> None:
     checkpoint = copy_of(good[1], tmp_path)
     truncate(checkpoint / "rank0.safetensors")
     assert_fails_cleanly(build(checkpoint), tmp_path, CheckpointError, str(checkpoint / "rank0.safetensors"))
+
+
+# -- loading an engine ------------------------------------------------------------------------
+
+
+def test_engine_of_another_format_is_refused(good, tmp_path: Path) -> None:
+    """An engine written for another weight layout (an older kiln's) -> ConfigError asking for a
+    rebuild, instead of kernels reading its codes in the wrong order."""
+    from kiln.engine_cache import ENGINE_FORMAT_VERSION
+    from kiln.runtime.engine import Engine
+
+    engine = build_engine(good[1], tmp_path / "engine", progress=False)
+    assert json.loads((engine / "config.json").read_text())["engine_format"] == ENGINE_FORMAT_VERSION
+    Engine(engine)  # loads
+    edit_json(engine / "config.json", lambda c: c.pop("engine_format"))  # as kiln wrote them before formats
+    with pytest.raises(ConfigError, match="engine format 1.*rebuild the engine"):
+        Engine(engine)
