@@ -62,20 +62,35 @@ class RotaryEmbedding(nn.Module):
         exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device="cpu").float() / self.rotary_dim
         return 1.0 / (base ** exponents)
 
-    def cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None,
+                max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin, each ``[num_tokens, rotary_dim]``, for the tokens' positions.
 
         ``seq_lens`` (one per token: the length of its sequence once this step is done) is
-        needed by dynamic NTK scaling, whose base grows with the sequence length.
+        needed by dynamic NTK scaling, whose base grows with the sequence length. Other kinds
+        look positions up in tables computed once (five small ops a step cost more than a
+        batch-1 step's rotary itself); ``max_position``, when the caller knows it, saves
+        finding the largest position.
         """
-        inv_freq = self.inv_freq
         if self.rope_type == "dynamic" and seq_lens is not None:
             freqs = self._dynamic_freqs(positions, seq_lens)
-        else:
-            freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos(), emb.sin()
+            emb = torch.cat([freqs, freqs], dim=-1)
+            return emb.cos(), emb.sin()
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else 0
+        cos, sin = self._tables(max_position + 1)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def _tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[n, rotary_dim]`` of positions ``0..n-1`` for at least ``positions``
+        positions (grown by doubling)."""
+        tables = getattr(self, "_cos_sin_tables", None)
+        if tables is None or tables[0].shape[0] < positions:
+            n = max(256, 1 << (positions - 1).bit_length())
+            freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)
+            tables = self._cos_sin_tables = (emb.cos(), emb.sin())
+        return tables
 
     def _dynamic_freqs(self, positions: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         max_pos = self.max_position_embeddings

@@ -139,15 +139,17 @@ class NativeDecodeStep:
         self.scratch = torch.empty(0, dtype=self.dtype)
         # Set to a float64 [3] tensor to accumulate seconds in linears / attention / the rest.
         self.profile: torch.Tensor | None = None
-        self.key = self.key_for(model, kv_caches)
+        # What the gathered pointers depend on: the cache tensors and the weights' storage (all
+        # weights are assigned together, at load or when moved to huge pages).
+        self._kv_caches, self._cache_ptr = kv_caches, k_cache.data_ptr()
+        self._weight = first.qkv.weight
+        self._weight_ptr = self._weight.data_ptr()
         self._no_rotary = torch.zeros(1, dtype=torch.float32)
 
-    @staticmethod
-    def key_for(model, kv_caches) -> tuple:
-        """What the gathered pointers depend on: the cache tensors and the weights' storage
-        (all weights are assigned together, at load or when moved to huge pages)."""
-        first = next(iter(model.transformer.layers.values()))
-        return id(kv_caches), kv_caches[0][0].data_ptr(), first.attention.qkv.weight.data_ptr()
+    def is_for(self, kv_caches: list) -> bool:
+        """Whether the gathered pointers still hold for these caches (and the model's weights)."""
+        return (kv_caches is self._kv_caches and kv_caches[0][0].data_ptr() == self._cache_ptr
+                and self._weight.data_ptr() == self._weight_ptr)
 
     def computes_logits(self, num_tokens: int) -> bool:
         """Whether a step of ``num_tokens`` tokens can end with the logits (``__call__(logits=True)``)."""
@@ -212,7 +214,7 @@ def native_decode_for(model, kv_caches, metadata) -> NativeDecodeStep | None:
         cached = model._native_decode = False  # decided once per model
     if cached is False:
         return None
-    if cached is None or cached.key != NativeDecodeStep.key_for(model, kv_caches):
+    if cached is None or not cached.is_for(kv_caches):
         cached = NativeDecodeStep(model, kv_caches)
         model._native_decode = cached
     return cached if metadata.num_tokens <= cached.max_tokens else None

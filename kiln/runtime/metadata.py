@@ -45,7 +45,7 @@ class AttentionMetadata:
         """cos/sin for this step's positions, computed once per step and shared by layers."""
         key = id(rotary)
         if key not in self._rotary_cache:
-            self._rotary_cache[key] = rotary.cos_sin(positions, self.token_seq_lens)
+            self._rotary_cache[key] = rotary.cos_sin(positions, self.token_seq_lens, max(self.seq_lens) - 1)
         return self._rotary_cache[key]
 
     @classmethod
