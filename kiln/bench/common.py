@@ -18,13 +18,28 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> l
 
 
 class ForwardTimer:
-    """Times every forward pass of a module (hooks, so the model code is untouched)."""
+    """Times every forward pass of a module (hooks, so the model code is untouched) and every
+    call of its ``decode_logits``: a decode step the native step runs whole, layers to logits,
+    goes there instead of through ``forward``."""
 
     def __init__(self, module: torch.nn.Module):
         self.durations: list[float] = []
         self.ends: list[float] = []
         self._started = 0.0
         self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+        self._module = module
+        self._wrapped = "decode_logits" in dir(module)
+        if self._wrapped:
+            decode_logits = module.decode_logits
+
+            def timed(*args, **kwargs):
+                self._pre(module, args)
+                logits = decode_logits(*args, **kwargs)
+                if logits is not None:  # None: nothing ran, forward (timed by the hooks) follows
+                    self._post(module, args, logits)
+                return logits
+
+            module.decode_logits = timed
 
     def _pre(self, module, args):
         self._started = time.perf_counter()
@@ -41,6 +56,8 @@ class ForwardTimer:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        if self._wrapped:
+            del self._module.decode_logits  # back to the class's method
 
 
 def stream_round(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]:

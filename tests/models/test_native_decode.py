@@ -182,3 +182,19 @@ def test_profile_accumulates_the_parts_of_a_step_without_changing_it(engine_dir,
     assert request.seqs[0].output_token_ids == plain[0]
     assert torch.equal(torch.stack([s[0] for s in request.generation_logits]), plain_logits[0])
     engine.model._native_decode = None
+
+
+def test_forward_timer_times_the_steps_the_native_step_runs_whole(engine_dir):
+    """Benchmarks time the model through ForwardTimer: a decode step that goes to
+    ``decode_logits`` instead of ``forward`` must still be one timed call."""
+    from kiln.bench.common import ForwardTimer
+
+    engine = Engine(engine_dir)
+    timer = ForwardTimer(engine.model)
+    core = EngineCore(engine, max_num_seqs=1, num_blocks=16)
+    core.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), end_id=None)
+    while core.has_unfinished:
+        core.step()
+    assert len(timer.durations) == 6  # the prompt's forward, then five native decode steps
+    timer.remove()
+    assert "decode_logits" not in vars(engine.model)
