@@ -476,12 +476,12 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zer
     return y
 
 
-def w8a8_supported(x: torch.Tensor, codes: torch.Tensor) -> bool:
-    """Whether ``w8a8_linear`` takes bf16 ``x`` with int8 ``codes`` ``[n, k]`` (n % 16 == 0,
-    k % 32 == 0, a CPU with AVX512-VNNI)."""
+def w8a8_supported(x_dtype: torch.dtype, codes: torch.Tensor) -> bool:
+    """Whether ``w8a8_linear`` takes inputs of ``x_dtype`` (bf16 only) with int8 CPU ``codes``
+    ``[n, k]`` (n % 16 == 0, k % 32 == 0, a CPU with AVX512-VNNI)."""
     lib = native_library()
-    return (lib is not None and x.dtype == torch.bfloat16 and codes.dtype == torch.int8 and x.device.type == "cpu"
-            and bool(lib.kiln_w8a8_supported(codes.shape[0], codes.shape[1])))
+    return (lib is not None and x_dtype == torch.bfloat16 and codes.dtype == torch.int8
+            and codes.device.type == "cpu" and bool(lib.kiln_w8a8_supported(codes.shape[0], codes.shape[1])))
 
 
 def w8a8_linear(x: torch.Tensor, codes: torch.Tensor, weight_scales: torch.Tensor, prequant: torch.Tensor | None,

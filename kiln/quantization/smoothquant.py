@@ -103,7 +103,8 @@ def w8a8_linear(x: torch.Tensor, codes: torch.Tensor, weights_scale: torch.Tenso
     from kiln import kernels
 
     rows = x.reshape(-1, x.shape[-1])
-    if kernels.w8a8_supported(rows, codes) and (bias is None or bias.dtype == torch.bfloat16):
+    if (kernels.w8a8_supported(rows.dtype, codes) and rows.device.type == "cpu"
+            and (bias is None or bias.dtype == torch.bfloat16)):
         return kernels.w8a8_linear(rows, codes, weights_scale, prequant, bias).view(*x.shape[:-1], codes.shape[0])
     rows = rows.float() * prequant
     q, a = quantize_activations(rows)
