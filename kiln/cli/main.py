@@ -1,4 +1,4 @@
-"""``kiln``: convert | build | run | serve | bench | eval. Errors in what the user gave exit with code 2 and one line."""
+"""``kiln``: convert | build | run | serve | bench | eval | lora. Errors in what the user gave exit with code 2 and one line."""
 from __future__ import annotations
 
 import argparse
@@ -30,13 +30,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kiln.cli import bench, build, convert, eval, run, serve
+    from kiln.cli import bench, build, convert, eval, lora, run, serve
 
     parser = _Parser(prog="kiln", description="kiln: convert, build and run LLMs on PyTorch.")
     parser.add_argument("--log_level", default="warning", choices=["debug", "info", "warning", "error"],
                         help="logging verbosity (default: warning)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for module in (convert, build, run, serve, bench, eval):
+    for module in (convert, build, run, serve, bench, eval, lora):
         module.add_parser(sub)
     return parser
 

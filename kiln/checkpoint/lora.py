@@ -1,0 +1,143 @@
+"""LoRA adapters in reference 004's tensor format.
+
+An adapter is two tensors. ``config`` ``[rows, 3]`` holds ``[module_id, layer_idx,
+adapter_size]`` per row (``[rows, 4]`` adds ``is_dora``); ``weights`` ``[rows, width]`` holds,
+for the same row, the in-weights ``A`` ``[r, in]`` flattened, then the out-weights ``B``
+``[out, r]`` flattened, then (DoRA rows) the ``out`` magnitude values, zero-padded to the
+longest row. The adapter's delta for that module of that layer is ``B @ A`` (any
+``lora_alpha / r`` scaling already folded into ``B``). Module ids are the reference's table
+(``LORA_MODULE_IDS``); ``module_shapes`` gives each module's (in, out) sizes for a model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kiln.errors import CheckpointError
+
+# Reference 004's module ids: what each adapter row applies to.
+LORA_MODULE_IDS: dict[str, int] = {
+    "attn_qkv": 0, "attn_q": 1, "attn_k": 2, "attn_v": 3, "attn_dense": 4,
+    "mlp_h_to_4h": 5, "mlp_4h_to_h": 6, "mlp_gate": 7,
+    "cross_attn_qkv": 8, "cross_attn_q": 9, "cross_attn_k": 10, "cross_attn_v": 11, "cross_attn_dense": 12,
+    "moe_h_to_4h": 13, "moe_4h_to_h": 14, "moe_gate": 15, "moe_router": 16, "mlp_router": 17,
+    "mlp_gate_up": 18,
+}
+LORA_MODULE_NAMES: dict[int, str] = {i: name for name, i in LORA_MODULE_IDS.items()}
+
+
+@dataclass
+class LoraModule:
+    """One row of an adapter: module ``module_id`` of layer ``layer``, ``a`` ``[r, in]``,
+    ``b`` ``[out, r]`` and, for DoRA, the normalized ``magnitude`` ``[out]``."""
+
+    module_id: int
+    layer: int
+    a: torch.Tensor
+    b: torch.Tensor
+    magnitude: torch.Tensor | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+    @property
+    def name(self) -> str:
+        return LORA_MODULE_NAMES[self.module_id]
+
+
+def module_shapes(config) -> dict[int, tuple[int, int]]:
+    """(in, out) features of every module id a decoder of ``config`` (a PretrainedConfig) has:
+    attention and a gated or plain MLP (no cross attention, no experts)."""
+    hidden, head = config.hidden_size, config.head_size
+    q, kv = config.num_attention_heads * head, config.num_key_value_heads * head
+    inter = config.intermediate_size or 4 * hidden
+    return {
+        LORA_MODULE_IDS["attn_qkv"]: (hidden, q + 2 * kv),
+        LORA_MODULE_IDS["attn_q"]: (hidden, q),
+        LORA_MODULE_IDS["attn_k"]: (hidden, kv),
+        LORA_MODULE_IDS["attn_v"]: (hidden, kv),
+        LORA_MODULE_IDS["attn_dense"]: (q, hidden),
+        LORA_MODULE_IDS["mlp_h_to_4h"]: (hidden, inter),
+        LORA_MODULE_IDS["mlp_4h_to_h"]: (inter, hidden),
+        LORA_MODULE_IDS["mlp_gate"]: (hidden, inter),
+        LORA_MODULE_IDS["mlp_gate_up"]: (hidden, 2 * inter),
+    }
+
+
+def _as_tensor(value, name: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    try:
+        return torch.from_numpy(np.ascontiguousarray(value))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"LoRA {name}: expected a tensor or NumPy array, got {type(value).__name__}") from e
+
+
+def parse_lora_tensors(weights, config, shapes: dict[int, tuple[int, int]], num_layers: int,
+                       max_rank: int | None = None) -> list[LoraModule]:
+    """The rows of an adapter in the reference format, checked against a model whose modules
+    have ``shapes`` (``module_shapes``) and ``num_layers`` layers; ``max_rank`` bounds the
+    adapter size when the engine has one. Every error names the row and the field."""
+    w, c = _as_tensor(weights, "weights"), _as_tensor(config, "config")
+    if c.dim() != 2 or c.shape[1] not in (3, 4):
+        raise CheckpointError(f"LoRA config: expected shape [rows, 3] or [rows, 4] ([module_id, layer_idx, "
+                              f"adapter_size(, is_dora)]), got {list(c.shape)}")
+    if c.is_floating_point() and not torch.equal(c, c.round()):
+        raise CheckpointError("LoRA config: module ids, layers, adapter sizes and is_dora must be whole numbers")
+    if w.dim() != 2 or w.shape[0] != c.shape[0]:
+        raise CheckpointError(f"LoRA weights: expected shape [{c.shape[0]}, width] (a row per config row), "
+                              f"got {list(w.shape)}")
+    if not w.is_floating_point():
+        raise CheckpointError(f"LoRA weights: expected a floating-point tensor, got {w.dtype}")
+    modules, seen = [], {}
+    for row, (module_id, layer, rank, *dora) in enumerate(c.long().tolist()):
+        where = f"LoRA config row {row} ([{module_id}, {layer}, {rank}{', ' + str(dora[0]) if dora else ''}])"
+        if module_id not in LORA_MODULE_NAMES:
+            raise CheckpointError(f"{where}: unknown module_id {module_id} (the reference's ids are 0-18)")
+        if module_id not in shapes:
+            raise CheckpointError(f"{where}: module {LORA_MODULE_NAMES[module_id]} (id {module_id}) is not in "
+                                  f"this model; it has {sorted(LORA_MODULE_NAMES[i] for i in shapes)}")
+        if not 0 <= layer < num_layers:
+            raise CheckpointError(f"{where}: layer_idx {layer} is outside the model's {num_layers} layers")
+        if rank < 1 or (max_rank is not None and rank > max_rank):
+            bound = f" (the engine's max_lora_rank is {max_rank})" if max_rank is not None else ""
+            raise CheckpointError(f"{where}: adapter_size {rank} must be at least 1{bound}")
+        if dora and dora[0] not in (0, 1):
+            raise CheckpointError(f"{where}: is_dora must be 0 or 1, got {dora[0]}")
+        if (module_id, layer) in seen:
+            raise CheckpointError(f"{where}: module {LORA_MODULE_NAMES[module_id]} of layer {layer} is already "
+                                  f"given by row {seen[module_id, layer]}")
+        seen[module_id, layer] = row
+        size_in, size_out = shapes[module_id]
+        is_dora = bool(dora and dora[0])
+        needed = rank * size_in + size_out * rank + (size_out if is_dora else 0)
+        if needed > w.shape[1]:
+            raise CheckpointError(f"{where}: needs {needed} weight values ({rank} x {size_in} in, {size_out} x "
+                                  f"{rank} out{', ' + str(size_out) + ' DoRA magnitudes' if is_dora else ''}), "
+                                  f"but weights rows hold {w.shape[1]}")
+        values = w[row]
+        a = values[: rank * size_in].reshape(rank, size_in)
+        b = values[rank * size_in: rank * size_in + size_out * rank].reshape(size_out, rank)
+        magnitude = values[rank * size_in + size_out * rank: needed] if is_dora else None
+        modules.append(LoraModule(module_id, layer, a.clone(), b.clone(),
+                                  magnitude.clone() if magnitude is not None else None))
+    return modules
+
+
+def pack_lora_tensors(modules: list[LoraModule], dtype: torch.dtype = torch.float32
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, config)`` in the reference format for ``modules`` (rows in the given order;
+    4 config columns when any row is DoRA)."""
+    dora = any(m.magnitude is not None for m in modules)
+    rows = [torch.cat([m.a.reshape(-1), m.b.reshape(-1)]
+                      + ([m.magnitude.reshape(-1)] if m.magnitude is not None else [])).to(dtype) for m in modules]
+    width = max((r.numel() for r in rows), default=0)
+    weights = torch.zeros(len(rows), width, dtype=dtype)
+    for i, r in enumerate(rows):
+        weights[i, : r.numel()] = r
+    config = torch.tensor([[m.module_id, m.layer, m.rank] + ([int(m.magnitude is not None)] if dora else [])
+                           for m in modules], dtype=torch.int32).reshape(len(modules), 4 if dora else 3)
+    return weights, config
