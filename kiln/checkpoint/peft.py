@@ -21,11 +21,13 @@ from kiln.checkpoint.format import atomic_output_dir
 from kiln.checkpoint.lora import LORA_MODULE_IDS, LoraModule, pack_lora_tensors
 from kiln.errors import CheckpointError
 
-# PEFT target module names (LLaMA-style, and fused ones) -> reference module names.
+# PEFT target module names (LLaMA-style, and fused ones) -> reference module names. As in the
+# reference's own converter, mlp_h_to_4h is gate_proj (the activated branch: kiln's and the
+# reference's `fc`) and mlp_gate is up_proj, whatever the names suggest.
 PEFT_TARGETS = {
     "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_dense",
     "qkv_proj": "attn_qkv", "query_key_value": "attn_qkv",
-    "gate_proj": "mlp_gate", "up_proj": "mlp_h_to_4h", "down_proj": "mlp_4h_to_h", "gate_up_proj": "mlp_gate_up",
+    "gate_proj": "mlp_h_to_4h", "up_proj": "mlp_gate", "down_proj": "mlp_4h_to_h", "gate_up_proj": "mlp_gate_up",
 }
 WEIGHTS_FILE, CONFIG_FILE = "model.lora_weights.npy", "model.lora_config.npy"
 STORAGE_TYPES = {"float16": torch.float16, "float32": torch.float32}

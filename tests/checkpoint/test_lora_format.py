@@ -120,6 +120,15 @@ def test_peft_adapter_converts_to_the_deltas_peft_applies(tmp_path, options):
         assert {m.rank for m in modules if m.name == "attn_q"} == {2}
 
 
+def test_gated_mlp_targets_follow_the_reference_convention():
+    """mlp_h_to_4h (id 5) is the activated gate_proj (the `fc` of kiln and the reference),
+    mlp_gate (id 7) the up_proj: adapters converted elsewhere must land on the same linears."""
+    from kiln.checkpoint.peft import PEFT_TARGETS
+
+    assert LORA_MODULE_IDS[PEFT_TARGETS["gate_proj"]] == 5 and LORA_MODULE_IDS[PEFT_TARGETS["up_proj"]] == 7
+    assert LORA_MODULE_IDS[PEFT_TARGETS["down_proj"]] == 6 and LORA_MODULE_IDS[PEFT_TARGETS["gate_up_proj"]] == 18
+
+
 def test_converted_files_load_back_into_the_same_rows(tmp_path):
     model = _peft_adapter(tmp_path / "adapter")
     out = convert_peft_adapter(tmp_path / "adapter", tmp_path / "out", "float32")
