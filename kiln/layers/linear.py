@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln import distributed, kernels
+from kiln.layers import lora
 
 # bf16 weights: one row through the native skinny GEMM (at the memory bandwidth); more rows,
 # where the CPU has AMX or AVX512-BF16, through kiln's own kernel on a copy packed once into
@@ -86,9 +87,20 @@ class Linear(nn.Module):
     quant_bits: int | None = None  # 8 or 4 once use_weight_only() switched the weight to codes
     act_quant: bool = False  # True once use_w8a8() switched to SmoothQuant W8A8 (int8 activations too)
     fp8: bool = False  # True once use_fp8() switched to FP8 e4m3 weights and activations
+    # The reference LoRA modules this linear holds (kiln.layers.lora.LoraTarget), set by
+    # DecoderModelForCausalLM.assign_lora_targets.
+    lora_targets: tuple = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return self.with_lora(x, self.matmul(x, self.bias))
+
+    def with_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` plus the active LoRA step's deltas for this linear (none outside a LoRA step)."""
+        if self.lora_targets:
+            step = lora.active_step()
+            if step is not None:
+                return step.apply(self.lora_targets, x, y)
+        return y
 
     # -- weight-only quantization (kiln.quantization.weight_only) -----------------------------
 
@@ -281,7 +293,7 @@ class ColumnLinear(Linear):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.bias)
+        y = self.with_lora(x, self.matmul(x, self.bias))
         return distributed.all_gather(y, self.tp_size, dim=-1) if self.gather_output else y
 
     def postprocess(self, key: str, weights: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
@@ -307,8 +319,9 @@ class RowLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.matmul(x, self.bias)
-        y = distributed.all_reduce(self.matmul(x, None), self.tp_size)
+            return self.with_lora(x, self.matmul(x, self.bias))
+        # A rank's LoRA delta is a partial sum too (its rows of A): reduced with the matmul's.
+        y = distributed.all_reduce(self.with_lora(x, self.matmul(x, None)), self.tp_size)
         return y if self.bias is None else y + self.bias
 
 

@@ -265,6 +265,35 @@ class DecoderModelForCausalLM(nn.Module):
             hidden = layer(hidden, positions, metadata, cache)
         return t.finish(hidden)
 
+    def assign_lora_targets(self) -> None:
+        """Mark every linear with the reference LoRA modules it holds (``Linear.lora_targets``):
+        q, k, v and the whole qkv in the fused qkv projection, the attention output, the gated
+        MLP's gate (``mlp_h_to_4h``: the activated branch, kiln's ``fc``), up (``mlp_gate``) and
+        both (``mlp_gate_up``), and its down projection (``mlp_4h_to_h``)."""
+        from kiln.checkpoint.lora import LORA_MODULE_IDS as ids
+        from kiln.layers.lora import LoraTarget
+
+        if self.config.mapping.world_size != 1:
+            raise ConfigError("LoRA runs on single-rank engines for now")
+        for key, layer in self.transformer.layers.items():
+            i, attn, mlp = int(key), layer.attention, layer.mlp
+            q, kv = attn.qkv.q_size, attn.qkv.kv_size
+            attn.qkv.lora_targets = (LoraTarget(i, ids["attn_qkv"], 0, q + 2 * kv), LoraTarget(i, ids["attn_q"], 0, q),
+                                     LoraTarget(i, ids["attn_k"], q, q + kv),
+                                     LoraTarget(i, ids["attn_v"], q + kv, q + 2 * kv))
+            attn.dense.lora_targets = (LoraTarget(i, ids["attn_dense"], 0, attn.dense.out_features),)
+            if isinstance(mlp, (MLP, GatedMLP)):
+                inter = mlp.proj.in_features
+                mlp.proj.lora_targets = (LoraTarget(i, ids["mlp_4h_to_h"], 0, mlp.proj.out_features),)
+                if isinstance(mlp, GatedMLP) and mlp.fused:
+                    mlp.fused_fc.lora_targets = (LoraTarget(i, ids["mlp_gate_up"], 0, 2 * inter),
+                                                 LoraTarget(i, ids["mlp_h_to_4h"], 0, inter),
+                                                 LoraTarget(i, ids["mlp_gate"], inter, 2 * inter))
+                else:
+                    mlp.fc.lora_targets = (LoraTarget(i, ids["mlp_h_to_4h"], 0, inter),)
+                    if isinstance(mlp, GatedMLP):
+                        mlp.gate.lora_targets = (LoraTarget(i, ids["mlp_gate"], 0, inter),)
+
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata,
                       kv_caches: list) -> torch.Tensor | None:
         """float32 logits ``[num_tokens, vocab_size]`` of every token of a decode step, when the

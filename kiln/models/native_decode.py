@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln import kernels
+from kiln.layers import lora
 from kiln.layers.attention import Attention
 from kiln.layers.mlp import GatedMLP
 from kiln.layers.normalization import RmsNorm
@@ -207,7 +208,8 @@ def native_decode_for(model, kv_caches, metadata) -> NativeDecodeStep | None:
     """The model's native decode step for this step, or None when the step or model is not one
     it runs: one token for each sequence (at most ``max_tokens`` of them), the native attention
     backend, a supported model."""
-    if metadata.num_tokens != metadata.num_seqs or getattr(metadata.backend, "name", None) != "native":
+    if (metadata.num_tokens != metadata.num_seqs or getattr(metadata.backend, "name", None) != "native"
+            or lora.active_step() is not None):  # LoRA deltas are added by the layers' Python path
         return None
     cached = getattr(model, "_native_decode", None)
     if cached is None and not supports_native_decode(model):

@@ -103,11 +103,12 @@ class BlockPool:
             self._hash_of_block[block] = block_hash
             self._tokens_of_block[block] = tokens
 
-    def take_cached_prefix(self, token_ids: list[int], block_size: int, max_blocks: int
+    def take_cached_prefix(self, token_ids: list[int], block_size: int, max_blocks: int, salt: object = None
                            ) -> tuple[list[int], list[int]]:
         """Blocks (and their hashes) holding the longest cached prefix of ``token_ids``, each
-        taken with one reference; at most ``max_blocks``."""
-        blocks, hashes, previous = [], [], None
+        taken with one reference; at most ``max_blocks``. ``salt`` starts the hash chain (a
+        LoRA adapter's key: its K/V differ from the base model's)."""
+        blocks, hashes, previous = [], [], salt
         if not self.enable_caching:
             return blocks, hashes
         for j in range(max_blocks):

@@ -108,8 +108,9 @@ class EngineCore:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, end_id: int | None,
                     return_context_logits: bool = False, return_generation_logits: bool = False,
-                    priority: float = 0.5) -> Request:
-        """Validate and queue one request."""
+                    priority: float = 0.5, lora=None) -> Request:
+        """Validate and queue one request (``lora``: the ``kiln.layers.lora.LoraAdapter`` its
+        sequences run with, or None)."""
         build = self.engine.build_config
         if not prompt_token_ids:
             raise RequestError("the prompt is empty")
@@ -153,6 +154,7 @@ class EngineCore:
             seq.return_context_logits = return_context_logits and i == 0
             seq.return_generation_logits = return_generation_logits
             seq.priority = priority
+            seq.lora = lora
             seq.group = request
             request.seqs.append(seq)
         added = []
@@ -251,6 +253,7 @@ class EngineCore:
             seq.num_prompt_tokens = live[0].num_prompt_tokens
             seq.group = request
             seq.return_generation_logits = live[0].return_generation_logits
+            seq.lora = live[0].lora
             live.append(seq)
             self._requests[seq.seq_id] = request
             self.scheduler.running.append(seq)

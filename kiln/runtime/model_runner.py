@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.layers.lora import LoraStep, lora_step
 from kiln.models.base import torch_dtype
 from kiln.runtime.attention import BACKENDS, select_backend
 from kiln.runtime.engine import Engine
@@ -29,6 +30,7 @@ class ModelRunner:
                                            attention.num_kv_heads, attention.head_size, kv_cache_dtype(config))
         self.backend = BACKENDS[select_backend(attention_backend, torch_dtype(config.dtype))]()
         self.history = TokenHistory(engine.build_config.max_seq_len)
+        self._lora_targets_assigned = False
 
     def release(self, seq: Sequence) -> None:
         """Drop per-sequence state of a finished sequence."""
@@ -80,20 +82,37 @@ class ModelRunner:
         md = AttentionMetadata.build(self.backend, query_lens, seq_lens, tables, self.block_size)
         ids, positions = torch.tensor(input_ids), torch.tensor(positions)
         logits = None
-        if not context_rows and len(last_token) == len(input_ids):  # a decode step: every token is sampled
-            logits = self.model.decode_logits(ids, positions, md, self.kv_caches)
-        if logits is None:
-            hidden = self.model(ids, positions, md, self.kv_caches)
-            for seq, offset, count in context_rows:
-                result.context_logits[seq.seq_id] = self.model.compute_logits(hidden[offset:offset + count])
-            if not sampled_seqs:
-                return result
-            logits = self.model.compute_logits(hidden[torch.tensor(last_token)])
+        with lora_step(self._lora_step(out)):
+            if not context_rows and len(last_token) == len(input_ids):  # a decode step: every token is sampled
+                logits = self.model.decode_logits(ids, positions, md, self.kv_caches)
+            if logits is None:
+                hidden = self.model(ids, positions, md, self.kv_caches)
+                for seq, offset, count in context_rows:
+                    result.context_logits[seq.seq_id] = self.model.compute_logits(hidden[offset:offset + count])
+                if not sampled_seqs:
+                    return result
+                logits = self.model.compute_logits(hidden[torch.tensor(last_token)])
         for seq, row in zip(sampled_seqs, logits):
             if seq.return_generation_logits:
                 result.generation_logits[seq.seq_id] = row.clone()
         self._sample(logits, sampled_seqs, result)
         return result
+
+    def _lora_step(self, out: SchedulerOutput) -> LoraStep | None:
+        """The step's token rows grouped by LoRA adapter (None when no sequence has one)."""
+        rows: dict[int, tuple[object, list[int]]] = {}
+        offset = 0
+        for chunk in out.chunks:
+            adapter = chunk.seq.lora
+            if adapter is not None:
+                rows.setdefault(id(adapter), (adapter, []))[1].extend(range(offset, offset + chunk.num_tokens))
+            offset += chunk.num_tokens
+        if not rows:
+            return None
+        if not self._lora_targets_assigned:
+            self.model.assign_lora_targets()
+            self._lora_targets_assigned = True
+        return LoraStep([(adapter, torch.tensor(r)) for adapter, r in rows.values()])
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], result: RunnerOutput) -> None:
         beam_rows = [i for i, s in enumerate(seqs) if s.params.use_beam_search]

@@ -155,7 +155,7 @@ class Scheduler:
         if seq.block_ids or seq.num_computed_tokens:
             return
         blocks, hashes = self.pool.take_cached_prefix(seq.token_ids, self.block_size,
-                                                      (seq.num_tokens - 1) // self.block_size)
+                                                      (seq.num_tokens - 1) // self.block_size, seq.cache_salt)
         seq.block_ids, seq.block_hashes = blocks, hashes
         seq.num_computed_tokens = len(blocks) * self.block_size
 
@@ -185,7 +185,7 @@ class Scheduler:
         full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
         for j in range(len(seq.block_hashes), full):
             tokens = tuple(seq.token_ids[j * bs:(j + 1) * bs])
-            block_hash = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            block_hash = chain_hash(seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt, tokens)
             seq.block_hashes.append(block_hash)
             self.pool.register(seq.block_ids[j], block_hash, tokens)
 

@@ -46,6 +46,13 @@ class Sequence:
     return_context_logits: bool = False
     return_generation_logits: bool = False
     priority: float = 0.5  # higher is admitted first; equal priorities keep arrival order
+    lora: object = None  # the kiln.layers.lora.LoraAdapter its tokens run with, if any
+
+    @property
+    def cache_salt(self) -> object:
+        """What its prefix blocks' hashes start from: K/V computed under an adapter is only
+        that adapter's to share."""
+        return None if self.lora is None else self.lora.key
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
