@@ -30,6 +30,7 @@ from kiln.errors import ConfigError, KilnError, RequestError
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_core import Request as CoreRequest
+from kiln.runtime.lora_cache import LoraCache, LoraCacheConfig, LoraCacheStats, LoraConfig
 from kiln.runtime.sampling import SamplingConfig
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import FinishReason
@@ -61,6 +62,7 @@ class ExecutorConfig:
     max_queue_size: int = 1024  # requests waiting to be admitted; beyond it enqueue fails
     iteration_stats_max: int = 1000  # how many iterations' stats to keep
     attention_backend: str = "auto"  # "native" (C decode kernel), "torch" (reference) or auto
+    lora_cache_config: LoraCacheConfig = field(default_factory=LoraCacheConfig)
 
 
 @dataclass
@@ -85,7 +87,7 @@ class Request:
     stop_words: list[list[int]] = field(default_factory=list)
     bad_words: list[list[int]] = field(default_factory=list)
     embedding_bias: torch.Tensor | None = None
-    lora_config: object = None  # filled by the LoRA work
+    lora_config: LoraConfig | None = None  # the adapter the request runs with (reference 004)
     prompt_tuning_config: object = None  # filled by the prompt-tuning work
     priority: float = 0.5  # higher first; FCFS within a priority
     allotted_time_ms: int | None = None  # finish with "timeout" after this long
@@ -128,6 +130,8 @@ class IterationStats:
     kv_blocks_total: int
     kv_blocks_cached: int  # holding reusable prefix content (in use or free)
     prefix_cache_hit_rate: float  # hit blocks / looked-up blocks since start
+    lora_cache: LoraCacheStats | None = None  # the LoRA cache's levels and counters
+    num_waiting_for_lora: int = 0  # requests waiting for a LoRA device slot
 
 
 @dataclass(eq=False)
@@ -139,6 +143,8 @@ class _Tracked:
     core: CoreRequest | None = None
     deadline: float | None = None
     sent: dict[int, int] = field(default_factory=dict)  # seq_id -> output tokens already streamed
+    lora_task: int | None = None  # the task id whose LoRA device slot it holds
+    lora_loaded: bool = False  # its LoRA weights are in the cache (loaded at its first admission try)
 
 
 class Executor:
@@ -157,6 +163,8 @@ class Executor:
                                capacity_policy=self.config.capacity_policy,
                                attention_backend=self.config.attention_backend,
                                memory_fraction=kv.free_memory_fraction, enable_prefix_caching=kv.enable_block_reuse)
+        self.lora_cache = LoraCache(self.engine.config, self.config.lora_cache_config)
+        self._waiting_for_lora: collections.deque[_Tracked] = collections.deque()
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
         self._incoming: collections.deque[_Tracked] = collections.deque()
@@ -264,13 +272,15 @@ class Executor:
         try:
             while True:
                 with self._lock:
-                    while not (self._incoming or self._cancelled or self._live or self._shutdown):
+                    while not (self._incoming or self._cancelled or self._live or self._waiting_for_lora
+                               or self._shutdown):
                         self._lock.wait()
                     if self._shutdown:
                         break
                     incoming, self._incoming = list(self._incoming), collections.deque()
                     cancelled, self._cancelled = self._cancelled, set()
-                for tracked in incoming:
+                waiting, self._waiting_for_lora = list(self._waiting_for_lora), collections.deque()
+                for tracked in waiting + incoming:  # those waiting for a LoRA slot first, in order
                     self._admit(tracked)
                 self._cancel(cancelled)
                 self._expire()
@@ -293,6 +303,8 @@ class Executor:
             incoming, self._incoming = list(self._incoming), collections.deque()
         for tracked in incoming:
             self._admit(tracked)
+        while self._waiting_for_lora:  # never started: cancelled, with nothing generated
+            self._cancel_waiting(self._waiting_for_lora.popleft())
         for tracked in list(self._live.values()):
             self.core.abort(tracked.core)
             self._respond(tracked, final=True)
@@ -303,13 +315,49 @@ class Executor:
         r = tracked.request
         try:
             params = self._params(r)
+            adapter = self._lora_adapter(tracked)
+            if adapter is False:  # every LoRA device slot is held: wait for one
+                self._waiting_for_lora.append(tracked)
+                return
             tracked.core = self.core.add_request(
                 list(r.input_token_ids), params, r.end_id, return_context_logits=r.output_config.return_context_logits,
-                return_generation_logits=r.output_config.return_generation_logits, priority=r.priority)
+                return_generation_logits=r.output_config.return_generation_logits, priority=r.priority, lora=adapter)
         except KilnError as e:
+            self._release_lora(tracked)
             self._post(Response(tracked.request_id, error_msg=str(e)))
             return
         self._live[tracked.request_id] = tracked
+
+    def _lora_adapter(self, tracked: _Tracked):
+        """The request's adapter, holding a device slot for it; None without one, False when
+        no slot is free. Weights sent with the task id are loaded into the cache first."""
+        lora = tracked.request.lora_config
+        if lora is None:
+            return None
+        if not isinstance(lora, LoraConfig):
+            raise RequestError(f"lora_config must be a LoraConfig, got {type(lora).__name__}")
+        if (lora.weights is None) != (lora.config is None):
+            raise RequestError(f"lora_config (task_id {lora.task_id}): weights and config come together "
+                               "(or neither, for a task id already loaded)")
+        if lora.weights is not None and not tracked.lora_loaded:
+            self.lora_cache.put(lora.task_id, lora.weights, lora.config)
+            tracked.lora_loaded = True  # a wait and retry must not load it again
+        adapter = self.lora_cache.acquire(lora.task_id)
+        if adapter is None:
+            return False
+        tracked.lora_task = lora.task_id
+        return adapter
+
+    def _cancel_waiting(self, tracked: _Tracked) -> None:
+        """Final response of a request that never left the wait for a LoRA slot."""
+        r = tracked.request
+        tokens = [] if r.output_config.exclude_input_from_output or r.streaming else list(r.input_token_ids)
+        self._post(Response(tracked.request_id, Result([tokens], True, ["cancelled"])))
+
+    def _release_lora(self, tracked: _Tracked) -> None:
+        if tracked.lora_task is not None:
+            self.lora_cache.release(tracked.lora_task)
+            tracked.lora_task = None
 
     def _params(self, r: Request) -> SamplingParams:
         if not isinstance(r.max_tokens, int) or r.max_tokens < 1:
@@ -332,6 +380,9 @@ class Executor:
             logprobs=0 if r.output_config.return_log_probs and params.logprobs is None else params.logprobs)
 
     def _cancel(self, request_ids: set[int]) -> None:
+        for tracked in [t for t in self._waiting_for_lora if t.request_id in request_ids]:
+            self._waiting_for_lora.remove(tracked)
+            self._cancel_waiting(tracked)
         for rid in request_ids:
             tracked = self._live.pop(rid, None)
             if tracked is not None:
@@ -367,11 +418,13 @@ class Executor:
         stats = IterationStats(self._iteration, time.time(), 1000 * (time.perf_counter() - started),
                                len(self._live), len(scheduler.waiting), self.core.stats.last_step_tokens,
                                pool.num_blocks - pool.num_free, pool.num_free, pool.num_blocks, pool.num_cached,
-                               pool.hit_rate)
+                               pool.hit_rate, self.lora_cache.stats(), len(self._waiting_for_lora))
         with self._lock:
             self._stats.append(stats)
 
     def _respond(self, tracked: _Tracked, final: bool) -> None:
+        if final:
+            self._release_lora(tracked)
         core, r = tracked.core, tracked.request
         prompt = [] if r.output_config.exclude_input_from_output else list(r.input_token_ids)
         if core.beam is not None and core.hypotheses is not None:

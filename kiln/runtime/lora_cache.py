@@ -1,0 +1,148 @@
+"""The two-level LoRA cache of reference 004, keyed by task id.
+
+A request's first use of a task id carries the adapter (``LoraConfig.weights`` and
+``config``); later requests may carry the task id alone. The host level keeps parsed adapters
+up to ``host_cache_bytes``; the device level holds the adapters running sequences use, at most
+``device_cache_slots`` of them (on a GPU, the copies the LoRA kernels read; on this CPU both
+levels are host memory, but the slots still bound how many adapters a step mixes). Each
+level evicts its least recently used adapter that no running request holds; a request whose
+adapter cannot get a slot waits, and a task id the cache does not know is an error for that
+request alone.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from kiln.checkpoint.lora import module_shapes, parse_lora_tensors
+from kiln.errors import CheckpointError, ConfigError, RequestError
+from kiln.layers.lora import LoraAdapter
+
+
+@dataclass
+class LoraConfig:
+    """A request's adapter (reference 004): ``task_id``, and on its first use ``weights``
+    ``[rows, D x Hi + Ho x D]`` and ``config`` ``[rows, 3]`` (NumPy arrays or tensors)."""
+
+    task_id: int
+    weights: object = None
+    config: object = None
+
+
+@dataclass
+class LoraCacheConfig:
+    host_cache_bytes: int = 1 << 30  # parsed adapters kept for later requests (float32 bytes)
+    device_cache_slots: int = 8  # adapters running requests may use at once
+
+
+@dataclass
+class LoraCacheStats:
+    host_adapters: int
+    host_bytes: int
+    device_adapters: int
+    device_slots: int
+    hits: int  # task ids found in the host level
+    misses: int  # task ids sent with weights (loaded) or unknown
+    evictions: int
+
+
+class LoraCache:
+    """Adapters by task id for one engine (``model_config``: its PretrainedConfig)."""
+
+    def __init__(self, model_config, config: LoraCacheConfig | None = None, max_rank: int | None = None):
+        self.config = config or LoraCacheConfig()
+        if self.config.host_cache_bytes <= 0 or self.config.device_cache_slots <= 0:
+            raise ConfigError("lora cache: host_cache_bytes and device_cache_slots must be positive")
+        self._shapes = module_shapes(model_config)
+        self._num_layers = model_config.num_hidden_layers
+        self._max_rank = max_rank
+        self._host: collections.OrderedDict[int, LoraAdapter] = collections.OrderedDict()  # LRU first
+        self._device: collections.OrderedDict[int, LoraAdapter] = collections.OrderedDict()
+        self._users: collections.Counter[int] = collections.Counter()  # running requests per task id
+        self.hits = self.misses = self.evictions = 0
+
+    # -- the host level -----------------------------------------------------------------------
+
+    def put(self, task_id: int, weights, config) -> LoraAdapter:
+        """Parse and keep an adapter under ``task_id`` (replacing an idle one of that id)."""
+        self._check_id(task_id)
+        try:
+            adapter = LoraAdapter(parse_lora_tensors(weights, config, self._shapes, self._num_layers, self._max_rank))
+        except CheckpointError as e:
+            raise RequestError(f"lora_config (task_id {task_id}): {e}") from None
+        if adapter.nbytes > self.config.host_cache_bytes:
+            raise RequestError(f"lora_config (task_id {task_id}): the adapter takes {adapter.nbytes} bytes, more "
+                               f"than the whole host cache ({self.config.host_cache_bytes})")
+        if self._users[task_id]:
+            raise RequestError(f"lora_config (task_id {task_id}): running requests use this task id; new weights "
+                               "for it must wait until they finish")
+        self.misses += 1
+        self._drop(task_id)
+        while self.host_bytes + adapter.nbytes > self.config.host_cache_bytes:
+            if not self._evict(self._host):
+                raise RequestError(f"lora_config (task_id {task_id}): the host cache ({self.config.host_cache_bytes} "
+                                   "bytes) is full of adapters running requests use")
+        self._host[task_id] = adapter
+        return adapter
+
+    def get(self, task_id: int) -> LoraAdapter:
+        """The adapter of ``task_id`` (now the most recently used)."""
+        self._check_id(task_id)
+        adapter = self._host.get(task_id)
+        if adapter is None:
+            self.misses += 1
+            raise RequestError(f"lora_config: task_id {task_id} is not in the LoRA cache (never loaded, or evicted): "
+                               "send its weights and config with the request")
+        self.hits += 1
+        self._host.move_to_end(task_id)
+        return adapter
+
+    # -- the device level ---------------------------------------------------------------------
+
+    def acquire(self, task_id: int) -> LoraAdapter | None:
+        """Hold ``task_id``'s adapter in a device slot for one running request; None when every
+        slot is held (the request waits)."""
+        adapter = self.get(task_id)
+        if task_id not in self._device:
+            if len(self._device) >= self.config.device_cache_slots and not self._evict(self._device):
+                return None
+            self._device[task_id] = adapter
+        self._device.move_to_end(task_id)
+        self._users[task_id] += 1
+        return adapter
+
+    def release(self, task_id: int) -> None:
+        """One running request of ``task_id`` has finished."""
+        if self._users[task_id] > 0:
+            self._users[task_id] -= 1
+
+    # -- stats and helpers --------------------------------------------------------------------
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(a.nbytes for a in self._host.values())
+
+    def stats(self) -> LoraCacheStats:
+        return LoraCacheStats(len(self._host), self.host_bytes, len(self._device), self.config.device_cache_slots,
+                              self.hits, self.misses, self.evictions)
+
+    def _evict(self, level: collections.OrderedDict) -> bool:
+        """Drop ``level``'s least recently used adapter no running request holds."""
+        for task_id in level:
+            if not self._users[task_id]:
+                if level is self._host:
+                    self._drop(task_id)
+                else:
+                    del level[task_id]
+                self.evictions += 1
+                return True
+        return False
+
+    def _drop(self, task_id: int) -> None:
+        self._host.pop(task_id, None)
+        self._device.pop(task_id, None)
+
+    @staticmethod
+    def _check_id(task_id) -> None:
+        if not isinstance(task_id, int) or isinstance(task_id, bool) or task_id < 0:
+            raise RequestError(f"lora_config.task_id must be an integer >= 0, got {task_id!r}")
