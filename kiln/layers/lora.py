@@ -46,10 +46,31 @@ class LoraAdapter:
         self.key = ("lora", next(self._keys))  # distinct per adapter: salts its prefix-cache hashes
         self.weights = {(m.layer, m.module_id): (m.a.float().contiguous(), m.b.float().contiguous())
                         for m in modules}
+        self._fused: dict[tuple[LoraTarget, ...], tuple | None] = {}
 
     @property
     def nbytes(self) -> int:
         return sum(a.numel() * 4 + b.numel() * 4 for a, b in self.weights.values())
+
+    def fused(self, targets: tuple[LoraTarget, ...]) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """This adapter's modules among one linear's ``targets`` as one pair of matmuls:
+        ``A`` ``[sum r, in]`` stacked, ``B`` ``[stop - start, sum r]`` with each module's ``B``
+        in its own columns and output rows (zeros elsewhere), and the output columns
+        ``start:stop`` they cover; None when it adapts none of them. Built once per linear."""
+        if targets not in self._fused:
+            present = [(t, self.weights[t.layer, t.module_id]) for t in targets if (t.layer, t.module_id) in self.weights]
+            if not present:
+                self._fused[targets] = None
+            else:
+                start, stop = min(t.start for t, _ in present), max(t.stop for t, _ in present)
+                a = torch.cat([a for _, (a, _) in present])
+                b = torch.zeros(stop - start, a.shape[0])
+                offset = 0
+                for t, (_, module_b) in present:
+                    b[t.start - start:t.stop - start, offset:offset + module_b.shape[1]] = module_b
+                    offset += module_b.shape[1]
+                self._fused[targets] = (a, b, start, stop)
+        return self._fused[targets]
 
 
 class LoraStep:
@@ -60,18 +81,21 @@ class LoraStep:
 
     def apply(self, targets: tuple[LoraTarget, ...], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the linear's output for ``x``, ``[tokens, out]``) plus every delta of this
-        step's adapters for ``targets``."""
+        step's adapters for ``targets``: per adapter, one pair of matmuls over its rows (all
+        of the linear's modules at once, ``LoraAdapter.fused``)."""
+        x = x.reshape(-1, x.shape[-1])
         for adapter, rows in self.groups:
-            inputs = None
-            for target in targets:
-                pair = adapter.weights.get((target.layer, target.module_id))
-                if pair is None:
-                    continue
-                if inputs is None:
-                    inputs = x.reshape(-1, x.shape[-1]).index_select(0, rows).float()
-                a, b = pair
-                delta = (inputs @ a.t()) @ b.t()
-                y[:, target.start:target.stop].index_add_(0, rows, delta.to(y.dtype))
+            fused = adapter.fused(targets)
+            if fused is None:
+                continue
+            a, b, start, stop = fused
+            every_row = rows.numel() == x.shape[0]  # one adapter for the whole step: no gather
+            inputs = (x if every_row else x.index_select(0, rows)).float()
+            delta = ((inputs @ a.t()) @ b.t()).to(y.dtype)
+            if every_row:
+                y[:, start:stop] += delta
+            else:
+                y[:, start:stop].index_add_(0, rows, delta)
         return y
 
 
