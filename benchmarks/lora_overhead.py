@@ -22,18 +22,10 @@ MODULES = ("attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_gate"
 
 
 def random_adapter(config, rank: int, seed: int):
-    from kiln.checkpoint.lora import LORA_MODULE_IDS, LoraModule, module_shapes
+    from kiln.bench.common import random_lora_modules
     from kiln.layers.lora import LoraAdapter
 
-    g = torch.Generator().manual_seed(seed)
-    shapes = module_shapes(config)
-    rows = []
-    for layer in range(config.num_hidden_layers):
-        for name in MODULES:
-            size_in, size_out = shapes[LORA_MODULE_IDS[name]]
-            rows.append(LoraModule(LORA_MODULE_IDS[name], layer, torch.randn(rank, size_in, generator=g) * 0.01,
-                                   torch.randn(size_out, rank, generator=g) * 0.01))
-    return LoraAdapter(rows)
+    return LoraAdapter(random_lora_modules(config, rank, MODULES, seed))
 
 
 def decode_tok_s(core, prompts: list[list[int]], adapters: list, new_tokens: int) -> float:

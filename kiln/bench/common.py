@@ -133,3 +133,19 @@ def append_record(path: str | Path, record: dict) -> None:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
+
+
+def random_lora_modules(config, rank: int, modules: tuple[str, ...], seed: int = 0, scale: float = 0.01) -> list:
+    """A random LoRA adapter (``kiln.checkpoint.lora.LoraModule`` rows): rank ``rank`` on the
+    reference ``modules`` of every layer of a model of ``config``, entries ``scale`` x N(0, 1)."""
+    from kiln.checkpoint.lora import LORA_MODULE_IDS, LoraModule, module_shapes
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = module_shapes(config)
+    rows = []
+    for layer in range(config.num_hidden_layers):
+        for name in modules:
+            size_in, size_out = shapes[LORA_MODULE_IDS[name]]
+            rows.append(LoraModule(LORA_MODULE_IDS[name], layer, torch.randn(rank, size_in, generator=g) * scale,
+                                   torch.randn(size_out, rank, generator=g) * scale))
+    return rows

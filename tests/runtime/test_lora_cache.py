@@ -4,10 +4,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from kiln import SamplingParams
-from kiln.checkpoint.lora import LORA_MODULE_IDS, LoraModule, module_shapes, pack_lora_tensors
+from kiln.bench.common import random_lora_modules
+from kiln.checkpoint.lora import module_shapes, pack_lora_tensors
 from kiln.errors import RequestError
 from kiln.layers.lora import LoraAdapter
 from kiln.runtime.engine import Engine
@@ -23,15 +23,7 @@ MODEL = SimpleNamespace(hidden_size=4, head_size=2, num_attention_heads=2, num_k
 
 def _tensors(config, rank: int, seed: int, modules=("attn_q", "attn_v", "mlp_4h_to_h")):
     """A random adapter (every layer, the given modules) as reference weights and config."""
-    g = torch.Generator().manual_seed(seed)
-    shapes = module_shapes(config)
-    rows = []
-    for layer in range(config.num_hidden_layers):
-        for name in modules:
-            size_in, size_out = shapes[LORA_MODULE_IDS[name]]
-            rows.append(LoraModule(LORA_MODULE_IDS[name], layer, torch.randn(rank, size_in, generator=g) * 0.3,
-                                   torch.randn(size_out, rank, generator=g) * 0.3))
-    return pack_lora_tensors(rows)
+    return pack_lora_tensors(random_lora_modules(config, rank, modules, seed, scale=0.3))
 
 
 def _bytes(rank: int) -> int:  # float32 A and B of the three modules above, in all 4 layers
