@@ -6,7 +6,8 @@ engines, and run them: ``LLM`` for most users, ``kiln.runtime`` for the lower la
 from kiln.errors import KilnError
 from kiln.llm import LLM
 from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.lora_cache import LoraConfig
 from kiln.runtime.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "KilnError", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "KilnError", "LoraConfig", "__version__"]

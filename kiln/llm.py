@@ -14,12 +14,16 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
+from kiln.checkpoint.lora import module_shapes, pack_lora_tensors, parse_lora_tensors
+from kiln.checkpoint.peft import load_lora_dir, peft_to_lora_modules
 from kiln.engine_cache import resolve_engine
-from kiln.errors import ConfigError, RequestError
+from kiln.errors import CheckpointError, ConfigError, RequestError
+from kiln.layers.lora import LoraAdapter
 from kiln.outputs import (FINISH_NAMES, CompletionOutput, RequestOutput, StreamDelta, TextTracker, beam_completions,
                           completion)
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore, Request
+from kiln.runtime.lora_cache import LoraConfig
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import FinishReason
 from kiln.tokenizer import chat_prompt_ids, end_ids, load_tokenizer
@@ -66,6 +70,7 @@ class LLM:
         if kv_cache_max_tokens is not None:
             num_blocks = max(1, kv_cache_max_tokens // build.tokens_per_block)
         self.core = EngineCore(self.engine, num_blocks=num_blocks)
+        self._lora_adapters: dict[object, LoraAdapter] = {}  # by adapter directory or task id
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -96,10 +101,42 @@ class LLM:
             raise RequestError("stop strings and multi-token stop words are not supported with beam search")
         return dataclasses.replace(params, **changes) if changes else params
 
-    def _add(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Request, dict]:
+    def lora_adapter(self, lora) -> LoraAdapter | None:
+        """The adapter ``lora`` names, loaded once: a Hugging Face PEFT LoRA adapter directory,
+        a directory ``kiln lora convert`` wrote, or a ``LoraConfig`` (weights and config the
+        first time, its ``task_id`` alone after); None for None."""
+        if lora is None or isinstance(lora, LoraAdapter):
+            return lora
+        if isinstance(lora, LoraConfig):
+            key = ("task", lora.task_id)
+            if lora.weights is None and lora.config is None:
+                if key not in self._lora_adapters:
+                    raise RequestError(f"lora: task_id {lora.task_id} has not been given its weights and config")
+                return self._lora_adapters[key]
+            weights, config = lora.weights, lora.config
+        elif isinstance(lora, (str, Path)):
+            key = Path(lora).resolve()
+            if key in self._lora_adapters:
+                return self._lora_adapters[key]
+            if (key / "adapter_config.json").is_file():
+                weights, config = pack_lora_tensors(peft_to_lora_modules(key))
+            else:
+                weights, config = load_lora_dir(key)
+        else:
+            raise RequestError(f"lora: expected an adapter directory or a LoraConfig, got {type(lora).__name__}")
+        model = self.engine.config
+        try:
+            modules = parse_lora_tensors(weights, config, module_shapes(model), model.num_hidden_layers)
+        except CheckpointError as e:
+            raise RequestError(f"lora: {e}") from None
+        adapter = self._lora_adapters[key] = LoraAdapter(modules)
+        return adapter
+
+    def _add(self, prompt_ids: list[int], params: SamplingParams, lora=None) -> tuple[Request, dict]:
         """Queue a request; returns it with a stop-string tracker per sequence (when asked)."""
         request = self.core.add_request(prompt_ids, self._engine_params(params), self.end_id,
-                                        return_context_logits=params.prompt_logprobs is not None)
+                                        return_context_logits=params.prompt_logprobs is not None,
+                                        lora=self.lora_adapter(lora))
         trackers = {}
         if params.stop:
             trackers = {s.seq_id: TextTracker(self.tokenizer, params.stop, params.include_stop_str_in_output)
@@ -130,19 +167,24 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (all batched together); outputs in prompt order."""
+                 use_tqdm: bool = False, lora=None) -> list[RequestOutput]:
+        """Generate for every prompt (all batched together); outputs in prompt order. ``lora``:
+        a LoRA adapter for every prompt, or a list with one per prompt (None: the base model),
+        as ``lora_adapter`` takes them."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise RequestError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise RequestError(f"{len(loras)} LoRA adapters for {len(prompts)} prompts")
         encoded = [self._encode(p) for p in prompts]
         added: list[tuple[Request, dict]] = []
         try:
-            for ids, p in zip(encoded, params_list):
-                added.append(self._add(ids, p))
+            for ids, p, adapter in zip(encoded, params_list, loras):
+                added.append(self._add(ids, p, adapter))
         except Exception:
             for request, _ in added:  # one bad prompt rejects the batch: leave nothing queued
                 self.core.abort(request)
@@ -155,17 +197,18 @@ class LLM:
                 for (r, t), p, sp in zip(added, prompts, params_list)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | None = None, lora=None) -> list[RequestOutput]:
         """Reply to one conversation (a list of {"role", "content"}) or to several."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([chat_prompt_ids(self.tokenizer, c) for c in conversations], sampling_params)
+        return self.generate([chat_prompt_ids(self.tokenizer, c) for c in conversations], sampling_params, lora=lora)
 
-    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+               lora=None) -> Iterator[StreamDelta]:
         """Generate for one prompt (one sequence, no beam search), yielding text as it is decoded."""
         params = sampling_params or SamplingParams()
         if params.use_beam_search or params.num_samples > 1:
             raise RequestError("stream() returns one sequence: use generate() for n > 1 or beam search")
-        request, trackers = self._add(self._encode(prompt), params)
+        request, trackers = self._add(self._encode(prompt), params, lora)
         seq = request.seqs[0]
         tracker = trackers.get(seq.seq_id) or TextTracker(self.tokenizer, [], False)
         pending = {request.request_id: (request, trackers)}

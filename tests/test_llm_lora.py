@@ -1,0 +1,77 @@
+"""LLM(...).generate / chat / stream with LoRA adapters, against PEFT on the same tiny Llama."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kiln import LLM, LoraConfig, SamplingParams
+from kiln.checkpoint.peft import convert_peft_adapter, load_lora_dir
+from kiln.errors import RequestError
+from tests.utils.fakes import make_tiny_llama_with_tokenizer
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(llm, PEFT model, adapter dir, prompt ids): a float32 engine of a tiny Llama and a PEFT
+    adapter of random, non-zero A and B on its q, v and down projections."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("llm-lora")
+    make_tiny_llama_with_tokenizer(root / "hf")
+    llm = LLM(root / "hf", cache_dir=root / "cache", dtype="float32", progress=False)
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32),
+                           PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                          init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.05)
+    model.save_pretrained(root / "adapter")
+    return llm, model.eval(), root / "adapter", llm.tokenizer.encode("the quick brown fox", add_special_tokens=False)
+
+
+def _peft_greedy(model, prompt: list[int], n: int = 8) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_an_adapter_directory_gives_peft_output(setup, tmp_path):
+    llm, model, adapter_dir, prompt = setup
+    expected = _peft_greedy(model, prompt)
+    with model.disable_adapter():
+        base = _peft_greedy(model, prompt)
+    assert expected != base  # the adapter changes the output
+    assert llm.generate(prompt, GREEDY, lora=adapter_dir)[0].outputs[0].token_ids == expected
+    converted = convert_peft_adapter(adapter_dir, tmp_path / "converted", "float32")
+    assert llm.generate(prompt, GREEDY, lora=converted)[0].outputs[0].token_ids == expected
+    deltas = [d.token_ids for d in llm.stream(prompt, GREEDY, lora=adapter_dir)]
+    assert [t for d in deltas for t in d] == expected
+    # one adapter per prompt, or none
+    with_lora, without = llm.generate([prompt, prompt], GREEDY, lora=[adapter_dir, None])
+    assert with_lora.outputs[0].token_ids == expected and without.outputs[0].token_ids == base
+
+
+def test_lora_config_by_task_id(setup):
+    llm, model, adapter_dir, prompt = setup
+    weights, config = load_lora_dir(convert_peft_adapter(adapter_dir, adapter_dir.parent / "npy", "float32"))
+    expected = _peft_greedy(model, prompt)
+    first = llm.generate(prompt, GREEDY, lora=LoraConfig(5, weights, config))
+    assert first[0].outputs[0].token_ids == expected
+    assert llm.generate(prompt, GREEDY, lora=LoraConfig(5))[0].outputs[0].token_ids == expected
+    with pytest.raises(RequestError, match="task_id 6 has not been given"):
+        llm.generate(prompt, GREEDY, lora=LoraConfig(6))
+    bad = np.array(config)
+    bad[0, 0] = 42
+    with pytest.raises(RequestError, match="unknown module_id 42"):
+        llm.generate(prompt, GREEDY, lora=LoraConfig(7, weights, bad))
+    with pytest.raises(RequestError, match="2 LoRA adapters for 1 prompts"):
+        llm.generate([prompt], GREEDY, lora=[None, None])
