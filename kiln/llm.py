@@ -14,8 +14,8 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from kiln.checkpoint.lora import module_shapes, pack_lora_tensors, parse_lora_tensors
-from kiln.checkpoint.peft import load_lora_dir, peft_to_lora_modules
+from kiln.checkpoint.lora import module_shapes, parse_lora_tensors
+from kiln.checkpoint.peft import read_adapter
 from kiln.engine_cache import resolve_engine
 from kiln.errors import CheckpointError, ConfigError, RequestError
 from kiln.layers.lora import LoraAdapter
@@ -118,10 +118,7 @@ class LLM:
             key = Path(lora).resolve()
             if key in self._lora_adapters:
                 return self._lora_adapters[key]
-            if (key / "adapter_config.json").is_file():
-                weights, config = pack_lora_tensors(peft_to_lora_modules(key))
-            else:
-                weights, config = load_lora_dir(key)
+            weights, config = read_adapter(key)
         else:
             raise RequestError(f"lora: expected an adapter directory or a LoraConfig, got {type(lora).__name__}")
         model = self.engine.config

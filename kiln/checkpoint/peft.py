@@ -130,3 +130,15 @@ def load_lora_dir(directory: str | Path) -> tuple[np.ndarray, np.ndarray]:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{directory / name}: cannot read ({e})") from None
     return out[0], out[1]
+
+
+def read_adapter(directory: str | Path) -> tuple:
+    """``(weights, config)`` of a LoRA adapter directory: a Hugging Face PEFT adapter
+    (converted in memory) or what ``kiln lora convert`` wrote."""
+    directory = Path(directory)
+    if (directory / "adapter_config.json").is_file():
+        return pack_lora_tensors(peft_to_lora_modules(directory))
+    if not (directory / WEIGHTS_FILE).is_file():
+        raise CheckpointError(f"{directory}: not a LoRA adapter (no adapter_config.json of a PEFT adapter, "
+                              f"no {WEIGHTS_FILE} from kiln lora convert)")
+    return load_lora_dir(directory)

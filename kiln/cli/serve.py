@@ -20,6 +20,9 @@ def add_parser(sub) -> None:
     p.add_argument("--served_model_name", help="the model name clients send and /v1/models lists "
                                                "(default: the engine directory's name)")
     p.add_argument("--cache_dir", help="engine cache for non-engine inputs (default ~/.cache/kiln)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   help="serve a LoRA adapter (a PEFT adapter directory or a kiln lora convert output) as model "
+                        "NAME; repeat for more (more can be loaded at run time: POST /v1/load_lora_adapter)")
     g = p.add_argument_group("scheduling")
     g.add_argument("--max_batch_size", type=int,
                    help="most sequences generated at once (default: the engine's build limit)")
@@ -39,6 +42,7 @@ def serve(args) -> int:
     import uvicorn
 
     from kiln.engine_cache import resolve_engine
+    from kiln.errors import ConfigError
     from kiln.runtime.executor import ExecutorConfig, KvCacheConfig
     from kiln.serve.app import create_app
 
@@ -49,7 +53,13 @@ def serve(args) -> int:
                             max_queue_size=args.max_queue_size,
                             kv_cache_config=KvCacheConfig(max_tokens=args.kv_cache_max_tokens,
                                                           enable_block_reuse=args.enable_prefix_caching))
+    loras = {}
+    for spec in args.lora:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--lora {spec!r}: expected NAME=DIR")
+        loras[name] = path
     app = create_app(engine_dir, tokenizer_dir=args.tokenizer_dir, api_key=args.api_key, executor_config=config,
-                     served_model_name=args.served_model_name)
+                     served_model_name=args.served_model_name, lora_adapters=loras)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

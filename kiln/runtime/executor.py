@@ -224,6 +224,11 @@ class Executor:
                     return []
                 self._lock.wait(remaining)
 
+    def register_lora(self, task_id: int, weights, config) -> None:
+        """Register a LoRA adapter for good (``LoraCache.register``): requests may name it by
+        ``LoraConfig(task_id)`` alone, and it is reloaded whenever the cache evicted it."""
+        self.lora_cache.register(task_id, weights, config)
+
     def cancel_request(self, request_id: int) -> None:
         """Stop a request; it gets a final response with finish reason "cancelled"."""
         with self._lock:

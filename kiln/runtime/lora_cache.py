@@ -7,7 +7,8 @@ up to ``host_cache_bytes``; the device level holds the adapters running sequence
 levels are host memory, but the slots still bound how many adapters a step mixes). Each
 level evicts its least recently used adapter that no running request holds; a request whose
 adapter cannot get a slot waits, and a task id the cache does not know is an error for that
-request alone.
+request alone. Registered adapters (a server's named ones) keep their tensors beside the
+cache and come back into the host level whenever a request needs them after an eviction.
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ class LoraCache:
         self._host: collections.OrderedDict[int, LoraAdapter] = collections.OrderedDict()  # LRU first
         self._device: collections.OrderedDict[int, LoraAdapter] = collections.OrderedDict()
         self._users: collections.Counter[int] = collections.Counter()  # running requests per task id
+        self._registered: dict[int, tuple] = {}  # task id -> (weights, config), reloaded after eviction
         self.hits = self.misses = self.evictions = 0
 
     # -- the host level -----------------------------------------------------------------------
@@ -85,10 +87,22 @@ class LoraCache:
         self._host[task_id] = adapter
         return adapter
 
+    def register(self, task_id: int, weights, config) -> None:
+        """Keep an adapter's tensors under ``task_id`` for good (checked now): requests may name
+        it by task id alone whatever the cache evicts. Safe from another thread (one dict store)."""
+        self._check_id(task_id)
+        try:
+            parse_lora_tensors(weights, config, self._shapes, self._num_layers, self._max_rank)
+        except CheckpointError as e:
+            raise RequestError(f"lora adapter (task_id {task_id}): {e}") from None
+        self._registered[task_id] = (weights, config)
+
     def get(self, task_id: int) -> LoraAdapter:
         """The adapter of ``task_id`` (now the most recently used)."""
         self._check_id(task_id)
         adapter = self._host.get(task_id)
+        if adapter is None and task_id in self._registered:
+            return self.put(task_id, *self._registered[task_id])
         if adapter is None:
             self.misses += 1
             raise RequestError(f"lora_config: task_id {task_id} is not in the LoRA cache (never loaded, or evicted): "

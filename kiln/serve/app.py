@@ -25,13 +25,15 @@ from fastapi import Depends, FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from kiln.checkpoint.peft import read_adapter
 from kiln.errors import ConfigError, KilnError, RequestError
 from kiln.outputs import TextTracker
 from kiln.runtime.executor import Executor, ExecutorConfig, OutputConfig, Request, Response
+from kiln.runtime.lora_cache import LoraConfig
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.serve.metrics import Metrics
 from kiln.serve.protocol import (ApiError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                 CompletionResponse, ErrorResponse, ModelCard, ModelList)
+                                 CompletionResponse, ErrorResponse, LoadLoraAdapterRequest, ModelCard, ModelList)
 from kiln.tokenizer import end_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,7 @@ class ServingEngine:
         self.build = engine.build_config
         self.vocab_size = engine.config.vocab_size
         self.model_name = served_model_name or Path(engine_dir).name
+        self.lora_task_ids: dict[str, int] = {}  # served adapter name -> its LoRA task id
         self.metrics = Metrics()
         self._queues: dict[int, asyncio.Queue] = {}
         self._lock = threading.Lock()
@@ -165,7 +168,20 @@ class ServingEngine:
         seed = None if params.seed is None else params.seed + i
         return dataclasses.replace(params, n=1, best_of=None, seed=seed, stop=[], stop_token_ids=stop_ids)
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams, *,
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Serve the LoRA adapter in ``path`` (a PEFT adapter or a ``kiln lora convert``
+        directory) as model ``name``; errors are 400s naming what is wrong."""
+        if not name or name == self.model_name or name in self.lora_task_ids:
+            raise ApiError(400, f"the model name {name!r} is already served (or empty)", "lora_name")
+        try:
+            weights, config = read_adapter(path)
+            task_id = len(self.lora_task_ids) + 1
+            self.executor.register_lora(task_id, weights, config)
+        except KilnError as e:
+            raise ApiError(400, str(e), "lora_path") from None
+        self.lora_task_ids[name] = task_id
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams, *, model: str | None = None,
                        http_request: HttpRequest | None = None) -> AsyncIterator[Event]:
         """Run ``params.n`` choices per prompt (index ``prompt * n + i``); yield their new output.
 
@@ -174,12 +190,15 @@ class ServingEngine:
         streaming path is cancelled by the server instead). Leaving early cancels what still runs.
         """
         want_logprobs = params.logprobs is not None
+        lora_task = self.lora_task_ids.get(model)
+        lora = LoraConfig(lora_task) if lora_task is not None else None
         requests, choices = [], []
         for p, ids in enumerate(prompts):
             for i in range(params.n):
                 requests.append(Request(input_token_ids=ids, max_tokens=params.max_tokens, streaming=True,
                                         sampling_config=self._engine_params(params, i), end_id=self.end_id,
-                                        output_config=OutputConfig(return_log_probs=want_logprobs)))
+                                        output_config=OutputConfig(return_log_probs=want_logprobs),
+                                        lora_config=lora))
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             try:
@@ -283,6 +302,21 @@ class ServingEngine:
             "kiln_kv_cache_usage_ratio": ("Fraction of KV cache blocks in use.",
                                           (pool.num_blocks - pool.num_free) / pool.num_blocks),
             "kiln_prefix_cache_hit_rate": ("Prefix-cache hit blocks / looked-up blocks since start.", pool.hit_rate),
+            **self._lora_gauges(last),
+        }
+
+    def _lora_gauges(self, last) -> dict[str, tuple[str, float]]:
+        lora = None if last is None else last.lora_cache
+        if lora is None:
+            return {}
+        return {
+            "kiln_lora_host_adapters": ("LoRA adapters in the host cache.", lora.host_adapters),
+            "kiln_lora_host_bytes": ("Bytes of LoRA adapters in the host cache.", lora.host_bytes),
+            "kiln_lora_device_adapters": ("LoRA adapters holding device slots.", lora.device_adapters),
+            "kiln_lora_device_slots": ("LoRA device slots in all.", lora.device_slots),
+            "kiln_lora_cache_hits": ("LoRA task ids found in the host cache since start.", lora.hits),
+            "kiln_lora_cache_misses": ("LoRA task ids loaded or unknown since start.", lora.misses),
+            "kiln_lora_cache_evictions": ("LoRA adapters evicted since start.", lora.evictions),
         }
 
 
@@ -291,8 +325,10 @@ def _error(e: ApiError) -> JSONResponse:
 
 
 def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, api_key: str | None = None,
-               executor_config: ExecutorConfig | None = None, served_model_name: str | None = None) -> FastAPI:
-    """An OpenAI-compatible app serving the engine in ``engine_dir`` (the executor starts with the app)."""
+               executor_config: ExecutorConfig | None = None, served_model_name: str | None = None,
+               lora_adapters: dict[str, str | Path] | None = None) -> FastAPI:
+    """An OpenAI-compatible app serving the engine in ``engine_dir`` (the executor starts with the
+    app), and each LoRA adapter of ``lora_adapters`` (name -> directory) as a model of that name."""
     from kiln.serve import chat, completions
 
     holder: dict[str, ServingEngine] = {}
@@ -301,6 +337,12 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine = await asyncio.to_thread(ServingEngine, engine_dir, tokenizer_dir, executor_config, name)
+        try:
+            for lora_name, path in (lora_adapters or {}).items():
+                engine.load_lora(lora_name, path)
+        except ApiError as e:
+            await asyncio.to_thread(engine.shutdown)
+            raise ConfigError(f"--lora {lora_name}={path}: {e.message}") from None
         engine.start(asyncio.get_running_loop())
         holder["engine"] = app.state.engine = engine
         try:
@@ -336,8 +378,9 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
             raise ApiError(401, "invalid or missing API key", None, "authentication_error", "invalid_api_key")
 
     def check_model(model: str) -> None:
-        if model != name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {name!r}", "model",
+        if model != name and model not in engine().lora_task_ids:
+            served = [name, *engine().lora_task_ids]
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}", "model",
                            code="model_not_found")
 
     # Documented in the OpenAPI schema, so clients (and schema fuzzers) know every answer.
@@ -361,7 +404,15 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
     @app.get("/v1/models", dependencies=[Depends(check_key)], response_model=ModelList,
              responses={401: errors[401]})
     async def models():
-        return ModelList(data=[ModelCard(id=name)])
+        adapters = [ModelCard(id=lora, parent=name) for lora in engine().lora_task_ids]
+        return ModelList(data=[ModelCard(id=name), *adapters])
+
+    @app.post("/v1/load_lora_adapter", dependencies=[Depends(check_key)], response_model=ModelCard,
+              responses={400: errors[400], 401: errors[401]})
+    async def load_lora_adapter(body: LoadLoraAdapterRequest):
+        """Serve a LoRA adapter found on the server under a new model name; answers its model card."""
+        await asyncio.to_thread(engine().load_lora, body.lora_name, body.lora_path)
+        return ModelCard(id=body.lora_name, parent=name)
 
     @app.post("/v1/completions", dependencies=[Depends(check_key)], response_model=CompletionResponse,
               responses={200: event_stream, **errors})

@@ -82,13 +82,13 @@ async def serve(engine: ServingEngine, body: ChatCompletionRequest, http_request
 
         head = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                        for i in range(params.n)])]
-        return await stream_events(engine.generate([ids], params), on_event, head=head, tail=tail)
+        return await stream_events(engine.generate([ids], params, model=body.model), on_event, head=head, tail=tail)
 
     n = params.n
     texts, tokens = [[] for _ in range(n)], [[] for _ in range(n)]
     lps, tops = [[] for _ in range(n)], [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
-    async for event in engine.generate([ids], params, http_request=http_request):
+    async for event in engine.generate([ids], params, model=body.model, http_request=http_request):
         texts[event.index].append(event.text)
         tokens[event.index] += event.token_ids
         lps[event.index] += event.logprobs

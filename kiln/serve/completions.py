@@ -119,7 +119,7 @@ async def serve(engine: ServingEngine, body: CompletionRequest, http_request: Ht
     offsets = [0] * n_choices
 
     if body.stream:
-        events = engine.generate(prompts, params)
+        events = engine.generate(prompts, params, model=body.model)
 
         def chunk(event: Event) -> dict:
             completion_tokens[0] += len(event.token_ids)
@@ -148,7 +148,7 @@ async def serve(engine: ServingEngine, body: CompletionRequest, http_request: Ht
     lps = [[] for _ in range(n_choices)]
     tops = [[] for _ in range(n_choices)]
     reasons: list[str | None] = [None] * n_choices
-    async for event in engine.generate(prompts, params, http_request=http_request):
+    async for event in engine.generate(prompts, params, model=body.model, http_request=http_request):
         texts[event.index].append(event.text)
         tokens[event.index] += event.token_ids
         lps[event.index] += event.logprobs

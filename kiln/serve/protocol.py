@@ -83,6 +83,12 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "kiln"
+    parent: str | None = None  # a LoRA adapter's base model
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    lora_name: str  # the model name requests will use
+    lora_path: str  # a PEFT adapter directory or a kiln lora convert directory, on the server
 
 
 class ModelList(BaseModel):

@@ -155,3 +155,18 @@ def test_requests_wait_for_a_device_slot(engine):
         assert max(s.num_waiting_for_lora for s in executor.get_latest_iteration_stats()) >= 1
     finally:
         executor.shutdown()
+
+
+def test_registered_adapters_come_back_after_eviction():
+    cache = LoraCache(MODEL, LoraCacheConfig(host_cache_bytes=_bytes(2), device_cache_slots=2))
+    cache.register(1, *_tensors(MODEL, 2, 1))
+    assert cache.get(1) is not None  # loaded on first use
+    cache.put(2, *_tensors(MODEL, 2, 2))  # evicts 1 (the host level holds one adapter)
+    assert 1 not in cache._host
+    assert cache.get(1) is not None and 2 not in cache._host  # back, evicting 2, which was not registered
+    with pytest.raises(RequestError, match="task_id 2 is not in the LoRA cache"):
+        cache.get(2)
+    weights, config = _tensors(MODEL, 2, 3)
+    config[0, 0] = 30
+    with pytest.raises(RequestError, match="unknown module_id 30"):
+        cache.register(3, weights, config)
