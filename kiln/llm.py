@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from kiln.checkpoint.lora import module_shapes, parse_lora_tensors
+from kiln.checkpoint.lora import engine_lora_shapes, parse_lora_tensors
 from kiln.checkpoint.peft import read_adapter
 from kiln.engine_cache import resolve_engine
 from kiln.errors import CheckpointError, ConfigError, RequestError
@@ -102,9 +102,10 @@ class LLM:
         return dataclasses.replace(params, **changes) if changes else params
 
     def lora_adapter(self, lora) -> LoraAdapter | None:
-        """The adapter ``lora`` names, loaded once: a Hugging Face PEFT LoRA adapter directory,
-        a directory ``kiln lora convert`` wrote, or a ``LoraConfig`` (weights and config the
-        first time, its ``task_id`` alone after); None for None."""
+        """The adapter ``lora`` names, loaded once: the name of one built into the engine
+        (``kiln build --lora_dir``), a Hugging Face PEFT LoRA adapter directory, a directory
+        ``kiln lora convert`` wrote, or a ``LoraConfig`` (weights and config the first time, its
+        ``task_id`` alone after); None for None."""
         if lora is None or isinstance(lora, LoraAdapter):
             return lora
         if isinstance(lora, LoraConfig):
@@ -115,15 +116,16 @@ class LLM:
                 return self._lora_adapters[key]
             weights, config = lora.weights, lora.config
         elif isinstance(lora, (str, Path)):
-            key = Path(lora).resolve()
+            key = self.engine.lora_adapter_dirs.get(str(lora), Path(lora)).resolve()  # a built-in adapter's name
             if key in self._lora_adapters:
                 return self._lora_adapters[key]
             weights, config = read_adapter(key)
         else:
             raise RequestError(f"lora: expected an adapter directory or a LoraConfig, got {type(lora).__name__}")
-        model = self.engine.config
+        model, built = self.engine.config, self.engine.lora_config or {}
         try:
-            modules = parse_lora_tensors(weights, config, module_shapes(model), model.num_hidden_layers)
+            modules = parse_lora_tensors(weights, config, engine_lora_shapes(model, built), model.num_hidden_layers,
+                                         built.get("max_lora_rank"))
         except CheckpointError as e:
             raise RequestError(f"lora: {e}") from None
         adapter = self._lora_adapters[key] = LoraAdapter(modules)

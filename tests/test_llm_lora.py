@@ -1,6 +1,8 @@
 """LLM(...).generate / chat / stream with LoRA adapters, against PEFT on the same tiny Llama."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -75,3 +77,58 @@ def test_lora_config_by_task_id(setup):
         llm.generate(prompt, GREEDY, lora=LoraConfig(7, weights, bad))
     with pytest.raises(RequestError, match="2 LoRA adapters for 1 prompts"):
         llm.generate([prompt], GREEDY, lora=[None, None])
+
+
+# -- adapters built into the engine (kiln build --lora_dir) ---------------------------------------
+
+
+def test_built_in_adapters_by_name(setup, tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    llm, model, adapter_dir, prompt = setup
+    checkpoint = llm.engine_dir.parent / "checkpoint"  # not kept by the engine cache: convert again
+    from kiln.convert import convert_checkpoint
+
+    hf_dir = adapter_dir.parent / "hf"
+    convert_checkpoint(hf_dir, checkpoint, progress=False)
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "kiln.cli.main", "build", "--checkpoint_dir", checkpoint,
+                          "--output_dir", tmp_path / "engine", "--dtype", "float32", "--lora_dir", adapter_dir,
+                          "--lora_target_modules", "attn_q", "attn_v", "mlp_4h_to_h", "attn_k"],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "LoRA: max rank 4, modules attn_q attn_k attn_v mlp_4h_to_h, adapters adapter" in run.stdout
+    section = json.loads((tmp_path / "engine" / "config.json").read_text())["lora_config"]
+    assert section == {"max_lora_rank": 4, "lora_target_modules": ["attn_q", "attn_k", "attn_v", "mlp_4h_to_h"],
+                       "adapters": ["adapter"]}
+    built = LLM(tmp_path / "engine", progress=False)
+    assert built.generate(prompt, GREEDY, lora="adapter")[0].outputs[0].token_ids == _peft_greedy(model, prompt)
+    # the engine's bounds hold for adapters given at run time too
+    from kiln.checkpoint.lora import LoraModule, pack_lora_tensors
+
+    too_wide = pack_lora_tensors([LoraModule(1, 0, torch.zeros(8, 64), torch.zeros(64, 8))])
+    with pytest.raises(RequestError, match="max_lora_rank is 4"):
+        built.generate(prompt, GREEDY, lora=LoraConfig(1, *too_wide))
+    elsewhere = pack_lora_tensors([LoraModule(4, 0, torch.zeros(2, 64), torch.zeros(64, 2))])
+    with pytest.raises(RequestError, match="attn_dense .* is not one this engine applies LoRA to"):
+        built.generate(prompt, GREEDY, lora=LoraConfig(2, *elsewhere))
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (dict(max_lora_rank=2), "max_lora_rank is 2"),
+    (dict(lora_target_modules=["attn_q"]), "attn_v (id 3) is not one this engine applies LoRA to"),
+    (dict(lora_target_modules=["cross_attn_q"]), "--lora_target_modules 'cross_attn_q'"),
+])
+def test_build_refuses_adapters_outside_its_bounds(setup, tmp_path, options, fragment):
+    from kiln.build import build_engine
+    from kiln.convert import convert_checkpoint
+    from kiln.errors import BuildError
+
+    llm, model, adapter_dir, prompt = setup
+    checkpoint = convert_checkpoint(adapter_dir.parent / "hf", tmp_path / "checkpoint", progress=False)
+    with pytest.raises(BuildError, match=re.escape(fragment)):
+        build_engine(checkpoint, tmp_path / "engine", progress=False, lora_dirs=[adapter_dir], **options)
+    assert not (tmp_path / "engine").exists()

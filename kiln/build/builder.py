@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from kiln.checkpoint.format import (atomic_output_dir, copy_tokenizer_files, read_config, read_config_dict,
                                     write_config, write_rank_weights)
+from kiln.build.lora import lora_build, write_adapters
 from kiln.config import BuildConfig, PretrainedConfig
 from kiln.engine_cache import ENGINE_FORMAT_VERSION
 from kiln.errors import BuildError, preview
@@ -78,18 +79,23 @@ def resolve_engine_dtype(requested: str | None, checkpoint_dtype: str, quantized
 
 
 def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_config: BuildConfig | None = None,
-                 progress: bool = True, dtype: str | None = None) -> Path:
+                 progress: bool = True, dtype: str | None = None, lora_dirs: list[str | Path] | None = None,
+                 max_lora_rank: int | None = None, lora_target_modules: list[str] | None = None) -> Path:
     """Validate ``checkpoint_dir`` and write an engine to ``output_dir``.
 
     Without ``build_config`` the limits come from :func:`resolve_build_config`. ``dtype``
     casts the floating-point weights (the engine computes in it); None keeps the checkpoint's,
     except that a weight-only quantized checkpoint always builds in bfloat16 (use
-    :func:`resolve_engine_dtype` for the machine's best).
+    :func:`resolve_engine_dtype` for the machine's best). ``lora_dirs`` / ``max_lora_rank`` /
+    ``lora_target_modules``: LoRA settings and adapters kept in the engine (kiln.build.lora).
     """
     checkpoint_dir = Path(checkpoint_dir)
     config = read_config(checkpoint_dir)
     build_config = build_config or resolve_build_config(config)
     validate_limits(config, build_config)
+    lora_section, lora_adapters = None, {}
+    if lora_dirs or max_lora_rank is not None or lora_target_modules:
+        lora_section, lora_adapters = lora_build(config, list(lora_dirs or []), max_lora_rank, lora_target_modules)
     if dtype is not None and dtype not in ENGINE_DTYPES:
         raise BuildError(f"dtype {dtype!r} is not one of {', '.join(ENGINE_DTYPES)}")
     # Weight-only and FP8 kernels compute in bf16; SmoothQuant W8A8 (int8 matmul, float32 scales) in any dtype.
@@ -122,7 +128,9 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_confi
                                  f"extra {preview(extra)}")
             write_rank_weights(tmp, rank, weights)
         dtype_field = {"dtype": dtype} if cast is not None else {}
+        lora_field = {"lora_config": lora_section} if lora_section else {}
         write_config(tmp, {**raw, **dtype_field, "build_config": build_config.to_dict(),
-                           "engine_format": ENGINE_FORMAT_VERSION})
+                           "engine_format": ENGINE_FORMAT_VERSION, **lora_field})
+        write_adapters(tmp, lora_adapters)
         copy_tokenizer_files(checkpoint_dir, tmp)
     return Path(output_dir)

@@ -67,6 +67,15 @@ def module_shapes(config) -> dict[int, tuple[int, int]]:
     }
 
 
+def engine_lora_shapes(config, lora_config: dict | None) -> dict[int, tuple[int, int]]:
+    """``module_shapes`` of the modules an engine takes adapters for: those its build named
+    (``lora_config.lora_target_modules`` in the engine's config.json), or all of the model's."""
+    shapes = module_shapes(config)
+    if not lora_config or not lora_config.get("lora_target_modules"):
+        return shapes
+    return {i: shapes[i] for i in (LORA_MODULE_IDS[name] for name in lora_config["lora_target_modules"])}
+
+
 def _as_tensor(value, name: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
@@ -98,8 +107,8 @@ def parse_lora_tensors(weights, config, shapes: dict[int, tuple[int, int]], num_
         if module_id not in LORA_MODULE_NAMES:
             raise CheckpointError(f"{where}: unknown module_id {module_id} (the reference's ids are 0-18)")
         if module_id not in shapes:
-            raise CheckpointError(f"{where}: module {LORA_MODULE_NAMES[module_id]} (id {module_id}) is not in "
-                                  f"this model; it has {sorted(LORA_MODULE_NAMES[i] for i in shapes)}")
+            raise CheckpointError(f"{where}: module {LORA_MODULE_NAMES[module_id]} (id {module_id}) is not one this "
+                                  f"engine applies LoRA to; it takes {sorted(LORA_MODULE_NAMES[i] for i in shapes)}")
         if not 0 <= layer < num_layers:
             raise CheckpointError(f"{where}: layer_idx {layer} is outside the model's {num_layers} layers")
         if rank < 1 or (max_rank is not None and rank > max_rank):

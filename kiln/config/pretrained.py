@@ -147,7 +147,8 @@ class PretrainedConfig:
         kwargs = {k: v for k, v in d.items() if k in known}
         kwargs["mapping"] = Mapping.from_dict(d.get("mapping"), rank=rank)
         kwargs["quantization"] = QuantConfig.from_dict(d.get("quantization"))
-        extra = {k: v for k, v in d.items() if k not in known and k not in ("build_config", "engine_format")}
+        engine_sections = ("build_config", "engine_format", "lora_config")  # an engine's, not the model's
+        extra = {k: v for k, v in d.items() if k not in known and k not in engine_sections}
         try:
             return cls(**kwargs, extra=extra)
         except ConfigError as e:

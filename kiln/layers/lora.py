@@ -58,7 +58,8 @@ class LoraAdapter:
         in its own columns and output rows (zeros elsewhere), and the output columns
         ``start:stop`` they cover; None when it adapts none of them. Built once per linear."""
         if targets not in self._fused:
-            present = [(t, self.weights[t.layer, t.module_id]) for t in targets if (t.layer, t.module_id) in self.weights]
+            present = [(t, self.weights[t.layer, t.module_id]) for t in targets
+                       if (t.layer, t.module_id) in self.weights]
             if not present:
                 self._fused[targets] = None
             else:

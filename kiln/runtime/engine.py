@@ -36,6 +36,11 @@ class Engine:
                               f"{ENGINE_FORMAT_VERSION} (its kernels' weight layout changed): rebuild the engine "
                               "from its checkpoint with kiln build")
         self.build_config = BuildConfig.from_dict(raw["build_config"])
+        # LoRA settings of the build (max_lora_rank, lora_target_modules; kiln.build.lora), or None,
+        # and the adapters built in, by name.
+        self.lora_config: dict | None = raw.get("lora_config")
+        names = (self.lora_config or {}).get("adapters", [])
+        self.lora_adapter_dirs: dict[str, Path] = {name: self.engine_dir / "lora" / name for name in names}
         self.config = PretrainedConfig.from_dict(raw, rank=rank, source=str(self.engine_dir / "config.json"))
         if self.config.mapping.world_size != 1:
             raise KilnError(f"{self.engine_dir}: built for {self.config.mapping.world_size} ranks; "

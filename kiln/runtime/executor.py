@@ -163,7 +163,7 @@ class Executor:
                                capacity_policy=self.config.capacity_policy,
                                attention_backend=self.config.attention_backend,
                                memory_fraction=kv.free_memory_fraction, enable_prefix_caching=kv.enable_block_reuse)
-        self.lora_cache = LoraCache(self.engine.config, self.config.lora_cache_config)
+        self.lora_cache = LoraCache(self.engine.config, self.config.lora_cache_config, self.engine.lora_config)
         self._waiting_for_lora: collections.deque[_Tracked] = collections.deque()
         self._ids = itertools.count(1)
         self._lock = threading.Condition()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from kiln.checkpoint.lora import module_shapes, parse_lora_tensors
+from kiln.checkpoint.lora import engine_lora_shapes, parse_lora_tensors
 from kiln.errors import CheckpointError, ConfigError, RequestError
 from kiln.layers.lora import LoraAdapter
 
@@ -50,13 +50,15 @@ class LoraCacheStats:
 class LoraCache:
     """Adapters by task id for one engine (``model_config``: its PretrainedConfig)."""
 
-    def __init__(self, model_config, config: LoraCacheConfig | None = None, max_rank: int | None = None):
+    def __init__(self, model_config, config: LoraCacheConfig | None = None, engine_lora: dict | None = None):
+        """``engine_lora``: the engine's build-time LoRA settings (``Engine.lora_config``), which
+        bound the rank and the modules adapters may have; None takes any."""
         self.config = config or LoraCacheConfig()
         if self.config.host_cache_bytes <= 0 or self.config.device_cache_slots <= 0:
             raise ConfigError("lora cache: host_cache_bytes and device_cache_slots must be positive")
-        self._shapes = module_shapes(model_config)
+        self._shapes = engine_lora_shapes(model_config, engine_lora)
         self._num_layers = model_config.num_hidden_layers
-        self._max_rank = max_rank
+        self._max_rank = (engine_lora or {}).get("max_lora_rank")
         self._host: collections.OrderedDict[int, LoraAdapter] = collections.OrderedDict()  # LRU first
         self._device: collections.OrderedDict[int, LoraAdapter] = collections.OrderedDict()
         self._users: collections.Counter[int] = collections.Counter()  # running requests per task id

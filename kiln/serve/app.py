@@ -337,8 +337,9 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine = await asyncio.to_thread(ServingEngine, engine_dir, tokenizer_dir, executor_config, name)
-        try:
-            for lora_name, path in (lora_adapters or {}).items():
+        try:  # the engine's built-in adapters, then those given here
+            built_in = engine.executor.engine.lora_adapter_dirs
+            for lora_name, path in {**built_in, **(lora_adapters or {})}.items():
                 engine.load_lora(lora_name, path)
         except ApiError as e:
             await asyncio.to_thread(engine.shutdown)

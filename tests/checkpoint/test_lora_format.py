@@ -59,7 +59,7 @@ def test_dora_rows_carry_their_magnitudes():
     ((6, 64), [[1, 0, 2]], "a row per config row"),
     ((1, 64), [[1, 0]], "[rows, 3] or [rows, 4]"),
     ((1, 64), [[19, 0, 2]], "unknown module_id 19"),
-    ((1, 64), [[8, 0, 2]], "cross_attn_qkv (id 8) is not in this model"),
+    ((1, 64), [[8, 0, 2]], "cross_attn_qkv (id 8) is not one this engine applies LoRA to"),
     ((1, 64), [[1, 4, 2]], "layer_idx 4 is outside the model's 4 layers"),
     ((1, 64), [[1, 0, 0]], "adapter_size 0 must be at least 1"),
     ((1, 128), [[1, 0, 16]], "max_lora_rank is 8"),

@@ -93,3 +93,20 @@ def test_loading_an_adapter_at_run_time(setup, server):
     with urllib.request.urlopen(server.url("/metrics"), timeout=30) as response:
         metrics = response.read().decode()
     assert "kiln_lora_host_adapters" in metrics and "kiln_lora_cache_hits" in metrics
+
+
+def test_adapters_built_into_the_engine_are_served_by_name(setup, tmp_path):
+    from kiln.build import build_engine
+
+    engine, adapters = setup
+    built = build_engine(engine.parent / "checkpoint", tmp_path / "engine", progress=False, dtype="float32",
+                         lora_dirs=[adapters["poet"]])
+    s = _Server(create_app(built, executor_config=ExecutorConfig(kv_cache_config=KvCacheConfig(max_tokens=1024)),
+                           served_model_name=MODEL))
+    try:
+        client = s.client()
+        assert [m.id for m in client.models.list().data] == [MODEL, "poet"]
+        poet = client.completions.create(model="poet", prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
+        assert poet == _expected(setup, adapters["poet"])
+    finally:
+        s.stop()
