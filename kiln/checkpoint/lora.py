@@ -150,3 +150,54 @@ def pack_lora_tensors(modules: list[LoraModule], dtype: torch.dtype = torch.floa
     config = torch.tensor([[m.module_id, m.layer, m.rank] + ([int(m.magnitude is not None)] if dora else [])
                            for m in modules], dtype=torch.int32).reshape(len(modules), 4 if dora else 3)
     return weights, config
+
+
+# Reference 004's tensor-parallel rule: a ColumnLinear target splits its output features over
+# ranks, so only B (out weights) is split, by rows of B; a RowLinear target splits its input
+# features, so only A (in weights) is split, by columns of A. The other factor stays whole.
+ROW_MODULES = frozenset({LORA_MODULE_IDS["attn_dense"], LORA_MODULE_IDS["mlp_4h_to_h"]})
+
+
+def shard_lora_module(module: LoraModule, config, tp_size: int, tp_rank: int) -> LoraModule:
+    """Rank ``tp_rank``'s share of ``module`` for a model of ``config`` split over ``tp_size``
+    ranks. Fused targets split each of their parts as the fused linear does: q, k and v of
+    ``attn_qkv`` (k and v whole on every rank of a group when there are fewer KV heads than
+    ranks), gate and up of ``mlp_gate_up``."""
+    if tp_size == 1:
+        return module
+    if module.module_id in ROW_MODULES:
+        size_in = module.a.shape[1]
+        if size_in % tp_size:
+            raise CheckpointError(f"LoRA {module.name} of layer {module.layer}: {size_in} input features do not "
+                                  f"split over {tp_size} ranks")
+        part = size_in // tp_size
+        return LoraModule(module.module_id, module.layer, module.a[:, tp_rank * part:(tp_rank + 1) * part].clone(),
+                          module.b.clone(), module.magnitude)
+    head = config.head_size
+    q, kv = config.num_attention_heads * head, config.num_key_value_heads * head
+    if module.module_id == LORA_MODULE_IDS["attn_qkv"]:
+        parts = [(0, q, tp_size, tp_rank), (q, kv, *_kv_split(config, tp_size, tp_rank)),
+                 (q + kv, kv, *_kv_split(config, tp_size, tp_rank))]
+    elif module.module_id in (LORA_MODULE_IDS["attn_k"], LORA_MODULE_IDS["attn_v"]):
+        parts = [(0, kv, *_kv_split(config, tp_size, tp_rank))]
+    elif module.module_id == LORA_MODULE_IDS["mlp_gate_up"]:
+        inter = module.b.shape[0] // 2
+        parts = [(0, inter, tp_size, tp_rank), (inter, inter, tp_size, tp_rank)]
+    else:
+        parts = [(0, module.b.shape[0], tp_size, tp_rank)]
+    spans = []
+    for start, size, ways, index in parts:
+        if size % ways:
+            raise CheckpointError(f"LoRA {module.name} of layer {module.layer}: {size} output features do not "
+                                  f"split over {ways} ranks")
+        spans.append(slice(start + index * (size // ways), start + (index + 1) * (size // ways)))
+    b = torch.cat([module.b[span] for span in spans])
+    magnitude = None if module.magnitude is None else torch.cat([module.magnitude[span] for span in spans])
+    return LoraModule(module.module_id, module.layer, module.a.clone(), b, magnitude)
+
+
+def _kv_split(config, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """(ways, index) the K or V part splits into on ``tp_rank``: by KV heads, or, with fewer
+    KV heads than ranks, each KV head whole on ``tp_size / num_kv_heads`` ranks."""
+    ways = min(tp_size, config.num_key_value_heads)
+    return ways, tp_rank * ways // tp_size

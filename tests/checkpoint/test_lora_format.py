@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.checkpoint.lora import LORA_MODULE_IDS, module_shapes, pack_lora_tensors, parse_lora_tensors
+from kiln.checkpoint.lora import LORA_MODULE_IDS, LoraModule, module_shapes, pack_lora_tensors, parse_lora_tensors
 from kiln.checkpoint.peft import CONFIG_FILE, WEIGHTS_FILE, convert_peft_adapter, load_lora_dir, peft_to_lora_modules
 from kiln.errors import CheckpointError
 
@@ -177,3 +177,59 @@ def test_an_unsupported_target_is_named(tmp_path):
     _peft_adapter(tmp_path / "adapter", target_modules=["q_proj", "embed_tokens"])
     with pytest.raises(CheckpointError, match="embed_tokens"):
         peft_to_lora_modules(tmp_path / "adapter")
+
+
+# -- tensor parallelism ---------------------------------------------------------------------------
+
+GQA_MODEL = SimpleNamespace(hidden_size=16, head_size=4, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=24, num_hidden_layers=1)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.parametrize("name", ["attn_q", "attn_k", "attn_v", "attn_qkv", "attn_dense", "mlp_h_to_4h",
+                                  "mlp_gate", "mlp_gate_up", "mlp_4h_to_h"])
+def test_tensor_parallel_shards_reassemble(name, tp_size):
+    """Reference 004's rule: column targets split B by output rows (A whole), row targets split A
+    by input columns (B whole). Each rank's delta is then its slice of the full delta's rows
+    (column) or a partial sum of it (row), as the rank's linear computes."""
+    from kiln.checkpoint.lora import ROW_MODULES, shard_lora_module
+
+    g = torch.Generator().manual_seed(0)
+    size_in, size_out = module_shapes(GQA_MODEL)[LORA_MODULE_IDS[name]]
+    full = LoraModule(LORA_MODULE_IDS[name], 0, torch.randn(3, size_in, generator=g),
+                      torch.randn(size_out, 3, generator=g), torch.randn(size_out, generator=g))
+    shards = [shard_lora_module(full, GQA_MODEL, tp_size, r) for r in range(tp_size)]
+    delta = full.b @ full.a
+    if full.module_id in ROW_MODULES:
+        assert all(torch.equal(s.b, full.b) for s in shards)
+        assert torch.equal(torch.cat([s.a for s in shards], dim=1), full.a)
+        parts = [s.b @ s.a for s in shards]  # each rank's partial products, over its input slice
+        x = torch.randn(size_in, generator=g)
+        pieces = x.chunk(tp_size)
+        torch.testing.assert_close(sum(p @ xi for p, xi in zip(parts, pieces)), delta @ x)
+        return
+    assert all(torch.equal(s.a, full.a) for s in shards)
+    q, kv = 16, 8  # GQA_MODEL: 4 heads and 2 KV heads of 4
+    kv_ways = min(tp_size, 2)
+    if name == "attn_qkv":  # each part split on its own; k and v replicated past 2 ranks
+        expected = [torch.cat([delta[:q].chunk(tp_size)[r], delta[q:q + kv].chunk(kv_ways)[r * kv_ways // tp_size],
+                               delta[q + kv:].chunk(kv_ways)[r * kv_ways // tp_size]]) for r in range(tp_size)]
+    elif name in ("attn_k", "attn_v"):
+        expected = [delta.chunk(kv_ways)[r * kv_ways // tp_size] for r in range(tp_size)]
+    elif name == "mlp_gate_up":
+        gate, up = delta.chunk(2)
+        expected = [torch.cat([gate.chunk(tp_size)[r], up.chunk(tp_size)[r]]) for r in range(tp_size)]
+    else:
+        expected = list(delta.chunk(tp_size))
+        assert torch.equal(torch.cat([s.b for s in shards]), full.b)  # plain columns: the shards reassemble B
+        assert torch.equal(torch.cat([s.magnitude for s in shards]), full.magnitude)
+    for shard, rows in zip(shards, expected):
+        torch.testing.assert_close(shard.b @ shard.a, rows)
+
+
+def test_a_split_that_does_not_divide_is_refused():
+    from kiln.checkpoint.lora import shard_lora_module
+
+    module = LoraModule(LORA_MODULE_IDS["attn_dense"], 0, torch.zeros(2, 16), torch.zeros(16, 2))
+    with pytest.raises(CheckpointError, match="16 input features do not split over 3 ranks"):
+        shard_lora_module(module, GQA_MODEL, 3, 0)
