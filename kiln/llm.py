@@ -131,11 +131,12 @@ class LLM:
         adapter = self._lora_adapters[key] = LoraAdapter(modules)
         return adapter
 
-    def _add(self, prompt_ids: list[int], params: SamplingParams, lora=None) -> tuple[Request, dict]:
+    def _add(self, prompt_ids: list[int], params: SamplingParams, lora=None,
+             prompt_table=None) -> tuple[Request, dict]:
         """Queue a request; returns it with a stop-string tracker per sequence (when asked)."""
         request = self.core.add_request(prompt_ids, self._engine_params(params), self.end_id,
                                         return_context_logits=params.prompt_logprobs is not None,
-                                        lora=self.lora_adapter(lora))
+                                        lora=self.lora_adapter(lora), prompt_table=prompt_table)
         trackers = {}
         if params.stop:
             trackers = {s.seq_id: TextTracker(self.tokenizer, params.stop, params.include_stop_str_in_output)
@@ -166,10 +167,12 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False, lora=None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora=None, prompt_table=None) -> list[RequestOutput]:
         """Generate for every prompt (all batched together); outputs in prompt order. ``lora``:
         a LoRA adapter for every prompt, or a list with one per prompt (None: the base model),
-        as ``lora_adapter`` takes them."""
+        as ``lora_adapter`` takes them. ``prompt_table``: a prompt-tuning embedding table
+        ``[n_virtual, hidden]`` (or a list, one per prompt) whose row ``i`` a prompt names as
+        token id ``vocab_size + i``."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -177,13 +180,14 @@ class LLM:
         if len(params_list) != len(prompts):
             raise RequestError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
         loras = lora if isinstance(lora, list) else [lora] * len(prompts)
-        if len(loras) != len(prompts):
-            raise RequestError(f"{len(loras)} LoRA adapters for {len(prompts)} prompts")
+        tables = prompt_table if isinstance(prompt_table, list) else [prompt_table] * len(prompts)
+        if len(loras) != len(prompts) or len(tables) != len(prompts):
+            raise RequestError(f"{len(loras)} LoRA adapters and {len(tables)} prompt tables for {len(prompts)} prompts")
         encoded = [self._encode(p) for p in prompts]
         added: list[tuple[Request, dict]] = []
         try:
-            for ids, p, adapter in zip(encoded, params_list, loras):
-                added.append(self._add(ids, p, adapter))
+            for ids, p, adapter, table in zip(encoded, params_list, loras, tables):
+                added.append(self._add(ids, p, adapter, table))
         except Exception:
             for request, _ in added:  # one bad prompt rejects the batch: leave nothing queued
                 self.core.abort(request)

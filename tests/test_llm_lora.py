@@ -75,7 +75,7 @@ def test_lora_config_by_task_id(setup):
     bad[0, 0] = 42
     with pytest.raises(RequestError, match="unknown module_id 42"):
         llm.generate(prompt, GREEDY, lora=LoraConfig(7, weights, bad))
-    with pytest.raises(RequestError, match="2 LoRA adapters for 1 prompts"):
+    with pytest.raises(RequestError, match="2 LoRA adapters and 1 prompt tables for 1 prompts"):
         llm.generate([prompt], GREEDY, lora=[None, None])
 
 

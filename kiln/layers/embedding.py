@@ -8,6 +8,7 @@ dimension: each rank looks up every id in its columns and the columns are all-ga
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from torch import nn
 
 from kiln import distributed
 from kiln.layers.linear import ShardSpec
+from kiln.layers.step_context import StepContext
 
 
 class Embedding(nn.Module):
@@ -60,3 +62,37 @@ class Embedding(nn.Module):
         if missing > 0 and self.sharding_dim == 0:  # the last vocabulary shard is zero-padded
             tensor = torch.cat([tensor, tensor.new_zeros(missing, tensor.shape[1])])
         return {key: tensor.contiguous()}
+
+
+class PromptTuningEmbedding(Embedding):
+    """The token embedding of reference 001 with prompt tuning: ids at or above ``vocab_size``
+    are virtual tokens, looked up in a ``prompt_embedding_table`` given with the call instead
+    of the model's table. Several tasks share one call: the table is the tasks' tables
+    concatenated, ``task_vocab_size`` rows each, and ``tasks`` (one per token) picks the
+    task whose rows a virtual token ``vocab_size + i`` reads (row ``task * task_vocab_size + i``).
+    Without a table it is a plain :class:`Embedding`."""
+
+    def forward(self, ids: torch.Tensor, prompt_embedding_table: torch.Tensor | None = None,
+                tasks: torch.Tensor | None = None, task_vocab_size: int = 0) -> torch.Tensor:
+        if prompt_embedding_table is None:
+            return super().forward(ids)
+        virtual = ids >= self.num_embeddings
+        normal = super().forward(torch.where(virtual, self.num_embeddings - 1, ids))  # clipped into the vocabulary
+        rows = torch.where(virtual, ids - self.num_embeddings + tasks * task_vocab_size, 0)
+        prompts = F.embedding(rows, prompt_embedding_table.to(normal.dtype))
+        return torch.where(virtual.unsqueeze(-1), prompts, normal)
+
+
+@dataclass
+class PromptStep:
+    """A step's prompt-tuning inputs: the tasks' tables concatenated (``task_vocab_size`` rows
+    each) and each token's task."""
+
+    table: torch.Tensor
+    tasks: torch.Tensor
+    task_vocab_size: int
+
+
+PROMPT_STEP: StepContext[PromptStep] = StepContext("kiln_prompt_step")
+active_prompt_step = PROMPT_STEP.active  # the prompt-tuning step the current model call runs under, or None
+prompt_tuning_step = PROMPT_STEP.using  # make a step active for the model calls inside the block

@@ -12,15 +12,13 @@ using it.
 from __future__ import annotations
 
 import itertools
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
 from kiln.checkpoint.lora import LoraModule
 from kiln.errors import RequestError
+from kiln.layers.step_context import StepContext
 
 
 @dataclass(frozen=True)
@@ -100,19 +98,6 @@ class LoraStep:
         return y
 
 
-_active: ContextVar[LoraStep | None] = ContextVar("kiln_lora_step", default=None)
-
-
-def active_step() -> LoraStep | None:
-    """The LoRA step the current model call runs under, or None."""
-    return _active.get()
-
-
-@contextmanager
-def lora_step(step: LoraStep | None) -> Iterator[None]:
-    """Make ``step`` active for the model calls inside the block."""
-    token = _active.set(step)
-    try:
-        yield
-    finally:
-        _active.reset(token)
+LORA_STEP: StepContext[LoraStep] = StepContext("kiln_lora_step")
+active_step = LORA_STEP.active  # the LoRA step the current model call runs under, or None
+lora_step = LORA_STEP.using  # make a step active for the model calls inside the block

@@ -26,7 +26,7 @@ from kiln import kernels
 from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
 from kiln.layers.attention import Attention
-from kiln.layers.embedding import Embedding
+from kiln.layers.embedding import Embedding, PromptTuningEmbedding, active_prompt_step
 from kiln.layers.linear import ColumnLinear, Linear
 from kiln.layers.mlp import MLP, GatedMLP
 from kiln.layers.normalization import LayerNorm, RmsNorm
@@ -144,7 +144,7 @@ class Transformer(nn.Module):
             parallel = config.use_parallel_embedding
             if projected:
                 self.project_in = Linear(embedding_dim, config.hidden_size, bias=False, dtype=dtype)
-            self.vocab_embedding = Embedding(
+            self.vocab_embedding = PromptTuningEmbedding(
                 config.vocab_size, embedding_dim, dtype=dtype,
                 tp_size=mapping.tp_size if parallel else 1, tp_rank=mapping.tp_rank if parallel else 0,
                 sharding_dim=config.embedding_sharding_dim)
@@ -175,8 +175,13 @@ class Transformer(nn.Module):
                 self.project_out = Linear(config.hidden_size, embedding_dim, bias=False, dtype=dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings at the layers' width (through ``project_in`` where narrower)."""
-        hidden = self.vocab_embedding(input_ids)
+        """Token embeddings at the layers' width (through ``project_in`` where narrower); virtual
+        tokens from the active prompt-tuning step's table (``prompt_tuning_step``)."""
+        prompts = active_prompt_step()
+        if prompts is None:
+            hidden = self.vocab_embedding(input_ids)
+        else:
+            hidden = self.vocab_embedding(input_ids, prompts.table, prompts.tasks, prompts.task_vocab_size)
         return self.project_in(hidden) if hasattr(self, "project_in") else hidden
 
     def finish(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,12 @@
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore, Request
 from kiln.runtime.lora_cache import LoraCacheConfig, LoraConfig
+from kiln.runtime.prompt_tuning import PromptTuningConfig
 from kiln.runtime.sampling import SamplingConfig
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.session import GenerationInput, GenerationOutput, GenerationSession
 from kiln.runtime.words import decode_words, encode_words
 
 __all__ = ["Engine", "EngineCore", "GenerationInput", "GenerationOutput", "GenerationSession", "LoraCacheConfig",
-           "LoraConfig", "Request",
+           "LoraConfig", "PromptTuningConfig", "Request",
            "SamplingConfig", "SamplingParams", "decode_words", "encode_words"]

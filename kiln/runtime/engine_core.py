@@ -24,6 +24,7 @@ from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.engine import Engine
 from kiln.runtime.kv_cache import available_memory_bytes, kv_bytes_per_token, kv_cache_dtype
 from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.prompt_tuning import PromptTable, check_prompt_ids
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import RunnerOutput, Scheduler
 from kiln.runtime.sequence import FinishReason, Sequence
@@ -108,9 +109,10 @@ class EngineCore:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, end_id: int | None,
                     return_context_logits: bool = False, return_generation_logits: bool = False,
-                    priority: float = 0.5, lora=None) -> Request:
+                    priority: float = 0.5, lora=None, prompt_table=None) -> Request:
         """Validate and queue one request (``lora``: the ``kiln.layers.lora.LoraAdapter`` its
-        sequences run with, or None)."""
+        sequences run with, or None; ``prompt_table``: a prompt-tuning embedding table
+        ``[n_virtual, hidden]`` whose rows the prompt's ids ``vocab_size + i`` name, or None)."""
         build = self.engine.build_config
         if not prompt_token_ids:
             raise RequestError("the prompt is empty")
@@ -121,9 +123,10 @@ class EngineCore:
             raise RequestError(f"prompt has {len(prompt_token_ids)} tokens, leaving no room under max_seq_len "
                                f"{build.max_seq_len}")
         vocab = self.engine.config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if prompt_table is not None and not isinstance(prompt_table, PromptTable):
+            prompt_table = PromptTable.of(prompt_table, self.engine.config.hidden_size,
+                                          self.engine.model.transformer.vocab_embedding.weight.dtype)
+        check_prompt_ids(prompt_token_ids, vocab, prompt_table)
         if end_id is not None and not 0 <= end_id < vocab:
             raise RequestError(f"end_id {end_id} is outside the vocabulary [0, {vocab})")
         params.validate(vocab_size=vocab, max_beam_width=build.max_beam_width)
@@ -155,6 +158,7 @@ class EngineCore:
             seq.return_generation_logits = return_generation_logits
             seq.priority = priority
             seq.lora = lora
+            seq.prompt_table = prompt_table
             seq.group = request
             request.seqs.append(seq)
         added = []
@@ -254,6 +258,7 @@ class EngineCore:
             seq.group = request
             seq.return_generation_logits = live[0].return_generation_logits
             seq.lora = live[0].lora
+            seq.prompt_table = live[0].prompt_table
             live.append(seq)
             self._requests[seq.seq_id] = request
             self.scheduler.running.append(seq)

@@ -31,6 +31,7 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_core import Request as CoreRequest
 from kiln.runtime.lora_cache import LoraCache, LoraCacheConfig, LoraCacheStats, LoraConfig
+from kiln.runtime.prompt_tuning import PromptTuningConfig
 from kiln.runtime.sampling import SamplingConfig
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import FinishReason
@@ -88,7 +89,7 @@ class Request:
     bad_words: list[list[int]] = field(default_factory=list)
     embedding_bias: torch.Tensor | None = None
     lora_config: LoraConfig | None = None  # the adapter the request runs with (reference 004)
-    prompt_tuning_config: object = None  # filled by the prompt-tuning work
+    prompt_tuning_config: PromptTuningConfig | None = None  # its task's virtual-token table (reference 001)
     priority: float = 0.5  # higher first; FCFS within a priority
     allotted_time_ms: int | None = None  # finish with "timeout" after this long
 
@@ -326,12 +327,22 @@ class Executor:
                 return
             tracked.core = self.core.add_request(
                 list(r.input_token_ids), params, r.end_id, return_context_logits=r.output_config.return_context_logits,
-                return_generation_logits=r.output_config.return_generation_logits, priority=r.priority, lora=adapter)
+                return_generation_logits=r.output_config.return_generation_logits, priority=r.priority, lora=adapter,
+                prompt_table=self._prompt_table(r))
         except KilnError as e:
             self._release_lora(tracked)
             self._post(Response(tracked.request_id, error_msg=str(e)))
             return
         self._live[tracked.request_id] = tracked
+
+    @staticmethod
+    def _prompt_table(r: Request):
+        config = r.prompt_tuning_config
+        if config is None:
+            return None
+        if not isinstance(config, PromptTuningConfig):
+            raise RequestError(f"prompt_tuning_config must be a PromptTuningConfig, got {type(config).__name__}")
+        return config.embedding_table
 
     def _lora_adapter(self, tracked: _Tracked):
         """The request's adapter, holding a device slot for it; None without one, False when

@@ -18,10 +18,15 @@ NEG_INF = float("-inf")
 
 
 class TokenHistory:
-    """Each live sequence's token ids as a tensor, appended to as tokens arrive."""
+    """Each live sequence's token ids as a tensor, appended to as tokens arrive.
 
-    def __init__(self, max_seq_len: int):
+    A prompt-tuning prompt's virtual tokens (ids from ``vocab_size`` up) have no logit: they are
+    recorded as the prompt's first real token (0 when it has none), which penalties and bans
+    index safely and which, being in the prompt already, changes nothing they compute."""
+
+    def __init__(self, max_seq_len: int, vocab_size: int | None = None):
         self.max_seq_len = max_seq_len
+        self.vocab_size = vocab_size
         self._buffers: dict[int, list] = {}  # seq_id -> [tensor [max_seq_len] int64, length]
 
     def _sync(self, seq: Sequence) -> torch.Tensor:
@@ -32,7 +37,11 @@ class TokenHistory:
         if seq.num_tokens < n:  # the sequence was rewound (beam reordering): rewrite it
             n = 0
         if seq.num_tokens > n:
-            buf[n:seq.num_tokens] = torch.tensor(seq.token_ids[n:], dtype=torch.int64)
+            ids = seq.token_ids[n:]
+            if self.vocab_size is not None and seq.prompt_table is not None:
+                real = next((t for t in seq.token_ids if t < self.vocab_size), 0)
+                ids = [t if t < self.vocab_size else real for t in ids]
+            buf[n:seq.num_tokens] = torch.tensor(ids, dtype=torch.int64)
             entry[1] = seq.num_tokens
         return buf
 

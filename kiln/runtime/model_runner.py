@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.layers.embedding import prompt_tuning_step
 from kiln.layers.lora import LoraStep, lora_step
 from kiln.models.base import torch_dtype
 from kiln.runtime.attention import BACKENDS, select_backend
@@ -11,6 +12,7 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.kv_cache import allocate_kv_cache, indexable, kv_cache_dtype
 from kiln.runtime.logits_processors import TokenHistory, process_logits
 from kiln.runtime.metadata import AttentionMetadata
+from kiln.runtime.prompt_tuning import prompt_step
 from kiln.runtime.sampling import sample
 from kiln.runtime.scheduler import RunnerOutput, SchedulerOutput, TokenResult
 from kiln.runtime.sequence import Sequence
@@ -29,7 +31,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(len(self.model.transformer.layers), num_blocks, self.block_size,
                                            attention.num_kv_heads, attention.head_size, kv_cache_dtype(config))
         self.backend = BACKENDS[select_backend(attention_backend, torch_dtype(config.dtype))]()
-        self.history = TokenHistory(engine.build_config.max_seq_len)
+        self.history = TokenHistory(engine.build_config.max_seq_len, config.vocab_size)
         self._lora_targets_assigned = False
 
     def release(self, seq: Sequence) -> None:
@@ -82,7 +84,8 @@ class ModelRunner:
         md = AttentionMetadata.build(self.backend, query_lens, seq_lens, tables, self.block_size)
         ids, positions = torch.tensor(input_ids), torch.tensor(positions)
         logits = None
-        with lora_step(self._lora_step(out)):
+        prompts = prompt_step(out.chunks, input_ids, self.model.config.vocab_size)
+        with lora_step(self._lora_step(out)), prompt_tuning_step(prompts):
             if not context_rows and len(last_token) == len(input_ids):  # a decode step: every token is sampled
                 logits = self.model.decode_logits(ids, positions, md, self.kv_caches)
             if logits is None:

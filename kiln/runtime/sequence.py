@@ -47,12 +47,16 @@ class Sequence:
     return_generation_logits: bool = False
     priority: float = 0.5  # higher is admitted first; equal priorities keep arrival order
     lora: object = None  # the kiln.layers.lora.LoraAdapter its tokens run with, if any
+    prompt_table: object = None  # its prompt-tuning table (kiln.runtime.prompt_tuning.PromptTable), if any
 
     @property
     def cache_salt(self) -> object:
-        """What its prefix blocks' hashes start from: K/V computed under an adapter is only
-        that adapter's to share."""
-        return None if self.lora is None else self.lora.key
+        """What its prefix blocks' hashes start from: K/V computed under an adapter, or from
+        a prompt-tuning table's virtual tokens, is only theirs to share."""
+        if self.lora is None and self.prompt_table is None:
+            return None
+        return (None if self.lora is None else self.lora.key,
+                None if self.prompt_table is None else self.prompt_table.key)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
