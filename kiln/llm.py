@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from kiln.checkpoint.lora import engine_lora_shapes, parse_lora_tensors
-from kiln.checkpoint.peft import read_adapter
+from kiln.checkpoint.peft import load_prompt_table, read_adapter
 from kiln.engine_cache import resolve_engine
 from kiln.errors import CheckpointError, ConfigError, RequestError
 from kiln.layers.lora import LoraAdapter
@@ -136,7 +136,9 @@ class LLM:
         """Queue a request; returns it with a stop-string tracker per sequence (when asked)."""
         request = self.core.add_request(prompt_ids, self._engine_params(params), self.end_id,
                                         return_context_logits=params.prompt_logprobs is not None,
-                                        lora=self.lora_adapter(lora), prompt_table=prompt_table)
+                                        lora=self.lora_adapter(lora),
+                                        prompt_table=load_prompt_table(prompt_table)
+                                        if isinstance(prompt_table, (str, Path)) else prompt_table)
         trackers = {}
         if params.stop:
             trackers = {s.seq_id: TextTracker(self.tokenizer, params.stop, params.include_stop_str_in_output)
@@ -171,8 +173,8 @@ class LLM:
         """Generate for every prompt (all batched together); outputs in prompt order. ``lora``:
         a LoRA adapter for every prompt, or a list with one per prompt (None: the base model),
         as ``lora_adapter`` takes them. ``prompt_table``: a prompt-tuning embedding table
-        ``[n_virtual, hidden]`` (or a list, one per prompt) whose row ``i`` a prompt names as
-        token id ``vocab_size + i``."""
+        ``[n_virtual, hidden]``, a PEFT prompt-tuning adapter directory or a ``.npy`` table (or a
+        list, one per prompt) whose row ``i`` a prompt names as token id ``vocab_size + i``."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()

@@ -34,7 +34,7 @@ STORAGE_TYPES = {"float16": torch.float16, "float32": torch.float32}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?([A-Za-z_]\w*)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
-def _read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+def _read_adapter(adapter_dir: Path, check_type: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
     config_file = adapter_dir / "adapter_config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{adapter_dir}: no adapter_config.json (not a PEFT adapter directory)")
@@ -42,8 +42,9 @@ def _read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
-    if config.get("peft_type", "LORA") != "LORA":
-        raise CheckpointError(f"{config_file}: peft_type {config.get('peft_type')!r}; kiln converts LORA adapters")
+    if check_type and config.get("peft_type", "LORA") != "LORA":
+        hint = " (prompt-tuning tables: kiln lora convert-prompt)" if config.get("peft_type") == "PROMPT_TUNING" else ""
+        raise CheckpointError(f"{config_file}: peft_type {config.get('peft_type')!r}; kiln converts LORA adapters{hint}")
     safetensors_file, bin_file = adapter_dir / "adapter_model.safetensors", adapter_dir / "adapter_model.bin"
     try:
         if safetensors_file.is_file():
@@ -63,6 +64,39 @@ def _pattern_value(patterns: dict, key: str, default):
         if re.match(rf"(.*\.)?({pattern})$", key):
             return value
     return default
+
+
+def peft_prompt_table(adapter_dir: str | Path) -> torch.Tensor:
+    """The virtual-token table ``[num_virtual_tokens, hidden]`` of a PEFT prompt-tuning adapter
+    (its ``prompt_embeddings``), float32."""
+    adapter_dir = Path(adapter_dir)
+    config_file = adapter_dir / "adapter_config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{adapter_dir}: no adapter_config.json (not a PEFT adapter directory)")
+    try:
+        peft_type = json.loads(config_file.read_text()).get("peft_type")
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
+    if peft_type != "PROMPT_TUNING":
+        raise CheckpointError(f"{config_file}: peft_type {peft_type!r}; a prompt-tuning table comes from a "
+                              "PROMPT_TUNING adapter")
+    _, tensors = _read_adapter(adapter_dir, check_type=False)
+    table = tensors.get("prompt_embeddings")
+    if table is None or table.dim() != 2:
+        raise CheckpointError(f"{adapter_dir}: no 2-D prompt_embeddings tensor in the adapter weights")
+    return table.float()
+
+
+def load_prompt_table(path: str | Path) -> torch.Tensor:
+    """A prompt-tuning table from a PEFT prompt-tuning adapter directory or a ``.npy`` file
+    (``kiln lora convert-prompt`` writes one)."""
+    path = Path(path)
+    if path.is_dir():
+        return peft_prompt_table(path)
+    try:
+        return torch.from_numpy(np.load(path, allow_pickle=False))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read a prompt table ({e})") from None
 
 
 def peft_to_lora_modules(adapter_dir: str | Path) -> list[LoraModule]:

@@ -1,4 +1,5 @@
-"""``kiln lora convert``: a Hugging Face PEFT LoRA adapter -> reference 004's tensors."""
+"""``kiln lora convert``: a Hugging Face PEFT LoRA adapter -> reference 004's tensors; ``kiln lora
+convert-prompt``: a PEFT prompt-tuning adapter -> its virtual-token table."""
 from __future__ import annotations
 
 
@@ -14,11 +15,24 @@ def add_parser(sub) -> None:
                                      "and the fused qkv_proj, query_key_value, gate_up_proj) and write the "
                                      "reference's weights and config tensors as NumPy files, with PEFT's scaling "
                                      "(lora_alpha / r, or / sqrt(r) with rsLoRA) folded into the out weights.")
-    c.add_argument("-i", "--input_dir", required=True, help="the PEFT adapter directory")
-    c.add_argument("-o", "--output_dir", required=True, help="where to write the two .npy files (replaced atomically)")
-    c.add_argument("--storage_type", choices=["float16", "float32"], default="float16",
-                   help="dtype of the weights tensor (default float16; the config tensor is int32)")
+    _in_out(c, "the PEFT adapter directory", "--output_dir", "where to write the two .npy files (replaced atomically)",
+            "float16", "dtype of the weights tensor (default float16; the config tensor is int32)")
     c.set_defaults(handler=run_convert)
+    t = tools.add_parser("convert-prompt", help="convert a PEFT prompt-tuning adapter into a table (.npy)",
+                         description="Write the virtual-token table [num_virtual_tokens, hidden] of a Hugging Face "
+                                     "PEFT prompt-tuning adapter (its prompt_embeddings) as a NumPy file, for "
+                                     "requests that name its rows as token ids vocab_size + i.")
+    _in_out(t, "the PEFT prompt-tuning adapter directory", "--output", "the .npy file to write", "float32",
+            "dtype of the table (default float32)")
+    t.set_defaults(handler=run_convert_prompt)
+
+
+def _in_out(parser, input_help: str, output_flag: str, output_help: str, storage_default: str,
+            storage_help: str) -> None:
+    """A converter's -i (adapter directory), -o and --storage_type."""
+    parser.add_argument("-i", "--input_dir", required=True, help=input_help)
+    parser.add_argument("-o", output_flag, required=True, help=output_help)
+    parser.add_argument("--storage_type", choices=["float16", "float32"], default=storage_default, help=storage_help)
 
 
 def run_convert(args) -> int:
@@ -29,4 +43,23 @@ def run_convert(args) -> int:
     layers = sorted({int(row[1]) for row in config})
     print(f"wrote {out / WEIGHTS_FILE} ({weights.dtype}, {list(weights.shape)}) and {out / CONFIG_FILE} "
           f"({len(config)} module rows over {len(layers)} layers, ranks {sorted({int(r[2]) for r in config})})")
+    return 0
+
+
+def run_convert_prompt(args) -> int:
+    import os
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    from kiln.checkpoint.peft import STORAGE_TYPES, peft_prompt_table
+
+    table = peft_prompt_table(args.input_dir).to(STORAGE_TYPES[args.storage_type])
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".npy", delete=False) as tmp:  # whole or nothing
+        np.save(tmp, table.numpy())
+    os.replace(tmp.name, out)
+    print(f"wrote {out} ({args.storage_type}, {list(table.shape)}: {table.shape[0]} virtual tokens)")
     return 0

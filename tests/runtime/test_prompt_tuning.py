@@ -132,3 +132,26 @@ def test_prompt_tuning_through_the_executor(setup):
         assert response.result.output_token_ids == [expected]
     finally:
         executor.shutdown()
+
+
+def test_a_peft_prompt_tuning_adapter_converts_and_loads(setup, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    from kiln.checkpoint.peft import load_prompt_table, peft_prompt_table
+
+    engine, tuned = setup
+    tuned[0].save_pretrained(tmp_path / "adapter")
+    assert torch.equal(peft_prompt_table(tmp_path / "adapter"), _table(tuned[0]))
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-m", "kiln.cli.main", "lora", "convert-prompt", "-i", tmp_path / "adapter",
+                          "-o", tmp_path / "table.npy"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "4 virtual tokens" in run.stdout, run.stderr
+    assert np.array_equal(np.load(tmp_path / "table.npy"), _table(tuned[0]).numpy())
+    assert torch.equal(load_prompt_table(tmp_path / "table.npy"), _table(tuned[0]))
+    wrong = subprocess.run([sys.executable, "-m", "kiln.cli.main", "lora", "convert", "-i", tmp_path / "adapter",
+                            "-o", tmp_path / "x"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert wrong.returncode == 2 and "kiln lora convert-prompt" in wrong.stderr
