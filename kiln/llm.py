@@ -14,16 +14,15 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from kiln.checkpoint.lora import engine_lora_shapes, parse_lora_tensors
 from kiln.checkpoint.peft import load_prompt_table, read_adapter
 from kiln.engine_cache import resolve_engine
-from kiln.errors import CheckpointError, ConfigError, RequestError
+from kiln.errors import ConfigError, RequestError
 from kiln.layers.lora import LoraAdapter
 from kiln.outputs import (FINISH_NAMES, CompletionOutput, RequestOutput, StreamDelta, TextTracker, beam_completions,
                           completion)
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore, Request
-from kiln.runtime.lora_cache import LoraConfig
+from kiln.runtime.lora_cache import LoraConfig, parse_adapter
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import FinishReason
 from kiln.tokenizer import chat_prompt_ids, end_ids, load_tokenizer
@@ -122,13 +121,8 @@ class LLM:
             weights, config = read_adapter(key)
         else:
             raise RequestError(f"lora: expected an adapter directory or a LoraConfig, got {type(lora).__name__}")
-        model, built = self.engine.config, self.engine.lora_config or {}
-        try:
-            modules = parse_lora_tensors(weights, config, engine_lora_shapes(model, built), model.num_hidden_layers,
-                                         built.get("max_lora_rank"))
-        except CheckpointError as e:
-            raise RequestError(f"lora: {e}") from None
-        adapter = self._lora_adapters[key] = LoraAdapter(modules)
+        adapter = self._lora_adapters[key] = parse_adapter(weights, config, self.engine.config,
+                                                           self.engine.lora_config, "lora")
         return adapter
 
     def _add(self, prompt_ids: list[int], params: SamplingParams, lora=None,

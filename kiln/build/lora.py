@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.checkpoint.lora import LORA_MODULE_IDS, LORA_MODULE_NAMES, module_shapes, parse_lora_tensors
+from kiln.checkpoint.lora import (LORA_MODULE_IDS, LORA_MODULE_NAMES, engine_lora_shapes, module_shapes,
+                                 parse_lora_tensors)
 from kiln.checkpoint.peft import CONFIG_FILE, WEIGHTS_FILE, read_adapter
 from kiln.errors import BuildError, CheckpointError
 
@@ -29,7 +30,7 @@ def lora_build(model_config, lora_dirs: list[str | Path], max_lora_rank: int | N
                              f"{sorted(LORA_MODULE_NAMES[i] for i in shapes)}")
     if max_lora_rank is not None and max_lora_rank < 1:
         raise BuildError(f"--max_lora_rank must be at least 1, got {max_lora_rank}")
-    allowed = {LORA_MODULE_IDS[n]: shapes[LORA_MODULE_IDS[n]] for n in target_modules} if target_modules else shapes
+    allowed = engine_lora_shapes(model_config, {"lora_target_modules": target_modules})
     adapters, used, ranks = {}, set(), []
     for directory in lora_dirs:
         name = Path(directory).name

@@ -194,18 +194,11 @@ static void fp8_tile(const void *ctx, int64_t t0, int mt, int64_t nb0, int block
     const fp8_weight *W = ((const fp8_tile_ctx *)ctx)->W;
     const bf16_t *xt = ((const fp8_tile_ctx *)ctx)->x + t0 * W->k;
     const e4m3_table table = load_table();
-    for (int b = 0; b < blocks; b += (blocks == 4 ? 4 : 1)) {
 #define ROWS(MT)                                                                                   \
-        if (blocks == 4) gemv_blocks(W, xt, MT, nb0, 4, &table, out);                              \
-        else gemv_blocks(W, xt, MT, nb0 + b, 1, &table, out + 16 * b);
-        switch (mt) {
-        case 1: ROWS(1) break;
-        case 2: ROWS(2) break;
-        case 3: ROWS(3) break;
-        default: ROWS(4) break;
-        }
+    if (blocks == 4) gemv_blocks(W, xt, MT, nb0, 4, &table, out);                                  \
+    else for (int b = 0; b < blocks; ++b) gemv_blocks(W, xt, MT, nb0 + b, 1, &table, out + 16 * b);
+    KILN_GEMV_ROWS(mt, ROWS)
 #undef ROWS
-    }
 }
 #endif
 

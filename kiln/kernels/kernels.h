@@ -43,6 +43,15 @@ void kiln_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *we
 /* A GEMV tile: rows t0 .. t0 + mt - 1 (mt 1-4) against output blocks nb0 .. nb0 + blocks - 1
  * (blocks 1-4), fp32 sums into out[t * 64 + 16 * b + c]. */
 typedef void (*kiln_gemv_tile_fn)(const void *ctx, int64_t t0, int mt, int64_t nb0, int blocks, float *out);
+/* In a tile function: ROWS(MT) with MT the constant (1-4) that mt is, so the tile's loops are
+ * compiled for each row count. */
+#define KILN_GEMV_ROWS(mt, ROWS)                                                                   \
+    switch (mt) {                                                                                  \
+    case 1: ROWS(1) break;                                                                         \
+    case 2: ROWS(2) break;                                                                         \
+    case 3: ROWS(3) break;                                                                         \
+    default: ROWS(4) break;                                                                        \
+    }
 /* y[t][c] = tile sums * col_scale[c] (none when NULL) + bias[c] (when not NULL): each thread
  * takes an equal run of whole units of `unit` output blocks (the weight layout's panel; 1 when
  * blocks stand alone) and walks it in tiles of one unit (up to four blocks when unit is 1), rows

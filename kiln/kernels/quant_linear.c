@@ -354,12 +354,7 @@ static void quant_tile(const void *ctx, int64_t t0, int mt, int64_t nb0, int blo
         else gemv_blocks(W, in, t0, MT, nb0, 1, out);                                              \
     } else if (blocks == 4) gemv_blocks(W, in, t0, MT, nb0, 4, out);                               \
     else for (int b = 0; b < blocks; ++b) gemv_blocks(W, in, t0, MT, nb0 + b, 1, out + 16 * b);
-    switch (mt) {
-    case 1: ROWS(1) break;
-    case 2: ROWS(2) break;
-    case 3: ROWS(3) break;
-    default: ROWS(4) break;
-    }
+    KILN_GEMV_ROWS(mt, ROWS)
 #undef ROWS
 }
 

@@ -80,8 +80,7 @@ def supports_native_head(model) -> bool:
 
 def _module_supported(module, dtype: torch.dtype) -> bool:
     """Whether the step's linears take ``module``'s parameters (float ones of the model dtype)."""
-    if getattr(module, "act_quant", False) and not (
-            kernels.w8a8_supported(dtype, module.weight)):
+    if getattr(module, "act_quant", False) and not kernels.w8a8_supported(dtype, module.weight):
         return False  # SmoothQuant W8A8: the native int8 kernel takes bf16 and tiling shapes
     quantized = getattr(module, "quant_bits", None) is not None or getattr(module, "fp8", False)
     if quantized and not (module.tile_order and dtype == torch.bfloat16):

@@ -30,6 +30,18 @@ class LoraConfig:
     config: object = None
 
 
+def parse_adapter(weights, config, model_config, engine_lora: dict | None, where: str) -> LoraAdapter:
+    """An adapter from reference tensors, checked against the model and the engine's build-time
+    bounds (``Engine.lora_config``: modules and rank; None takes any); a rejection is a
+    RequestError starting with ``where``."""
+    try:
+        return LoraAdapter(parse_lora_tensors(weights, config, engine_lora_shapes(model_config, engine_lora),
+                                              model_config.num_hidden_layers,
+                                              (engine_lora or {}).get("max_lora_rank")))
+    except CheckpointError as e:
+        raise RequestError(f"{where}: {e}") from None
+
+
 @dataclass
 class LoraCacheConfig:
     host_cache_bytes: int = 1 << 30  # parsed adapters kept for later requests (float32 bytes)
@@ -56,9 +68,7 @@ class LoraCache:
         self.config = config or LoraCacheConfig()
         if self.config.host_cache_bytes <= 0 or self.config.device_cache_slots <= 0:
             raise ConfigError("lora cache: host_cache_bytes and device_cache_slots must be positive")
-        self._shapes = engine_lora_shapes(model_config, engine_lora)
-        self._num_layers = model_config.num_hidden_layers
-        self._max_rank = (engine_lora or {}).get("max_lora_rank")
+        self._model_config, self._engine_lora = model_config, engine_lora
         self._host: collections.OrderedDict[int, LoraAdapter] = collections.OrderedDict()  # LRU first
         self._device: collections.OrderedDict[int, LoraAdapter] = collections.OrderedDict()
         self._users: collections.Counter[int] = collections.Counter()  # running requests per task id
@@ -70,10 +80,8 @@ class LoraCache:
     def put(self, task_id: int, weights, config) -> LoraAdapter:
         """Parse and keep an adapter under ``task_id`` (replacing an idle one of that id)."""
         self._check_id(task_id)
-        try:
-            adapter = LoraAdapter(parse_lora_tensors(weights, config, self._shapes, self._num_layers, self._max_rank))
-        except CheckpointError as e:
-            raise RequestError(f"lora_config (task_id {task_id}): {e}") from None
+        adapter = parse_adapter(weights, config, self._model_config, self._engine_lora,
+                                f"lora_config (task_id {task_id})")
         if adapter.nbytes > self.config.host_cache_bytes:
             raise RequestError(f"lora_config (task_id {task_id}): the adapter takes {adapter.nbytes} bytes, more "
                                f"than the whole host cache ({self.config.host_cache_bytes})")
@@ -93,10 +101,7 @@ class LoraCache:
         """Keep an adapter's tensors under ``task_id`` for good (checked now): requests may name
         it by task id alone whatever the cache evicts. Safe from another thread (one dict store)."""
         self._check_id(task_id)
-        try:
-            parse_lora_tensors(weights, config, self._shapes, self._num_layers, self._max_rank)
-        except CheckpointError as e:
-            raise RequestError(f"lora adapter (task_id {task_id}): {e}") from None
+        parse_adapter(weights, config, self._model_config, self._engine_lora, f"lora adapter (task_id {task_id})")
         self._registered[task_id] = (weights, config)
 
     def get(self, task_id: int) -> LoraAdapter:

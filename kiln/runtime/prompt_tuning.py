@@ -67,8 +67,14 @@ def check_prompt_ids(ids: list[int], vocab_size: int, table: PromptTable | None)
 
 
 def prompt_step(chunks, input_ids: list[int], vocab_size: int) -> PromptStep | None:
-    """The step's tables and each token's task; None when no token of the step is virtual."""
-    if not any(t >= vocab_size for t in input_ids):
+    """The step's tables and each token's task; None when no token of the step is virtual
+    (only the tokens of sequences with a table are looked at: the check runs every step)."""
+    offset, virtual = 0, False
+    for chunk in chunks:
+        if chunk.seq.prompt_table is not None and not virtual:
+            virtual = any(t >= vocab_size for t in input_ids[offset:offset + chunk.num_tokens])
+        offset += chunk.num_tokens
+    if not virtual:
         return None
     tables: dict[int, tuple[int, PromptTable]] = {}
     tasks = []
