@@ -42,7 +42,8 @@ class LLM:
     ``QuantConfig``, or a dict of its fields (``group_size``, ``has_zero_point``,
     ``exclude_modules``, ``kv_cache_quant_algo``) plus calibration options (``calib_dataset``,
     ``calib_size``, ``calib_max_len``, ``smoothquant_alpha``, ``gptq_act_order``, ``awq_gptq``) as
-    ``kiln convert`` takes them.
+    ``kiln convert`` takes them. ``max_prompt_embedding_table_size`` builds the engine with
+    prompt tuning (``generate(prompt_table=...)``) for tables of up to that many rows.
     """
 
     def __init__(self, model: str | Path, *, tokenizer: str | Path | None = None, dtype: str | None = None,
@@ -50,10 +51,11 @@ class LLM:
                  max_input_len: int | None = None, max_seq_len: int | None = None,
                  max_num_tokens: int | None = None, tokens_per_block: int | None = None,
                  max_beam_width: int = DEFAULT_MAX_BEAM_WIDTH, kv_cache_max_tokens: int | None = None,
-                 quantization=None, progress: bool = True):
+                 max_prompt_embedding_table_size: int | None = None, quantization=None, progress: bool = True):
         build_options = dict(max_batch_size=max_batch_size, max_input_len=max_input_len, max_seq_len=max_seq_len,
                              max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block,
-                             max_beam_width=max_beam_width)
+                             max_beam_width=max_beam_width,
+                             max_prompt_embedding_table_size=max_prompt_embedding_table_size)
         self.engine_dir = resolve_engine(model, dtype=dtype, build_options=build_options, cache_dir=cache_dir,
                                          progress=progress, quantization=quantization)
         self.engine = Engine(self.engine_dir)

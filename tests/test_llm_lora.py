@@ -9,7 +9,7 @@ import torch
 
 from kiln import LLM, LoraConfig, SamplingParams
 from kiln.checkpoint.peft import convert_peft_adapter, load_lora_dir
-from kiln.errors import RequestError
+from kiln.errors import CheckpointError, RequestError
 from tests.utils.fakes import make_tiny_llama_with_tokenizer
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -103,7 +103,7 @@ def test_built_in_adapters_by_name(setup, tmp_path):
     assert "LoRA: max rank 4, modules attn_q attn_k attn_v mlp_4h_to_h, adapters adapter" in run.stdout
     section = json.loads((tmp_path / "engine" / "config.json").read_text())["lora_config"]
     assert section == {"max_lora_rank": 4, "lora_target_modules": ["attn_q", "attn_k", "attn_v", "mlp_4h_to_h"],
-                       "adapters": ["adapter"]}
+                       "dora": False, "adapters": ["adapter"]}
     built = LLM(tmp_path / "engine", progress=False)
     assert built.generate(prompt, GREEDY, lora="adapter")[0].outputs[0].token_ids == _peft_greedy(model, prompt)
     # the engine's bounds hold for adapters given at run time too
@@ -132,3 +132,64 @@ def test_build_refuses_adapters_outside_its_bounds(setup, tmp_path, options, fra
     with pytest.raises(BuildError, match=re.escape(fragment)):
         build_engine(checkpoint, tmp_path / "engine", progress=False, lora_dirs=[adapter_dir], **options)
     assert not (tmp_path / "engine").exists()
+
+
+# -- DoRA (reference 004: normalized magnitudes, --dora_plugin) -----------------------------------
+
+
+def test_dora_normalized_by_the_cli_built_and_served(setup, tmp_path):
+    """kiln lora normalize-dora, then kiln build --dora_plugin enable; generation equals PEFT's DoRA."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from kiln.convert import convert_checkpoint
+
+    llm, _, adapter_dir, prompt = setup
+    hf_dir = adapter_dir.parent / "hf"
+    torch.manual_seed(1)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+                           PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "up_proj"],
+                                          init_lora_weights=False, use_dora=True))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.05)
+            if "lora_magnitude_vector" in name:  # off the base's norms, so DoRA differs from LoRA
+                p.mul_(1 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "peft-dora")
+    model.eval()
+    expected = _peft_greedy(model, prompt)
+
+    def kiln(*args):
+        return subprocess.run([sys.executable, "-m", "kiln.cli.main", *map(str, args)], capture_output=True,
+                              text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+
+    refused = kiln("lora", "convert", "-i", tmp_path / "peft-dora", "-o", tmp_path / "x")
+    assert refused.returncode == 2 and "kiln lora normalize-dora" in refused.stderr
+    with pytest.raises(CheckpointError, match="normalize-dora"):  # PEFT divides by norms of W the engine may not have
+        llm.generate(prompt, GREEDY, lora=tmp_path / "peft-dora")
+    run = kiln("lora", "normalize-dora", "-i", tmp_path / "peft-dora", "-o", tmp_path / "dora", "--base_model", hf_dir,
+               "--storage_type", "float32")
+    assert run.returncode == 0 and "6 DoRA rows normalized" in run.stdout, run.stderr
+    assert llm.generate(prompt, GREEDY, lora=tmp_path / "dora")[0].outputs[0].token_ids == expected
+
+    checkpoint = convert_checkpoint(hf_dir, tmp_path / "checkpoint", progress=False)
+    plain = kiln("build", "--checkpoint_dir", checkpoint, "--output_dir", tmp_path / "no-dora", "--dtype", "float32",
+                 "--lora_dir", tmp_path / "dora")
+    assert plain.returncode == 2 and "build with --dora_plugin enable" in plain.stderr
+    assert not (tmp_path / "no-dora").exists()
+    built = kiln("build", "--checkpoint_dir", checkpoint, "--output_dir", tmp_path / "engine", "--dtype", "float32",
+                 "--lora_dir", tmp_path / "dora", "--dora_plugin", "enable")
+    assert built.returncode == 0 and "LoRA and DoRA: max rank 4" in built.stdout, built.stderr
+    assert LLM(tmp_path / "engine", progress=False).generate(prompt, GREEDY, lora="dora")[0].outputs[0].token_ids \
+        == expected
+    lora_only = kiln("build", "--checkpoint_dir", checkpoint, "--output_dir", tmp_path / "lora-only", "--dtype",
+                     "float32", "--max_lora_rank", 8)
+    assert lora_only.returncode == 0, lora_only.stderr
+    with pytest.raises(RequestError, match="built without --dora_plugin enable"):
+        LLM(tmp_path / "lora-only", progress=False).generate(prompt, GREEDY, lora=tmp_path / "dora")

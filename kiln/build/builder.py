@@ -80,22 +80,25 @@ def resolve_engine_dtype(requested: str | None, checkpoint_dtype: str, quantized
 
 def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_config: BuildConfig | None = None,
                  progress: bool = True, dtype: str | None = None, lora_dirs: list[str | Path] | None = None,
-                 max_lora_rank: int | None = None, lora_target_modules: list[str] | None = None) -> Path:
+                 max_lora_rank: int | None = None, lora_target_modules: list[str] | None = None,
+                 dora: bool = False) -> Path:
     """Validate ``checkpoint_dir`` and write an engine to ``output_dir``.
 
     Without ``build_config`` the limits come from :func:`resolve_build_config`. ``dtype``
     casts the floating-point weights (the engine computes in it); None keeps the checkpoint's,
     except that a weight-only quantized checkpoint always builds in bfloat16 (use
     :func:`resolve_engine_dtype` for the machine's best). ``lora_dirs`` / ``max_lora_rank`` /
-    ``lora_target_modules``: LoRA settings and adapters kept in the engine (kiln.build.lora).
+    ``lora_target_modules`` / ``dora``: LoRA settings and adapters kept in the engine
+    (kiln.build.lora).
     """
     checkpoint_dir = Path(checkpoint_dir)
     config = read_config(checkpoint_dir)
     build_config = build_config or resolve_build_config(config)
     validate_limits(config, build_config)
     lora_section, lora_adapters = None, {}
-    if lora_dirs or max_lora_rank is not None or lora_target_modules:
-        lora_section, lora_adapters = lora_build(config, list(lora_dirs or []), max_lora_rank, lora_target_modules)
+    if lora_dirs or max_lora_rank is not None or lora_target_modules or dora:
+        lora_section, lora_adapters = lora_build(config, list(lora_dirs or []), max_lora_rank, lora_target_modules,
+                                                 dora)
     if dtype is not None and dtype not in ENGINE_DTYPES:
         raise BuildError(f"dtype {dtype!r} is not one of {', '.join(ENGINE_DTYPES)}")
     # Weight-only and FP8 kernels compute in bf16; SmoothQuant W8A8 (int8 matmul, float32 scales) in any dtype.

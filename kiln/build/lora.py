@@ -1,7 +1,8 @@
-"""LoRA at build time (reference 004's ``--lora_dir``, ``--max_lora_rank``, ``--lora_target_modules``).
+"""LoRA at build time (reference 004's ``--lora_dir``, ``--max_lora_rank``, ``--lora_target_modules``,
+``--dora_plugin``).
 
-The engine records which modules take adapters and the largest rank in a ``lora_config``
-section of its config.json, and keeps the adapters given at build time under
+The engine records which modules take adapters, the largest rank and whether DoRA adapters
+are taken in a ``lora_config`` section of its config.json, and keeps the adapters given at build time under
 ``lora/NAME/`` (NAME: the adapter directory's name) in the reference's tensor files, where
 ``LLM(...).generate(lora="NAME")`` and ``kiln serve`` find them by name. Every adapter is
 checked against the model, the targets and the rank here, so a bad one fails the build.
@@ -21,7 +22,7 @@ ADAPTERS_DIR = "lora"
 
 
 def lora_build(model_config, lora_dirs: list[str | Path], max_lora_rank: int | None,
-               target_modules: list[str] | None) -> tuple[dict, dict[str, tuple]]:
+               target_modules: list[str] | None, dora: bool = False) -> tuple[dict, dict[str, tuple]]:
     """The engine's ``lora_config`` section and its adapters ``{name: (weights, config)}``."""
     shapes = module_shapes(model_config)
     for name in target_modules or []:
@@ -41,13 +42,15 @@ def lora_build(model_config, lora_dirs: list[str | Path], max_lora_rank: int | N
             modules = parse_lora_tensors(weights, config, allowed, model_config.num_hidden_layers, max_lora_rank)
         except CheckpointError as e:
             raise BuildError(f"--lora_dir {directory}: {e}") from None
+        if not dora and any(m.magnitude is not None for m in modules):
+            raise BuildError(f"--lora_dir {directory}: a DoRA adapter (is_dora rows); build with --dora_plugin enable")
         adapters[name] = (np.asarray(weights), np.asarray(config))
         used |= {m.module_id for m in modules}
         ranks += [m.rank for m in modules]
     if max_lora_rank is None and not ranks:
         raise BuildError("LoRA: give --max_lora_rank, or adapters with --lora_dir to take it from")
     targets = target_modules or [LORA_MODULE_NAMES[i] for i in sorted(used)]
-    section = {"max_lora_rank": max_lora_rank or max(ranks),
+    section = {"max_lora_rank": max_lora_rank or max(ranks), "dora": dora,
                "lora_target_modules": sorted(targets, key=LORA_MODULE_IDS.get), "adapters": sorted(adapters)}
     return section, adapters
 

@@ -133,7 +133,27 @@ def parse_lora_tensors(weights, config, shapes: dict[int, tuple[int, int]], num_
         magnitude = values[rank * size_in + size_out * rank: needed] if is_dora else None
         modules.append(LoraModule(module_id, layer, a.clone(), b.clone(),
                                   magnitude.clone() if magnitude is not None else None))
+    _check_dora_overlaps(modules, seen)
     return modules
+
+
+# Fused modules and the parts they cover: an adapter holding both would adapt the same output
+# columns twice, which DoRA cannot (each row's magnitude normalizes its own W + B A).
+_FUSED_PARTS = {LORA_MODULE_IDS["attn_qkv"]: {LORA_MODULE_IDS[n] for n in ("attn_q", "attn_k", "attn_v")},
+                LORA_MODULE_IDS["mlp_gate_up"]: {LORA_MODULE_IDS[n] for n in ("mlp_h_to_4h", "mlp_gate")}}
+
+
+def _check_dora_overlaps(modules: list[LoraModule], rows_of: dict[tuple[int, int], int]) -> None:
+    """``rows_of``: each (module id, layer)'s config row, for the error."""
+    rows = {(m.layer, m.module_id): m for m in modules}
+    for m in modules:
+        for part in _FUSED_PARTS.get(m.module_id, ()):
+            other = rows.get((m.layer, part))
+            if other is not None and (m.magnitude is not None or other.magnitude is not None):
+                raise CheckpointError(f"LoRA config rows {rows_of[m.module_id, m.layer]} and "
+                                      f"{rows_of[part, m.layer]}: a DoRA row may not overlap another row of the "
+                                      f"same linear (layer {m.layer}: {m.name} and {other.name} both adapt the "
+                                      f"{other.name} columns)")
 
 
 def pack_lora_tensors(modules: list[LoraModule], dtype: torch.dtype = torch.float32

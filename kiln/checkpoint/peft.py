@@ -6,6 +6,11 @@ A PEFT adapter directory holds ``adapter_config.json`` and ``adapter_model.safet
 (``PEFT_TARGETS``), its layer, its rank, ``A`` and ``B`` times PEFT's scaling (``lora_alpha /
 r``, or ``lora_alpha / sqrt(r)`` with rsLoRA; ``rank_pattern`` and ``alpha_pattern`` per
 module), so that ``B @ A`` is exactly the delta PEFT adds to the weight.
+
+A DoRA adapter (``use_dora``) also holds ``lora_magnitude_vector`` ``[out]`` per linear. PEFT
+divides it by the row norms of ``W + B A`` at every call; the reference format carries it
+already divided (reference 004: "normalized"), which needs the base weights ``W``:
+``normalize_dora`` / ``kiln lora normalize-dora --base_model``.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import torch
 
 from kiln.checkpoint.format import atomic_output_dir
 from kiln.checkpoint.lora import LORA_MODULE_IDS, LoraModule, pack_lora_tensors
+from kiln.checkpoint.sources import open_source
 from kiln.errors import CheckpointError
 
 # PEFT target module names (LLaMA-style, and fused ones) -> reference module names. As in the
@@ -31,7 +37,8 @@ PEFT_TARGETS = {
 }
 WEIGHTS_FILE, CONFIG_FILE = "model.lora_weights.npy", "model.lora_config.npy"
 STORAGE_TYPES = {"float16": torch.float16, "float32": torch.float32}
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?([A-Za-z_]\w*)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?([A-Za-z_]\w*)\."
+                  r"(?:lora_(?P<side>[AB])(?:\.[\w-]+)?\.weight|lora_magnitude_vector(?:\.[\w-]+)?(?:\.weight)?)$")
 
 
 def _read_adapter(adapter_dir: Path, check_type: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -99,55 +106,87 @@ def load_prompt_table(path: str | Path) -> torch.Tensor:
         raise CheckpointError(f"{path}: cannot read a prompt table ({e})") from None
 
 
-def peft_to_lora_modules(adapter_dir: str | Path) -> list[LoraModule]:
+def peft_to_lora_modules(adapter_dir: str | Path, base_model: str | Path | None = None) -> list[LoraModule]:
     """The rows of a PEFT LoRA adapter, scaled as PEFT applies them, ordered by layer then
-    module id."""
+    module id. A DoRA adapter needs ``base_model`` (the model it was trained on: a Hugging Face
+    directory or GGUF file) to normalize its magnitudes; a plain one ignores it."""
     adapter_dir = Path(adapter_dir)
     config, tensors = _read_adapter(adapter_dir)
-    if config.get("use_dora"):
-        raise CheckpointError(f"{adapter_dir}: a DoRA adapter; its magnitudes must be normalized against the base "
-                              "weights, which this converter does not do yet")
-    if config.get("bias", "none") != "none":
-        raise CheckpointError(f"{adapter_dir}: bias {config['bias']!r}: the LoRA format has no bias terms")
+    dora = bool(config.get("use_dora"))
+    if dora and base_model is None:
+        raise CheckpointError(f"{adapter_dir}: a DoRA adapter: its magnitudes must be normalized against the base "
+                              f"weights first (kiln lora normalize-dora -i {adapter_dir} --base_model MODEL -o OUT)")
+    if config.get("bias", "none") != "none" or config.get("lora_bias"):
+        raise CheckpointError(f"{adapter_dir}: bias {config.get('bias')!r} / lora_bias: the LoRA format has no "
+                              "bias terms")
     if config.get("modules_to_save"):
         raise CheckpointError(f"{adapter_dir}: modules_to_save {config['modules_to_save']} are whole weights, "
                               "which the LoRA format cannot carry")
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    if config.get("fan_in_fan_out"):
+        raise CheckpointError(f"{adapter_dir}: fan_in_fan_out adapters (Conv1D targets) are not converted")
+    parts: dict[tuple[int, str], dict] = {}
     for key, tensor in tensors.items():
         found = _KEY.search(key)
         if found is None:
             raise CheckpointError(f"{adapter_dir}: tensor {key!r} is not a per-layer lora_A/lora_B weight "
                                   f"(targets kiln converts: {sorted(PEFT_TARGETS)})")
-        layer, target, side = int(found.group(1)), found.group(2), found.group(3)
+        layer, target = int(found.group(1)), found.group(2)
         if target not in PEFT_TARGETS:
             raise CheckpointError(f"{adapter_dir}: tensor {key!r} adapts {target!r}; kiln converts "
                                   f"{sorted(PEFT_TARGETS)}")
-        pairs.setdefault((layer, target), {"key": key})[side] = tensor
+        module_key = key[:found.start(2)] + target
+        parts.setdefault((layer, target), {"key": module_key})[found.group("side") or "M"] = tensor
+    source = open_source(base_model) if dora else None
     modules = []
-    for (layer, target), pair in pairs.items():
-        if "A" not in pair or "B" not in pair:
-            raise CheckpointError(f"{adapter_dir}: layer {layer} {target} has lora_{'A' if 'A' not in pair else 'B'} "
-                                  "missing")
-        a, b = pair["A"].float(), pair["B"].float()
+    for (layer, target), part in parts.items():
+        for side, what in (("A", "lora_A"), ("B", "lora_B")) + ((("M", "lora_magnitude_vector"),) if dora else ()):
+            if side not in part:
+                raise CheckpointError(f"{adapter_dir}: layer {layer} {target} has no {what}")
+        a, b = part["A"].float(), part["B"].float()
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
             raise CheckpointError(f"{adapter_dir}: layer {layer} {target}: lora_A {list(a.shape)} and lora_B "
                                   f"{list(b.shape)} do not make a rank-r pair ([r, in] and [out, r])")
         rank = a.shape[0]
-        module_key = pair["key"].split(".lora_")[0]
-        alpha = _pattern_value(config.get("alpha_pattern"), module_key, config.get("lora_alpha", 8))
-        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-        modules.append(LoraModule(LORA_MODULE_IDS[PEFT_TARGETS[target]], layer, a, b * scale))
+        alpha = _pattern_value(config.get("alpha_pattern"), part["key"], config.get("lora_alpha", 8))
+        b = b * (alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank)
+        magnitude = None
+        if dora:
+            magnitude = part["M"].float().reshape(-1)
+            if magnitude.numel() != b.shape[0]:
+                raise CheckpointError(f"{adapter_dir}: layer {layer} {target}: lora_magnitude_vector has "
+                                      f"{magnitude.numel()} values for {b.shape[0]} outputs")
+            magnitude = magnitude / _dora_row_norms(source, part["key"], a, b)
+        modules.append(LoraModule(LORA_MODULE_IDS[PEFT_TARGETS[target]], layer, a, b, magnitude))
     if not modules:
         raise CheckpointError(f"{adapter_dir}: the adapter has no LoRA weights")
     return sorted(modules, key=lambda m: (m.layer, m.module_id))
 
 
-def convert_peft_adapter(adapter_dir: str | Path, output_dir: str | Path, storage_type: str = "float16") -> Path:
+def _dora_row_norms(source, module_key: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The row norms of ``W + B A`` (``B`` scaled) for the base linear PEFT's ``module_key``
+    (``base_model.model.model.layers.3.self_attn.q_proj``) adapts, as PEFT's DoRA takes them."""
+    inner = module_key.split(".layers.", 1)[-1] if ".layers." in module_key else module_key
+    suffix = f"layers.{inner}.weight"
+    keys = [k for k in source.keys() if k == suffix or k.endswith("." + suffix)]
+    if len(keys) != 1:
+        raise CheckpointError(f"{source.path}: {'no' if not keys else 'more than one'} base weight named like "
+                              f"{suffix!r} for the DoRA module {module_key}{': ' + ', '.join(keys) if keys else ''}")
+    weight = source.read(keys[0]).float()
+    if weight.shape != (b.shape[0], a.shape[1]):
+        raise CheckpointError(f"{source.path}: base weight {keys[0]} is {list(weight.shape)}, but the adapter's "
+                              f"{module_key} is [{b.shape[0]}, {a.shape[1]}] (another model?)")
+    return torch.linalg.vector_norm(weight + b @ a, dim=1)
+
+
+def convert_peft_adapter(adapter_dir: str | Path, output_dir: str | Path, storage_type: str = "float16",
+                         base_model: str | Path | None = None) -> Path:
     """Write ``model.lora_weights.npy`` and ``model.lora_config.npy`` (int32) for a PEFT LoRA
-    adapter into ``output_dir`` (atomically: nothing is left on an error)."""
+    adapter into ``output_dir`` (atomically: nothing is left on an error). A DoRA adapter is
+    normalized against ``base_model`` (see ``peft_to_lora_modules``) and gets ``is_dora`` rows."""
     if storage_type not in STORAGE_TYPES:
         raise CheckpointError(f"--storage-type {storage_type!r}: choose one of {sorted(STORAGE_TYPES)}")
-    weights, config = pack_lora_tensors(peft_to_lora_modules(adapter_dir), STORAGE_TYPES[storage_type])
+    modules = peft_to_lora_modules(adapter_dir, base_model)
+    weights, config = pack_lora_tensors(modules, STORAGE_TYPES[storage_type])
     with atomic_output_dir(output_dir) as tmp:
         np.save(tmp / WEIGHTS_FILE, weights.numpy())
         np.save(tmp / CONFIG_FILE, config.numpy())

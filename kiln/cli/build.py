@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max_beam_width", type=int, help="widest beam search the engine serves (default 1: none)")
     p.add_argument("--gather_all_token_logits", action="store_true", default=None,
                    help="let requests ask for the logits of every prompt token (context logits)")
+    p.add_argument("--max_prompt_embedding_table_size", type=int,
+                   help="enable prompt tuning (reference 001): the most virtual-token rows a request's embedding "
+                        "table may have (default 0: off)")
     lora = p.add_argument_group("LoRA (reference 004)")
     lora.add_argument("--lora_dir", nargs="+", default=[], metavar="DIR",
                       help="LoRA adapters to keep in the engine (PEFT adapter directories or kiln lora convert "
@@ -33,6 +36,9 @@ def add_parser(sub) -> None:
     lora.add_argument("--lora_target_modules", nargs="+", metavar="MODULE",
                       help="modules adapters may adapt, by the reference's names (attn_q attn_k attn_v attn_qkv "
                            "attn_dense mlp_h_to_4h mlp_4h_to_h mlp_gate mlp_gate_up; default: those of --lora_dir)")
+    lora.add_argument("--dora_plugin", choices=["enable", "disable"], default="disable",
+                      help="take DoRA adapters too (rows with is_dora and normalized magnitudes: kiln lora "
+                           "normalize-dora); default disable")
     p.set_defaults(handler=run)
 
 
@@ -48,13 +54,15 @@ def run(args) -> int:
     build_config = resolve_build_config(
         config, max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
         max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens, tokens_per_block=args.tokens_per_block,
-        max_beam_width=args.max_beam_width, gather_all_token_logits=args.gather_all_token_logits)
+        max_beam_width=args.max_beam_width, gather_all_token_logits=args.gather_all_token_logits,
+        max_prompt_embedding_table_size=args.max_prompt_embedding_table_size)
+    dora = args.dora_plugin == "enable"
     out = build_engine(args.checkpoint_dir, args.output_dir, build_config, dtype=dtype, lora_dirs=args.lora_dir,
-                       max_lora_rank=args.max_lora_rank, lora_target_modules=args.lora_target_modules)
+                       max_lora_rank=args.max_lora_rank, lora_target_modules=args.lora_target_modules, dora=dora)
     limits = ", ".join(f"{k}={v}" for k, v in build_config.to_dict().items())
     print(f"built engine {out} ({dtype}; {limits}) in {time.perf_counter() - started:.1f}s")
-    if args.lora_dir or args.max_lora_rank or args.lora_target_modules:
+    if args.lora_dir or args.max_lora_rank or args.lora_target_modules or dora:
         lora = json.loads((out / "config.json").read_text())["lora_config"]
-        print(f"LoRA: max rank {lora['max_lora_rank']}, modules {' '.join(lora['lora_target_modules'])}, "
-              f"adapters {', '.join(lora['adapters']) or 'none'}")
+        print(f"LoRA{' and DoRA' if lora['dora'] else ''}: max rank {lora['max_lora_rank']}, modules "
+              f"{' '.join(lora['lora_target_modules'])}, adapters {', '.join(lora['adapters']) or 'none'}")
     return 0

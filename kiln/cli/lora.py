@@ -1,5 +1,6 @@
 """``kiln lora convert``: a Hugging Face PEFT LoRA adapter -> reference 004's tensors; ``kiln lora
-convert-prompt``: a PEFT prompt-tuning adapter -> its virtual-token table."""
+normalize-dora``: the same for a DoRA adapter, its magnitudes normalized against the base weights;
+``kiln lora convert-prompt``: a PEFT prompt-tuning adapter -> its virtual-token table."""
 from __future__ import annotations
 
 
@@ -18,6 +19,19 @@ def add_parser(sub) -> None:
     _in_out(c, "the PEFT adapter directory", "--output_dir", "where to write the two .npy files (replaced atomically)",
             "float16", "dtype of the weights tensor (default float16; the config tensor is int32)")
     c.set_defaults(handler=run_convert)
+    d = tools.add_parser("normalize-dora", help="convert a PEFT DoRA adapter, normalizing its magnitudes against "
+                                                "the base weights",
+                         description="Convert a Hugging Face PEFT DoRA adapter (use_dora) as kiln lora convert does, "
+                                     "with config rows [module_id, layer_idx, D, is_dora] and each row's magnitude "
+                                     "vector divided by the row norms of W + B A, where W is the base model's weight "
+                                     "(what PEFT computes at every call; the engine takes it precomputed). Engines "
+                                     "take DoRA adapters when built with --dora_plugin enable.")
+    _in_out(d, "the PEFT DoRA adapter directory", "--output_dir", "where to write the two .npy files (replaced "
+            "atomically)", "float16", "dtype of the weights tensor (default float16; the config tensor is int32)")
+    d.add_argument("--base_model", required=True,
+                   help="the model the adapter was trained on: a Hugging Face directory or a GGUF file (not a "
+                        "kiln checkpoint or engine, whose weights may be quantized or fused)")
+    d.set_defaults(handler=run_convert)
     t = tools.add_parser("convert-prompt", help="convert a PEFT prompt-tuning adapter into a table (.npy)",
                          description="Write the virtual-token table [num_virtual_tokens, hidden] of a Hugging Face "
                                      "PEFT prompt-tuning adapter (its prompt_embeddings) as a NumPy file, for "
@@ -38,11 +52,13 @@ def _in_out(parser, input_help: str, output_flag: str, output_help: str, storage
 def run_convert(args) -> int:
     from kiln.checkpoint.peft import CONFIG_FILE, WEIGHTS_FILE, convert_peft_adapter, load_lora_dir
 
-    out = convert_peft_adapter(args.input_dir, args.output_dir, args.storage_type)
+    out = convert_peft_adapter(args.input_dir, args.output_dir, args.storage_type, getattr(args, "base_model", None))
     weights, config = load_lora_dir(out)
     layers = sorted({int(row[1]) for row in config})
+    dora = int(config[:, 3].sum()) if config.shape[1] == 4 else 0
     print(f"wrote {out / WEIGHTS_FILE} ({weights.dtype}, {list(weights.shape)}) and {out / CONFIG_FILE} "
-          f"({len(config)} module rows over {len(layers)} layers, ranks {sorted({int(r[2]) for r in config})})")
+          f"({len(config)} module rows over {len(layers)} layers, ranks {sorted({int(r[2]) for r in config})}"
+          f"{f', {dora} DoRA rows normalized' if dora else ''})")
     return 0
 
 

@@ -92,14 +92,15 @@ class Linear(nn.Module):
     lora_targets: tuple = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.with_lora(x, self.matmul(x, self.bias))
+        return self.with_lora(x, self.matmul(x, self.bias), self.bias)
 
-    def with_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` plus the active LoRA step's deltas for this linear (none outside a LoRA step)."""
+    def with_lora(self, x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``y`` (``bias`` included) plus the active LoRA step's deltas for this linear (none
+        outside a LoRA step)."""
         if self.lora_targets:
             step = lora.active_step()
             if step is not None:
-                return step.apply(self.lora_targets, x, y)
+                return step.apply(self.lora_targets, x, y, bias)
         return y
 
     # -- weight-only quantization (kiln.quantization.weight_only) -----------------------------
@@ -293,7 +294,7 @@ class ColumnLinear(Linear):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.with_lora(x, self.matmul(x, self.bias))
+        y = self.with_lora(x, self.matmul(x, self.bias), self.bias)
         return distributed.all_gather(y, self.tp_size, dim=-1) if self.gather_output else y
 
     def postprocess(self, key: str, weights: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
@@ -319,9 +320,10 @@ class RowLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.with_lora(x, self.matmul(x, self.bias))
-        # A rank's LoRA delta is a partial sum too (its rows of A): reduced with the matmul's.
-        y = distributed.all_reduce(self.with_lora(x, self.matmul(x, None)), self.tp_size)
+            return self.with_lora(x, self.matmul(x, self.bias), self.bias)
+        # A rank's LoRA delta is a partial sum too (its rows of A): reduced with the matmul's (a
+        # DoRA scale is per output column, so scaling each partial sum scales the total).
+        y = distributed.all_reduce(self.with_lora(x, self.matmul(x, None), None), self.tp_size)
         return y if self.bias is None else y + self.bias
 
 

@@ -7,7 +7,9 @@ set by ``DecoderModelForCausalLM.assign_lora_targets``) then adds, per adapter p
 the step, ``(x[rows] A^T) B^T`` to the output columns of each reference module it holds
 (q, k and v are column ranges of the fused qkv projection; gate and up of the fused
 gate/up one). The matmuls run once per adapter and linear, whatever the number of sequences
-using it.
+using it. A DoRA row also carries its module's normalized magnitude ``m`` (``kiln lora
+normalize-dora``: the trained magnitude over the row norms of ``W + B A``); its output columns
+become ``m * (W x + B A x)`` plus the bias, as PEFT's DoRA computes them.
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from kiln.checkpoint.lora import LoraModule
-from kiln.errors import RequestError
 from kiln.layers.step_context import StepContext
 
 
@@ -33,43 +34,65 @@ class LoraTarget:
 
 
 class LoraAdapter:
-    """An adapter's rows, ready to apply: ``A`` ``[r, in]`` and ``B`` ``[out, r]`` per
-    (layer, module id), float32 (the deltas are computed in float32 and rounded once)."""
+    """An adapter's rows, ready to apply: ``A`` ``[r, in]``, ``B`` ``[out, r]`` and (DoRA) the
+    magnitude ``[out]`` per (layer, module id), float32 (the deltas are computed in float32 and
+    rounded once)."""
 
     _keys = itertools.count(1)
 
     def __init__(self, modules: list[LoraModule]):
-        if any(m.magnitude is not None for m in modules):
-            raise RequestError("LoRA: DoRA rows (is_dora 1) are not supported yet")
         self.key = ("lora", next(self._keys))  # distinct per adapter: salts its prefix-cache hashes
-        self.weights = {(m.layer, m.module_id): (m.a.float().contiguous(), m.b.float().contiguous())
+        self.weights = {(m.layer, m.module_id): (m.a.float().contiguous(), m.b.float().contiguous(),
+                                                 None if m.magnitude is None else m.magnitude.float())
                         for m in modules}
-        self._fused: dict[tuple[LoraTarget, ...], tuple | None] = {}
+        self._fused: dict[tuple[LoraTarget, ...], FusedLora | None] = {}
 
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * 4 + b.numel() * 4 for a, b in self.weights.values())
+        return sum(4 * sum(t.numel() for t in row if t is not None) for row in self.weights.values())
 
-    def fused(self, targets: tuple[LoraTarget, ...]) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
-        """This adapter's modules among one linear's ``targets`` as one pair of matmuls:
-        ``A`` ``[sum r, in]`` stacked, ``B`` ``[stop - start, sum r]`` with each module's ``B``
-        in its own columns and output rows (zeros elsewhere), and the output columns
-        ``start:stop`` they cover; None when it adapts none of them. Built once per linear."""
+    @property
+    def is_dora(self) -> bool:
+        return any(m is not None for _, _, m in self.weights.values())
+
+    def fused(self, targets: tuple[LoraTarget, ...]) -> FusedLora | None:
+        """This adapter's modules among one linear's ``targets`` as one pair of matmuls (None
+        when it adapts none of them). Built once per linear."""
         if targets not in self._fused:
             present = [(t, self.weights[t.layer, t.module_id]) for t in targets
                        if (t.layer, t.module_id) in self.weights]
-            if not present:
-                self._fused[targets] = None
-            else:
-                start, stop = min(t.start for t, _ in present), max(t.stop for t, _ in present)
-                a = torch.cat([a for _, (a, _) in present])
-                b = torch.zeros(stop - start, a.shape[0])
-                offset = 0
-                for t, (_, module_b) in present:
-                    b[t.start - start:t.stop - start, offset:offset + module_b.shape[1]] = module_b
-                    offset += module_b.shape[1]
-                self._fused[targets] = (a, b, start, stop)
+            self._fused[targets] = _fuse(present) if present else None
         return self._fused[targets]
+
+
+@dataclass(frozen=True)
+class FusedLora:
+    """One adapter's modules of one linear: ``a`` ``[sum r, in]`` stacked, ``b`` ``[stop -
+    start, sum r]`` with each module's ``B`` in its own columns and output rows (zeros
+    elsewhere), the output columns ``start:stop`` they cover, and ``scale`` ``[stop - start]``
+    (DoRA magnitudes; 1 in the columns of plain LoRA modules) or None without DoRA."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    start: int
+    stop: int
+    scale: torch.Tensor | None
+
+
+def _fuse(present: list[tuple[LoraTarget, tuple]]) -> FusedLora:
+    start, stop = min(t.start for t, _ in present), max(t.stop for t, _ in present)
+    a = torch.cat([a for _, (a, _, _) in present])
+    b = torch.zeros(stop - start, a.shape[0])
+    dora = any(m is not None for _, (_, _, m) in present)
+    scale = torch.ones(stop - start) if dora else None
+    offset = 0
+    for t, (_, module_b, magnitude) in present:
+        columns = slice(t.start - start, t.stop - start)
+        b[columns, offset:offset + module_b.shape[1]] = module_b
+        offset += module_b.shape[1]
+        if magnitude is not None:
+            scale[columns] = magnitude
+    return FusedLora(a, b, start, stop, scale)
 
 
 class LoraStep:
@@ -78,23 +101,33 @@ class LoraStep:
     def __init__(self, groups: list[tuple[LoraAdapter, torch.Tensor]]):
         self.groups = groups
 
-    def apply(self, targets: tuple[LoraTarget, ...], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` (the linear's output for ``x``, ``[tokens, out]``) plus every delta of this
-        step's adapters for ``targets``: per adapter, one pair of matmuls over its rows (all
-        of the linear's modules at once, ``LoraAdapter.fused``)."""
+    def apply(self, targets: tuple[LoraTarget, ...], x: torch.Tensor, y: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``y`` (the linear's output for ``x``, ``[tokens, out]``, ``bias`` included) plus
+        every delta of this step's adapters for ``targets``: per adapter, one pair of matmuls
+        over its rows (all of the linear's modules at once, ``LoraAdapter.fused``)."""
         x = x.reshape(-1, x.shape[-1])
         for adapter, rows in self.groups:
             fused = adapter.fused(targets)
             if fused is None:
                 continue
-            a, b, start, stop = fused
             every_row = rows.numel() == x.shape[0]  # one adapter for the whole step: no gather
             inputs = (x if every_row else x.index_select(0, rows)).float()
-            delta = ((inputs @ a.t()) @ b.t()).to(y.dtype)
-            if every_row:
-                y[:, start:stop] += delta
+            delta = (inputs @ fused.a.t()) @ fused.b.t()
+            out = y[:, fused.start:fused.stop]
+            if fused.scale is not None:  # DoRA: m * (W x + B A x) + bias
+                base = (out if every_row else out.index_select(0, rows)).float()
+                shift = None if bias is None else bias[fused.start:fused.stop].float()
+                delta = (base + delta if shift is None else base - shift + delta) * fused.scale
+                delta = (delta if shift is None else delta + shift).to(y.dtype)
+                if every_row:
+                    out.copy_(delta)
+                else:
+                    out.index_copy_(0, rows, delta)
+            elif every_row:
+                out += delta.to(y.dtype)
             else:
-                y[:, start:stop].index_add_(0, rows, delta)
+                out.index_add_(0, rows, delta.to(y.dtype))
         return y
 
 

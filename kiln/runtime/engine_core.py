@@ -24,7 +24,7 @@ from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.engine import Engine
 from kiln.runtime.kv_cache import available_memory_bytes, kv_bytes_per_token, kv_cache_dtype
 from kiln.runtime.model_runner import ModelRunner
-from kiln.runtime.prompt_tuning import PromptTable, check_prompt_ids
+from kiln.runtime.prompt_tuning import PromptTable, check_prompt_ids, check_table_size
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import RunnerOutput, Scheduler
 from kiln.runtime.sequence import FinishReason, Sequence
@@ -126,6 +126,8 @@ class EngineCore:
         if prompt_table is not None and not isinstance(prompt_table, PromptTable):
             prompt_table = PromptTable.of(prompt_table, self.engine.config.hidden_size,
                                           self.engine.model.transformer.vocab_embedding.weight.dtype)
+        if prompt_table is not None:
+            check_table_size(prompt_table, build.max_prompt_embedding_table_size)
         check_prompt_ids(prompt_token_ids, vocab, prompt_table)
         if end_id is not None and not 0 <= end_id < vocab:
             raise RequestError(f"end_id {end_id} is outside the vocabulary [0, {vocab})")

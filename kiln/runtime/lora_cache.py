@@ -32,12 +32,15 @@ class LoraConfig:
 
 def parse_adapter(weights, config, model_config, engine_lora: dict | None, where: str) -> LoraAdapter:
     """An adapter from reference tensors, checked against the model and the engine's build-time
-    bounds (``Engine.lora_config``: modules and rank; None takes any); a rejection is a
+    bounds (``Engine.lora_config``: modules, rank, DoRA; None takes any); a rejection is a
     RequestError starting with ``where``."""
     try:
-        return LoraAdapter(parse_lora_tensors(weights, config, engine_lora_shapes(model_config, engine_lora),
-                                              model_config.num_hidden_layers,
-                                              (engine_lora or {}).get("max_lora_rank")))
+        modules = parse_lora_tensors(weights, config, engine_lora_shapes(model_config, engine_lora),
+                                     model_config.num_hidden_layers, (engine_lora or {}).get("max_lora_rank"))
+        if engine_lora is not None and not engine_lora.get("dora") and any(m.magnitude is not None for m in modules):
+            raise CheckpointError("a DoRA adapter (is_dora rows), but the engine was built without "
+                                  "--dora_plugin enable")
+        return LoraAdapter(modules)
     except CheckpointError as e:
         raise RequestError(f"{where}: {e}") from None
 

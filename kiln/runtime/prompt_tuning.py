@@ -55,6 +55,16 @@ class PromptTable:
         return self.table.shape[0]
 
 
+def check_table_size(table: PromptTable, max_size: int) -> None:
+    """A table within the engine's ``max_prompt_embedding_table_size`` (0: no prompt tuning)."""
+    if max_size == 0:
+        raise RequestError("prompt tuning: this engine was built without it (build with "
+                           "--max_prompt_embedding_table_size N, or LLM(..., max_prompt_embedding_table_size=N))")
+    if table.num_virtual_tokens > max_size:
+        raise RequestError(f"prompt_tuning_config: the embedding table has {table.num_virtual_tokens} rows, more "
+                           f"than the engine's max_prompt_embedding_table_size {max_size}")
+
+
 def check_prompt_ids(ids: list[int], vocab_size: int, table: PromptTable | None) -> None:
     """Ids below the vocabulary, or (with a table) virtual ids naming one of its rows."""
     limit = vocab_size + (table.num_virtual_tokens if table is not None else 0)

@@ -28,8 +28,9 @@ def base(tmp_path_factory):
 
 
 def _peft(root, targets: list[str], rank: int, seed: int, **options):
-    """The base model with a PEFT adapter of random, non-zero A and B; and the adapter for kiln
-    (converted, packed into the reference tensors and parsed back, as a request carries it)."""
+    """The base model with a PEFT adapter of random, non-zero A and B (and, DoRA, magnitudes off
+    the base's norms); and the adapter for kiln (converted, DoRA normalized against the base,
+    packed into the reference tensors and parsed back, as a request carries it)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -43,9 +44,11 @@ def _peft(root, targets: list[str], rank: int, seed: int, **options):
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.mul_(0.05)
-    adapter_dir = root / f"adapter-{'-'.join(targets)}-{rank}-{seed}"
+            if "lora_magnitude_vector" in name:  # PEFT starts it at the norms: DoRA would equal LoRA
+                p.mul_(1 + 0.2 * torch.randn_like(p))
+    adapter_dir = root / f"adapter-{'-'.join(targets)}-{rank}-{seed}{'-dora' if options.get('use_dora') else ''}"
     peft_model.save_pretrained(adapter_dir)
-    weights, config = pack_lora_tensors(peft_to_lora_modules(adapter_dir))
+    weights, config = pack_lora_tensors(peft_to_lora_modules(adapter_dir, base_model=root / "hf"))
     return peft_model.eval(), adapter_dir, weights, config
 
 
@@ -90,15 +93,56 @@ def test_lora_matches_peft(base, targets, rank):
 
 
 def test_a_batch_mixing_adapters_gives_each_sequence_its_own_output(base):
+    """Three LoRA adapters, a DoRA one and none in one batch."""
     root, engine = base
-    adapters = [_adapter(engine, *_peft(root, targets, rank, seed=10 + i)[2:])
-                for i, (targets, rank) in enumerate([(["q_proj", "v_proj"], 4), (ALL, 8), (["down_proj"], 2)])]
-    prompts = [PROMPT, PROMPT[:5], PROMPT[2:], PROMPT[::-1]]
+    adapters = [_adapter(engine, *_peft(root, targets, rank, seed=10 + i, use_dora=dora)[2:])
+                for i, (targets, rank, dora) in enumerate([(["q_proj", "v_proj"], 4, False), (ALL, 8, False),
+                                                           (["down_proj"], 2, False), (ALL, 4, True)])]
+    prompts = [PROMPT, PROMPT[:5], PROMPT[2:], PROMPT[1:7], PROMPT[::-1]]
     mixed = _kiln_greedy(engine, prompts, adapters + [None])
     for prompt, adapter, (tokens, logits) in zip(prompts, adapters + [None], mixed):
         ((alone_tokens, alone_logits),) = _kiln_greedy(engine, [prompt], [adapter])
         assert tokens == alone_tokens
         torch.testing.assert_close(logits, alone_logits, atol=1e-5, rtol=1e-5)
+
+
+DORA_CASES = [(["q_proj", "v_proj"], 8), (["o_proj", "down_proj"], 4), (["gate_proj", "up_proj", "k_proj"], 2),
+              (ALL, 16)]
+
+
+@pytest.mark.parametrize("targets, rank", DORA_CASES, ids=["qv-r8", "o-down-r4", "gate-up-k-r2", "all-r16"])
+def test_dora_matches_peft(base, targets, rank):
+    root, engine = base
+    peft_model, _, weights, config = _peft(root, targets, rank, seed=20 + rank, use_dora=True)
+    assert config.shape[1] == 4 and bool(config[:, 3].all())
+    expected_tokens, expected_logits = _hf_greedy(peft_model, PROMPT)
+    ((tokens, logits),) = _kiln_greedy(engine, [PROMPT], [_adapter(engine, weights, config)])
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_dora_keeps_the_bias_outside_the_magnitude(tmp_path):
+    """PEFT scales W x + B A x and adds the bias after; a model with q/k/v/o biases checks it."""
+    make_llama(tmp_path / "hf", hidden=64, layers=2, num_heads=4, num_kv_heads=2, intermediate=96, qkv_bias=True)
+    engine = Engine(convert_and_build(tmp_path / "hf", tmp_path / "kiln", {"tokens_per_block": 4}, dtype="float32"))
+    peft_model, _, weights, config = _peft(tmp_path, ALL, 4, seed=5, use_dora=True)
+    expected_tokens, expected_logits = _hf_greedy(peft_model, PROMPT)
+    ((tokens, logits),) = _kiln_greedy(engine, [PROMPT], [_adapter(engine, weights, config)])
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_dora_rows_may_not_overlap_in_one_linear(base):
+    from kiln.checkpoint.lora import LORA_MODULE_IDS, LoraModule
+    from kiln.errors import CheckpointError
+
+    _, engine = base
+    hidden, q = 64, 64
+    qkv = LoraModule(LORA_MODULE_IDS["attn_qkv"], 0, torch.randn(2, hidden), torch.randn(q + 2 * 32, 2))
+    only_q = LoraModule(LORA_MODULE_IDS["attn_q"], 0, torch.randn(2, hidden), torch.randn(q, 2), torch.ones(q))
+    weights, config = pack_lora_tensors([qkv, only_q])
+    with pytest.raises(CheckpointError, match="rows 0 and 1: a DoRA row may not overlap .*layer 0: attn_qkv and attn_q"):
+        _adapter(engine, weights, config)
 
 
 def test_prefix_cache_never_shares_blocks_across_adapters(base):

@@ -40,7 +40,9 @@ def setup(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("prompt-tuning")
     make_llama(root / "hf", hidden=64, layers=2, num_heads=4, num_kv_heads=2, intermediate=96, vocab=VOCAB)
-    engine = Engine(convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4}, dtype="float32"))
+    engine = Engine(convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4,
+                                                                  "max_prompt_embedding_table_size": 6},
+                                      dtype="float32"))
     tuned = []
     for n, seed in ((4, 0), (6, 1)):
         torch.manual_seed(seed)
@@ -108,6 +110,25 @@ def test_virtual_ids_need_a_table_that_has_them(setup):
         core.add_request([VOCAB + 4] + PROMPT, params, None, prompt_table=_table(tuned[0]))
     with pytest.raises(RequestError, match=r"must be \[n_virtual >= 1, 64\]"):
         core.add_request(PROMPT, params, None, prompt_table=torch.zeros(3, 32))
+
+
+def test_the_engine_bounds_the_table(setup, tmp_path):
+    """Tables up to the build's max_prompt_embedding_table_size rows; none without it (kiln build's default)."""
+    import subprocess
+    import sys
+
+    engine, tuned = setup
+    core = EngineCore(engine, max_num_seqs=1, num_blocks=16)
+    with pytest.raises(RequestError, match="7 rows, more than the engine's max_prompt_embedding_table_size 6"):
+        core.add_request([VOCAB] + PROMPT, SamplingParams(max_tokens=2), None, prompt_table=torch.zeros(7, 64))
+    checkpoint = engine.engine_dir.parent / "checkpoint"
+    run = subprocess.run([sys.executable, "-m", "kiln.cli.main", "build", "--checkpoint_dir", checkpoint,
+                          "--output_dir", tmp_path / "plain"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    plain = EngineCore(Engine(tmp_path / "plain"), max_num_seqs=1, num_blocks=16)
+    assert plain.engine.build_config.max_prompt_embedding_table_size == 0
+    with pytest.raises(RequestError, match="built without it .*--max_prompt_embedding_table_size N"):
+        plain.add_request([VOCAB] + PROMPT, SamplingParams(max_tokens=2), None, prompt_table=_table(tuned[0]))
 
 
 def test_prompt_tuning_through_the_executor(setup):
