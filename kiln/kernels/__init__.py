@@ -128,7 +128,8 @@ def native_library() -> ctypes.CDLL | None:
         getattr(lib, f"kiln_skinny_gemm_{suffix}").argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
         getattr(lib, f"kiln_skinny_gemm_{suffix}").restype = None
         getattr(lib, f"kiln_decode_step_{suffix}").argtypes = [
-            _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int, _PTR]
+            _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int,
+            _PTR]
         getattr(lib, f"kiln_decode_step_{suffix}").restype = ctypes.c_int
     lib.kiln_kv_quantize.argtypes = [_PTR, _I64, ctypes.c_float, _I64, _PTR]
     lib.kiln_kv_quantize.restype = None
@@ -569,6 +570,25 @@ class DecoderHead(ctypes.Structure):
     _fields_ = [("norm", _PTR), ("eps", ctypes.c_float), ("linear", LinearWeights), ("vocab", _I64)]
 
 
+class LoraLinear(ctypes.Structure):
+    """One adapter's module inside one linear for ``decode_step`` (e.g. attn_k of the fused qkv):
+    float32 ``a`` ``[rank, in]`` and ``bt`` ``[rank, width]`` (B transposed) for output columns
+    ``start:start + width``, DoRA's ``scale`` ``[width]`` (or NULL); ``a`` NULL: no module."""
+    _fields_ = [("a", _PTR), ("bt", _PTR), ("scale", _PTR), ("rank", _I64), ("start", _I64), ("width", _I64)]
+
+
+LORA_SLOTS = 4  # module slots per linear (decode_step.c KILN_LORA_SLOTS): qkv, q, k, v of the fused qkv
+
+
+class LoraStepWeights(ctypes.Structure):
+    """A step's LoRA for ``decode_step``: ``adapters`` (``num_adapters`` pointers to each
+    adapter's ``LoraLinear`` ``[num_layers][4][LORA_SLOTS]``: linears qkv, dense, fused_fc,
+    proj), ``token_adapter`` (int64 ``[m]``: each token's adapter index, -1 for none) and
+    ``work_size``: float32 scratch, ``m`` x (the widest linear input + the largest rank + the
+    widest module)."""
+    _fields_ = [("adapters", _PTR), ("num_adapters", _I64), ("token_adapter", _PTR), ("work_size", _I64)]
+
+
 def decode_step_scratch_size(dims: DecoderDims, num_tokens: int) -> int:
     """Elements of model dtype ``decode_step`` needs as scratch for ``num_tokens`` tokens."""
     return native_library().kiln_decode_step_scratch(ctypes.byref(dims), num_tokens)
@@ -577,7 +597,7 @@ def decode_step_scratch_size(dims: DecoderDims, num_tokens: int) -> int:
 def decode_step(hidden: torch.Tensor, layers: ctypes.Array, dims: DecoderDims, cos: torch.Tensor, sin: torch.Tensor,
                 slots: torch.Tensor, token_index: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                 scratch: torch.Tensor, profile: torch.Tensor | None = None, head: DecoderHead | None = None,
-                logits: torch.Tensor | None = None) -> None:
+                logits: torch.Tensor | None = None, lora: LoraStepWeights | None = None) -> None:
     """Run every layer of a LLaMA-shaped stack on ``hidden`` ``[m, hidden]`` (in place): one
     token of each of ``m`` sequences.
 
@@ -591,12 +611,15 @@ def decode_step(hidden: torch.Tensor, layers: ctypes.Array, dims: DecoderDims, c
     checked here. ``profile`` (float64 ``[3]``, or None): seconds in the linear layers, in
     attention and in the rest are added to it. With a ``head`` (and ``dims.head_width`` set)
     the step ends with the final norm and the LM head and writes float32 ``logits``
-    ``[m, head.vocab]``; ``hidden`` is then the last layer's output.
+    ``[m, head.vocab]``; ``hidden`` is then the last layer's output. With ``lora`` each
+    token's adapter adds its deltas to the four linears of every layer (kiln.layers.lora's
+    arithmetic).
     """
     rc = getattr(native_library(), f"kiln_decode_step_{_SUFFIX[hidden.dtype]}")(
         hidden.data_ptr(), hidden.shape[0], layers, len(layers), ctypes.byref(dims), cos.data_ptr(), sin.data_ptr(),
         slots.data_ptr(), token_index.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), scratch.data_ptr(),
         ctypes.byref(head) if head is not None else None, logits.data_ptr() if logits is not None else None,
-        torch.get_num_threads(), profile.data_ptr() if profile is not None else None)
+        ctypes.byref(lora) if lora is not None else None, torch.get_num_threads(),
+        profile.data_ptr() if profile is not None else None)
     if rc != 0:
         raise RuntimeError(f"decode_step: attention kernel failed with code {rc}")

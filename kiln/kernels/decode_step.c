@@ -21,7 +21,9 @@
  * `vocab` outputs, as float32, to logits [m, vocab] (rounded through the model dtype first, as
  * the PyTorch path's `lm_head(x).float()` is): a decode step then needs nothing else before
  * sampling. With `profile` (else NULL) the seconds spent in the linear layers (the LM head
- * included), in attention and in the rest are added to profile[0..2].
+ * included), in attention and in the rest are added to profile[0..2]. With `lora` (else NULL)
+ * each token's LoRA adapter adds its deltas to the four linears' outputs, with the roundings of
+ * kiln.layers.lora (see lora_apply).
  */
 
 /* Adds the seconds `stmt` takes to profile[slot] when profiling. */
@@ -75,6 +77,27 @@ typedef struct {
     int64_t kv_kind, head_width;
 } kiln_decoder_dims;
 
+/* One LoRA module of one adapter inside one linear (e.g. attn_k inside the fused qkv): `a`
+ * [rank, k] and `bt` [rank, width] (B transposed) float32 for output columns start .. start +
+ * width - 1, and DoRA's magnitudes `scale` [width] (NULL: plain LoRA); `a` NULL: no module. */
+typedef struct {
+    const float *a, *bt, *scale;
+    int64_t rank, start, width;
+} kiln_lora_linear;
+
+/* Module slots per linear: the fused qkv holds attn_qkv, attn_q, attn_k and attn_v. */
+#define KILN_LORA_SLOTS 4
+
+/* A step's adapters: adapters[i] points at adapter i's modules [num_layers][4][KILN_LORA_SLOTS]
+ * (linears qkv, dense, fused_fc, proj); token_adapter[t] is token t's adapter (-1: none). */
+typedef struct {
+    const kiln_lora_linear *const *adapters;
+    int64_t num_adapters;
+    const int64_t *token_adapter;
+    /* floats of scratch: m x (the widest linear input + the largest rank + the widest module) */
+    int64_t work_size;
+} kiln_lora_step;
+
 /* The final RMSNorm (its own eps) and the LM head, whose first `vocab` outputs are the logits. */
 typedef struct {
     const void *norm;
@@ -115,6 +138,91 @@ static void linear_f32(const float *x, const kiln_linear *L, float *y, int64_t m
     kiln_skinny_gemm_f32(x, L->weight, L->bias, y, m, n, k, num_threads);
 }
 
+/* y [m, n] (the linear's output for x [m, k], bias included) plus each token's LoRA deltas
+ * d = B (A x) in float32 for linear `which` of layer `layer`, as kiln.layers.lora adds them:
+ * rounded to the model dtype and added (plain LoRA), or, for DoRA, the module's columns
+ * replaced by (y - bias + d) * scale + bias rounded once. Adapter by adapter over its tokens and
+ * module by module, so each A and B is read once a step, B only over its module's columns (the
+ * Python path's fused B is zero elsewhere), in blocks of columns summed in registers. A few
+ * tokens' rank-r products are too small to share out: threads from LORA_PARALLEL_TOKENS. */
+/* d [jn] = sum over r of bt[r * stride + j] * u[r] for j < jn (<= LORA_COLS): a block of a
+ * module's output columns, summed in registers over the rank. */
+#define LORA_COLS 64
+#define LORA_PARALLEL_TOKENS 4
+static inline void lora_columns(const float *bt, int64_t stride, int64_t rank, const float *u, int64_t jn,
+                                float *d) {
+    float acc[LORA_COLS] = {0.f};
+    if (jn == LORA_COLS) {
+        for (int64_t r = 0; r < rank; ++r) {
+            const float *row = bt + r * stride, ur = u[r];
+            _Pragma("omp simd")
+            for (int64_t j = 0; j < LORA_COLS; ++j) acc[j] += row[j] * ur;
+        }
+    } else {
+        for (int64_t r = 0; r < rank; ++r) {
+            const float *row = bt + r * stride, ur = u[r];
+            for (int64_t j = 0; j < jn; ++j) acc[j] += row[j] * ur;
+        }
+    }
+    memcpy(d, acc, sizeof(float) * jn);
+}
+
+#define DEFINE_LORA_APPLY(SUFFIX, T, LOAD, STORE)                                                  \
+static void lora_apply_##SUFFIX(const T *x, T *y, int64_t m, int64_t n, int64_t k, const T *bias,  \
+                                const kiln_lora_step *lora, int64_t layer, int which,              \
+                                float *work, int num_threads) {                                    \
+    float *xf = work, *u = work + m * k;                                                           \
+    int64_t rows[m];                                                                               \
+    for (int64_t t = 0; t < m; ++t)                                                                \
+        if (lora->token_adapter[t] >= 0)                                                           \
+            for (int64_t i = 0; i < k; ++i) xf[t * k + i] = LOAD(x[t * k + i]);                    \
+    for (int64_t s = 0; s < lora->num_adapters; ++s) {                                             \
+        int64_t nt = 0;                                                                            \
+        for (int64_t t = 0; t < m; ++t)                                                            \
+            if (lora->token_adapter[t] == s) rows[nt++] = t;                                       \
+        if (nt == 0) continue;                                                                     \
+        const kiln_lora_linear *modules = lora->adapters[s] + (4 * layer + which) * KILN_LORA_SLOTS; \
+        for (int slot = 0; slot < KILN_LORA_SLOTS; ++slot) {                                       \
+            const kiln_lora_linear *e = modules + slot;                                            \
+            if (!e->a) continue;                                                                   \
+            const int64_t R = e->rank, W = e->width;                                               \
+            const int64_t blocks = (W + LORA_COLS - 1) / LORA_COLS;                                \
+            _Pragma("omp parallel num_threads(num_threads) if(nt >= LORA_PARALLEL_TOKENS)")         \
+            {                                                                                      \
+                _Pragma("omp for")                                                                 \
+                for (int64_t r = 0; r < R; ++r) {                                                  \
+                    const float *row = e->a + r * k;                                               \
+                    for (int64_t i = 0; i < nt; ++i) {                                             \
+                        const float *xr = xf + rows[i] * k;                                        \
+                        float acc = 0.f;                                                           \
+                        _Pragma("omp simd reduction(+:acc)")                                       \
+                        for (int64_t c = 0; c < k; ++c) acc += row[c] * xr[c];                     \
+                        u[i * R + r] = acc;                                                        \
+                    }                                                                              \
+                }                                                                                  \
+                _Pragma("omp for")                                                                 \
+                for (int64_t b = 0; b < blocks * nt; ++b) {                                        \
+                    const int64_t i = b % nt, j0 = b / nt * LORA_COLS;                             \
+                    const int64_t jn = W - j0 < LORA_COLS ? W - j0 : LORA_COLS;                    \
+                    float di[LORA_COLS];                                                           \
+                    lora_columns(e->bt + j0, W, R, u + i * R, jn, di);                             \
+                    T *out = y + rows[i] * n + e->start + j0;                                      \
+                    if (e->scale) {                                                                \
+                        for (int64_t j = 0; j < jn; ++j) {                                         \
+                            const float shift = bias ? LOAD(bias[e->start + j0 + j]) : 0.f;        \
+                            out[j] = STORE((LOAD(out[j]) - shift + di[j]) * e->scale[j0 + j] + shift); \
+                        }                                                                          \
+                    } else {                                                                       \
+                        for (int64_t j = 0; j < jn; ++j) out[j] = STORE(LOAD(out[j]) + LOAD(STORE(di[j]))); \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+}
+DEFINE_LORA_APPLY(f32, float, f32_load, f32_store)
+DEFINE_LORA_APPLY(bf16, bf16_t, bf16_load, bf16_store)
+
 /* One layer's decode attention over its cache, through the variant for the cache's type. */
 #define ATTEND(FN, KT) FN(qkv, qkv_width, (const KT *)L->k_cache, (const KT *)L->v_cache, token_index,  \
                           block_tables, seq_lens, attn, m, d->heads, d->kv_heads, D, d->block_size,     \
@@ -137,18 +245,22 @@ int kiln_decode_step_##SUFFIX(T *hidden, int64_t m, const kiln_decoder_layer *la
                               int64_t num_layers, const kiln_decoder_dims *d, const float *cos,   \
                               const float *sin, const int64_t *slots, const int64_t *token_index, \
                               const int64_t *block_tables, const int64_t *seq_lens, T *scratch,   \
-                              const kiln_decoder_head *head, float *logits, int num_threads,      \
-                              double *profile) {                                                   \
+                              const kiln_decoder_head *head, float *logits,                       \
+                              const kiln_lora_step *lora, int num_threads, double *profile) {     \
     const int64_t H = d->hidden, D = d->head_size, I = d->inter;                                   \
     const int64_t q_size = d->heads * D, kv_size = d->kv_heads * D, qkv_width = q_size + 2 * kv_size; \
     T *normed = scratch, *qkv = normed + m * H, *attn = qkv + m * qkv_width, *out = attn + m * q_size; \
     T *gate_up = out + m * H, *act = gate_up + m * 2 * I;                                          \
+    /* LoRA's float32 input row, rank products and deltas (lora->work_size floats). */             \
+    float *work = lora ? malloc(sizeof(float) * lora->work_size) : NULL;                           \
     for (int64_t l = 0; l < num_layers; ++l) {                                                     \
         const kiln_decoder_layer *L = layers + l;                                                  \
         const float k_scale = L->kv_scales ? L->kv_scales[0] : 1.f;                                \
         const float v_scale = L->kv_scales ? L->kv_scales[1] : 1.f;                                \
         TIMED(OTHER, kiln_rmsnorm_##SUFFIX(hidden, H, L->input_norm, normed, m, H, d->eps, num_threads)); \
         TIMED(LINEAR, linear_##SUFFIX(normed, &L->qkv, qkv, m, qkv_width, H, num_threads));         \
+        if (lora) TIMED(LINEAR, lora_apply_##SUFFIX(normed, qkv, m, qkv_width, H,                  \
+                                                    L->qkv.bias, lora, l, 0, work, num_threads));  \
         TIMED(OTHER, {                                                                             \
             if (d->rot_dim > 0) {                                                                  \
                 kiln_rotary_##SUFFIX(qkv, qkv_width, cos, sin, m, d->heads, D, d->rot_dim, num_threads); \
@@ -169,15 +281,21 @@ int kiln_decode_step_##SUFFIX(T *hidden, int64_t m, const kiln_decoder_layer *la
                               : d->kv_kind == KILN_KV_FP8                                          \
                                   ? ATTEND(kiln_paged_decode_attention_##SUFFIX##_f8, fp8_t)       \
                                   : ATTEND(kiln_paged_decode_attention_##SUFFIX, T));              \
-        if (rc != 0) return rc;                                                                    \
+        if (rc != 0) { free(work); return rc; }                                                    \
         TIMED(LINEAR, linear_##SUFFIX(attn, &L->dense, out, m, H, q_size, num_threads));            \
+        if (lora) TIMED(LINEAR, lora_apply_##SUFFIX(attn, out, m, H, q_size,                       \
+                                                    L->dense.bias, lora, l, 1, work, num_threads));\
         TIMED(OTHER, {                                                                             \
             residual_add_##SUFFIX(hidden, out, m * H);                                             \
             kiln_rmsnorm_##SUFFIX(hidden, H, L->post_norm, normed, m, H, d->eps, num_threads);      \
         });                                                                                        \
         TIMED(LINEAR, linear_##SUFFIX(normed, &L->fused_fc, gate_up, m, 2 * I, H, num_threads));    \
+        if (lora) TIMED(LINEAR, lora_apply_##SUFFIX(normed, gate_up, m, 2 * I, H,                  \
+                                                    L->fused_fc.bias, lora, l, 2, work, num_threads));\
         TIMED(OTHER, kiln_silu_mul_##SUFFIX(gate_up, 2 * I, act, m, I, num_threads));              \
         TIMED(LINEAR, linear_##SUFFIX(act, &L->proj, out, m, H, I, num_threads));                   \
+        if (lora) TIMED(LINEAR, lora_apply_##SUFFIX(act, out, m, H, I,                             \
+                                                    L->proj.bias, lora, l, 3, work, num_threads)); \
         TIMED(OTHER, residual_add_##SUFFIX(hidden, out, m * H));                                   \
     }                                                                                              \
     if (head) {                                                                                    \
@@ -188,6 +306,7 @@ int kiln_decode_step_##SUFFIX(T *hidden, int64_t m, const kiln_decoder_layer *la
         for (int64_t t = 0; t < m; ++t)                                                            \
             for (int64_t c = 0; c < head->vocab; ++c) logits[t * head->vocab + c] = LOAD(head_out[t * W + c]); \
     }                                                                                              \
+    free(work);                                                                                    \
     return 0;                                                                                      \
 }
 

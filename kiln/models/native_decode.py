@@ -17,9 +17,15 @@ prompt chunk and steps of more tokens than its matmuls are best at
 (``NativeDecodeStep.max_tokens``) take the layer-by-layer path. Where the final norm is an
 RMSNorm and the LM head a linear the step takes (no soft-capping), the same call goes on to
 the logits (``DecoderModelForCausalLM.decode_logits``): a batch-1 step is then one native
-call between the token embedding and the argmax.
+call between the token embedding and the argmax. A step under LoRA adapters
+(``kiln.layers.lora.active_step``) hands the step's adapters to the same call: each adapter's
+modules are gathered once (``B`` transposed, each over its own output columns) and each token
+names its adapter.
 """
 from __future__ import annotations
+
+import ctypes
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -145,6 +151,10 @@ class NativeDecodeStep:
         self._weight = first.qkv.weight
         self._weight_ptr = self._weight.data_ptr()
         self._no_rotary = torch.zeros(1, dtype=torch.float32)
+        self._linears = [(layer.attention.qkv, layer.attention.dense, layer.mlp.fused_fc, layer.mlp.proj)
+                         for layer in layers]
+        # Each adapter's LoraLinear array (and the tensors it points at), while the adapter lives.
+        self._lora_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def is_for(self, kv_caches: list) -> bool:
         """Whether the gathered pointers still hold for these caches (and the model's weights)."""
@@ -171,9 +181,47 @@ class NativeDecodeStep:
         if self.scratch.numel() < needed:
             self.scratch = torch.empty(needed, dtype=self.dtype)
         out = torch.empty(hidden.shape[0], self.head.vocab, dtype=torch.float32) if logits else None
+        step = lora.active_step()
+        lora_weights = self._lora_weights(step, hidden.shape[0]) if step is not None else None
         kernels.decode_step(hidden, self.weights, self.dims, cos, sin, metadata.slot_mapping, st["decode_tokens"],
-                            tables, st["decode_lens"], self.scratch, self.profile, self.head if logits else None, out)
+                            tables, st["decode_lens"], self.scratch, self.profile, self.head if logits else None, out,
+                            lora_weights)
         return out if logits else hidden
+
+    def _lora_weights(self, step, num_tokens: int) -> kernels.LoraStepWeights:
+        """The step's adapters for ``decode_step`` (kept alive on the returned struct)."""
+        token_adapter = torch.full((num_tokens,), -1, dtype=torch.int64)
+        tables = []
+        for i, (adapter, rows) in enumerate(step.groups):
+            token_adapter[rows] = i
+            tables.append(self._lora_table(adapter))
+        pointers = (ctypes.c_void_p * len(tables))(*(ctypes.addressof(table) for table, _, _ in tables))
+        widest = max(max(linear.in_features for linear in self._linears[0]) + work for _, _, work in tables)
+        weights = kernels.LoraStepWeights(ctypes.addressof(pointers), len(tables), token_adapter.data_ptr(),
+                                          num_tokens * widest)
+        weights._keep = (pointers, token_adapter, tables)
+        return weights
+
+    def _lora_table(self, adapter) -> tuple:
+        """(``LoraLinear`` array ``[num_layers][4][LORA_SLOTS]``, the tensors it points at, the
+        largest rank + widest module) for ``adapter``: each module with its own columns."""
+        if adapter not in self._lora_tables:
+            slots = kernels.LORA_SLOTS
+            table = (kernels.LoraLinear * (4 * slots * len(self._linears)))()
+            tensors, work = [], 0
+            for layer, linears in enumerate(self._linears):
+                for which, linear in enumerate(linears):
+                    present = [(t, adapter.weights[t.layer, t.module_id]) for t in linear.lora_targets
+                               if (t.layer, t.module_id) in adapter.weights]
+                    for slot, (target, (a, b, magnitude)) in enumerate(present):
+                        bt = b.t().contiguous()
+                        tensors += [a, bt, magnitude]
+                        table[(4 * layer + which) * slots + slot] = kernels.LoraLinear(
+                            a.data_ptr(), bt.data_ptr(), magnitude.data_ptr() if magnitude is not None else None,
+                            a.shape[0], target.start, target.stop - target.start)
+                        work = max(work, a.shape[0] + target.stop - target.start)
+            self._lora_tables[adapter] = (table, tensors, work)
+        return self._lora_tables[adapter]
 
 
 def _packed(linear, weights: kernels.LinearWeights) -> bool:
@@ -207,8 +255,7 @@ def native_decode_for(model, kv_caches, metadata) -> NativeDecodeStep | None:
     """The model's native decode step for this step, or None when the step or model is not one
     it runs: one token for each sequence (at most ``max_tokens`` of them), the native attention
     backend, a supported model."""
-    if (metadata.num_tokens != metadata.num_seqs or getattr(metadata.backend, "name", None) != "native"
-            or lora.active_step() is not None):  # LoRA deltas are added by the layers' Python path
+    if metadata.num_tokens != metadata.num_seqs or getattr(metadata.backend, "name", None) != "native":
         return None
     cached = getattr(model, "_native_decode", None)
     if cached is None and not supports_native_decode(model):

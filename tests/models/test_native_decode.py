@@ -68,9 +68,10 @@ def engine_dir(request, tmp_path_factory):
 
 
 def _generate(engine: Engine, prompts: list[list[int]], new_tokens: int, use_native: bool, monkeypatch,
-              python_logits: list | None = None):
+              python_logits: list | None = None, loras: list | None = None):
     """Greedy tokens and every step's logits of each request, all running together (each call of
-    the Python path's ``compute_logits`` appended to ``python_logits``, if given)."""
+    the Python path's ``compute_logits`` appended to ``python_logits``, if given; request i
+    under LoRA adapter ``loras[i]``, if given)."""
     with monkeypatch.context() as m:
         if not use_native:
             m.setattr(base, "native_decode_for", lambda *args: None)
@@ -79,7 +80,8 @@ def _generate(engine: Engine, prompts: list[list[int]], new_tokens: int, use_nat
             m.setattr(engine.model, "compute_logits", lambda h: python_logits.append(h) or compute_logits(h))
         core = EngineCore(engine, max_num_seqs=len(prompts), num_blocks=16 * len(prompts))
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-        requests = [core.add_request(p, params, end_id=None, return_generation_logits=True) for p in prompts]
+        requests = [core.add_request(p, params, end_id=None, return_generation_logits=True, lora=lora)
+                    for p, lora in zip(prompts, loras or [None] * len(prompts))]
         while core.has_unfinished:
             core.step()
         native = getattr(engine.model, "_native_decode", None)
@@ -108,6 +110,40 @@ def test_native_step_equals_layer_by_layer(engine_dir, batch, monkeypatch):
     assert tokens == ref_tokens
     for ours, ref in zip(logits, ref_logits):
         assert torch.equal(ours, ref)
+
+
+def test_lora_and_dora_inside_the_native_step(engine_dir, monkeypatch):
+    """A LoRA adapter, a DoRA one and none, one or all at once: the step's adapters go into the
+    native call, as the layers' Python path adds them (float32 deltas in another summation
+    order, so close rather than identical)."""
+    from kiln.bench.common import random_lora_modules
+    from kiln.layers.lora import LoraAdapter
+
+    engine = Engine(engine_dir)
+    modules = ("attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_gate", "mlp_4h_to_h")
+    plain = LoraAdapter(random_lora_modules(engine.config, 4, modules, seed=0, scale=0.2))
+    dora_rows = random_lora_modules(engine.config, 2, modules, seed=1, scale=0.2)
+    for row in dora_rows:
+        row.magnitude = 1 + 0.2 * torch.randn(row.b.shape[0])
+    dora = LoraAdapter(dora_rows)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (9 + 4 * i,), generator=gen).tolist() for i in range(3)]
+    fp32 = engine.config.dtype == "float32"
+    for batch, loras in (([prompts[0]], [plain]), ([prompts[1]], [dora]), (prompts, [plain, dora, None])):
+        calls = []
+        with monkeypatch.context() as m:
+            lora_weights = NativeDecodeStep._lora_weights
+            m.setattr(NativeDecodeStep, "_lora_weights", lambda self, *a: calls.append(1) or lora_weights(self, *a))
+            tokens, logits, native = _generate(engine, batch, 6, True, monkeypatch, loras=loras)
+        ref_tokens, ref_logits, _ = _generate(engine, batch, 6, False, monkeypatch, loras=loras)
+        if len(batch) <= native.max_tokens:
+            assert len(calls) == 5  # every decode step ran natively with the adapters
+        if fp32:  # bf16 roundings of the deltas may differ by an ulp, and greedy may then part
+            assert tokens == ref_tokens
+        for ours, ref, seq, ref_seq in zip(logits, ref_logits, tokens, ref_tokens):
+            same = next((i for i, (a, b) in enumerate(zip(seq, ref_seq)) if a != b), len(seq))
+            torch.testing.assert_close(ours[:same + 1], ref[:same + 1], atol=1e-4 if fp32 else 0.05,
+                                       rtol=1e-4 if fp32 else 0.02)
 
 
 def test_not_used_for_other_models_backends_or_steps(tmp_path, engine_dir):
