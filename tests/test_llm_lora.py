@@ -193,3 +193,18 @@ def test_dora_normalized_by_the_cli_built_and_served(setup, tmp_path):
     assert lora_only.returncode == 0, lora_only.stderr
     with pytest.raises(RequestError, match="built without --dora_plugin enable"):
         LLM(tmp_path / "lora-only", progress=False).generate(prompt, GREEDY, lora=tmp_path / "dora")
+
+
+def test_llm_builds_prompt_tuning_in_when_asked(setup):
+    llm, _, adapter_dir, prompt = setup
+    vocab = llm.engine.config.vocab_size
+    with pytest.raises(RequestError, match="built without it"):  # LLM's default build: no prompt tuning
+        llm.generate([vocab] + prompt, GREEDY, prompt_table=torch.randn(1, llm.engine.config.hidden_size))
+    tuned = LLM(adapter_dir.parent / "hf", cache_dir=adapter_dir.parent / "cache", dtype="float32", progress=False,
+                max_prompt_embedding_table_size=2)
+    assert tuned.engine.build_config.max_prompt_embedding_table_size == 2
+    table = torch.randn(2, tuned.engine.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    virtual = tuned.generate([vocab, vocab + 1] + prompt, GREEDY, prompt_table=table)[0].outputs[0].token_ids
+    assert len(virtual) == 8 and virtual != tuned.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    with pytest.raises(RequestError, match="3 rows, more than the engine's max_prompt_embedding_table_size 2"):
+        tuned.generate(prompt, GREEDY, prompt_table=torch.randn(3, tuned.engine.config.hidden_size))
