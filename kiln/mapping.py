@@ -47,6 +47,18 @@ class Mapping:
     def is_last_pp_rank(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
+    @property
+    def local_rank(self) -> int:
+        """This rank's index on its machine (``gpus_per_node`` ranks a machine)."""
+        return self.rank % self.gpus_per_node
+
+    @property
+    def device(self) -> str:
+        """Where this rank computes: its machine's GPU ``local_rank`` when CUDA is there, else the CPU."""
+        import torch
+
+        return f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu"
+
     def pp_layers(self, num_layers: int) -> range:
         """The global indices of the layers this rank's pipeline stage holds.
 

@@ -278,11 +278,10 @@ class DecoderModelForCausalLM(nn.Module):
         from kiln.checkpoint.lora import LORA_MODULE_IDS as ids
         from kiln.layers.lora import LoraTarget
 
-        if self.config.mapping.world_size != 1:
-            raise ConfigError("LoRA runs on single-rank engines for now")
+        # Column ranges are this rank's: its adapters are sharded to match (kiln.runtime.lora_cache).
         for key, layer in self.transformer.layers.items():
             i, attn, mlp = int(key), layer.attention, layer.mlp
-            q, kv = attn.qkv.q_size, attn.qkv.kv_size
+            q, kv = attn.qkv.q_size // attn.qkv.tp_size, attn.qkv.kv_size // attn.qkv.kv_tp_size  # this rank's
             attn.qkv.lora_targets = (LoraTarget(i, ids["attn_qkv"], 0, q + 2 * kv), LoraTarget(i, ids["attn_q"], 0, q),
                                      LoraTarget(i, ids["attn_k"], q, q + kv),
                                      LoraTarget(i, ids["attn_v"], q + kv, q + 2 * kv))

@@ -15,7 +15,8 @@ import torch
 from kiln.checkpoint.format import read_config_dict
 from kiln.config import BuildConfig, PretrainedConfig
 from kiln.engine_cache import ENGINE_FORMAT_VERSION
-from kiln.errors import ConfigError, KilnError
+from kiln.errors import ConfigError
+from kiln.mapping import Mapping
 from kiln.models import get_model_class
 from kiln.runtime import host_memory
 
@@ -23,7 +24,9 @@ from kiln.runtime import host_memory
 class Engine:
     """A loaded engine: ``config``, ``build_config`` and the model of one rank."""
 
-    def __init__(self, engine_dir: str | Path, rank: int = 0):
+    def __init__(self, engine_dir: str | Path, rank: int | None = None):
+        """Load ``engine_dir``; an engine built for several ranks loads this process's rank of
+        the ``kiln.distributed`` world it runs in (``rank`` overrides it)."""
         self.engine_dir = Path(engine_dir)
         started = time.perf_counter()
         raw = read_config_dict(self.engine_dir)
@@ -41,10 +44,8 @@ class Engine:
         self.lora_config: dict | None = raw.get("lora_config")
         names = (self.lora_config or {}).get("adapters", [])
         self.lora_adapter_dirs: dict[str, Path] = {name: self.engine_dir / "lora" / name for name in names}
+        rank = _world_rank(self.engine_dir, Mapping.from_dict(raw.get("mapping")), rank)
         self.config = PretrainedConfig.from_dict(raw, rank=rank, source=str(self.engine_dir / "config.json"))
-        if self.config.mapping.world_size != 1:
-            raise KilnError(f"{self.engine_dir}: built for {self.config.mapping.world_size} ranks; "
-                            "kiln runs single-rank engines in one process for now")
         model_cls = get_model_class(self.config.architecture, source=str(self.engine_dir / "config.json"))
         self.model = model_cls.from_checkpoint(self.engine_dir, rank, engine_layout=True)
         self.model.eval()
@@ -55,6 +56,32 @@ class Engine:
     @property
     def tokenizer_dir(self) -> Path | None:
         return self.engine_dir if (self.engine_dir / "tokenizer_config.json").is_file() else None
+
+
+def _world_rank(engine_dir: Path, built: Mapping, rank: int | None) -> int:
+    """The rank this process loads: 0 for a single-rank engine; in a world, its own, once the
+    world is the shape the engine was built for."""
+    from kiln.distributed import world
+
+    current = world()
+    if built.world_size == 1:
+        if current is not None and current.mapping.world_size != 1:
+            raise ConfigError(f"{engine_dir}: a single-rank engine, but this process is rank "
+                              f"{current.mapping.rank} of a world of {current.mapping.world_size}")
+        return 0
+    if current is None:
+        if rank is not None:  # loading one rank's weights to inspect them; running it needs the world
+            return rank
+        raise ConfigError(f"{engine_dir}: built for tp_size {built.tp_size} x pp_size {built.pp_size} ranks; run "
+                          "it in that many processes (kiln --tp_size/--pp_size, torchrun, mpirun)")
+    shape = (current.mapping.tp_size, current.mapping.pp_size)
+    if shape != (built.tp_size, built.pp_size):
+        raise ConfigError(f"{engine_dir}: built for tp_size {built.tp_size} x pp_size {built.pp_size}, but this world "
+                          f"is tp_size {shape[0]} x pp_size {shape[1]}")
+    if built.pp_size > 1:
+        raise ConfigError(f"{engine_dir}: pipeline-parallel engines (pp_size {built.pp_size}) do not run yet: "
+                          "convert with --pp_size 1")
+    return current.mapping.rank if rank is None else rank
 
 
 def _prepack_linear_weights(model) -> None:

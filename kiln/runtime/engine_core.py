@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.distributed import world_min
 from kiln.errors import CapacityError, RequestError
 from kiln.runtime.beam_search import BeamHypothesis, BeamSearch, BeamSearchParams
 from kiln.runtime.block_pool import BlockPool
@@ -94,8 +95,8 @@ class EngineCore:
         self.max_num_seqs = min(max_num_seqs or build.max_batch_size, build.max_batch_size)
         self.max_num_tokens = min(max_num_tokens or build.max_num_tokens, build.max_num_tokens)
         block = build.tokens_per_block
-        if num_blocks is None:
-            num_blocks = default_num_blocks(engine, self.max_num_seqs, memory_fraction)
+        if num_blocks is None:  # every rank of a world schedules the same blocks
+            num_blocks = world_min(default_num_blocks(engine, self.max_num_seqs, memory_fraction))
         self.runner = ModelRunner(engine, num_blocks, attention_backend)
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, block, self.max_num_seqs, self.max_num_tokens, capacity_policy,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from kiln.checkpoint.lora import engine_lora_shapes, parse_lora_tensors
+from kiln.checkpoint.lora import engine_lora_shapes, parse_lora_tensors, shard_lora_module
 from kiln.errors import CheckpointError, ConfigError, RequestError
 from kiln.layers.lora import LoraAdapter
 
@@ -32,7 +32,8 @@ class LoraConfig:
 
 def parse_adapter(weights, config, model_config, engine_lora: dict | None, where: str) -> LoraAdapter:
     """An adapter from reference tensors, checked against the model and the engine's build-time
-    bounds (``Engine.lora_config``: modules, rank, DoRA; None takes any); a rejection is a
+    bounds (``Engine.lora_config``: modules, rank, DoRA; None takes any), and sharded for this
+    rank of a tensor-parallel engine (``shard_lora_module``); a rejection is a
     RequestError starting with ``where``."""
     try:
         modules = parse_lora_tensors(weights, config, engine_lora_shapes(model_config, engine_lora),
@@ -40,6 +41,9 @@ def parse_adapter(weights, config, model_config, engine_lora: dict | None, where
         if engine_lora is not None and not engine_lora.get("dora") and any(m.magnitude is not None for m in modules):
             raise CheckpointError("a DoRA adapter (is_dora rows), but the engine was built without "
                                   "--dora_plugin enable")
+        mapping = model_config.mapping
+        if mapping.tp_size > 1:  # this rank's share, by reference 004's rule
+            modules = [shard_lora_module(m, model_config, mapping.tp_size, mapping.tp_rank) for m in modules]
         return LoraAdapter(modules)
     except CheckpointError as e:
         raise RequestError(f"{where}: {e}") from None

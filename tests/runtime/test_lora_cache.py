@@ -10,6 +10,7 @@ from kiln.bench.common import random_lora_modules
 from kiln.checkpoint.lora import module_shapes, pack_lora_tensors
 from kiln.errors import RequestError
 from kiln.layers.lora import LoraAdapter
+from kiln.mapping import Mapping
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.executor import Executor, ExecutorConfig, OutputConfig, Request
@@ -18,7 +19,7 @@ from tests.conftest import convert_and_build
 from tests.utils.tiny_models import make_llama
 
 MODEL = SimpleNamespace(hidden_size=4, head_size=2, num_attention_heads=2, num_key_value_heads=2,
-                        intermediate_size=8, num_hidden_layers=4)
+                        intermediate_size=8, num_hidden_layers=4, mapping=Mapping())
 
 
 def _tensors(config, rank: int, seed: int, modules=("attn_q", "attn_v", "mlp_4h_to_h")):

@@ -1,0 +1,55 @@
+"""Collectives used by tensor-parallel layers.
+
+Layers call these explicitly in ``forward``. With ``tp_size == 1`` they are no-ops; with
+more ranks they run over the tensor-parallel group of this rank's pipeline stage
+(``kiln.distributed.world``), which needs an initialised ``torch.distributed`` world.
+"""
+from __future__ import annotations
+
+import torch
+
+from kiln.errors import KilnError
+
+
+def _tp_group(tp_size: int):
+    from kiln.distributed.world import world
+
+    current = world()
+    if current is None:
+        raise KilnError(f"this model is split over tp_size={tp_size} ranks, but no kiln world is initialised; "
+                        "run one process per rank (kiln.distributed.init_world, or kiln's --tp_size launch)")
+    if current.mapping.tp_size != tp_size:
+        raise KilnError(f"a layer split over tp_size={tp_size} ranks runs in a world of tp_size "
+                        f"{current.mapping.tp_size}")
+    return current.tp_group
+
+
+def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Sum ``x`` over the tensor-parallel group (in place)."""
+    if tp_size == 1:
+        return x
+    torch.distributed.all_reduce(x, group=_tp_group(tp_size))
+    return x
+
+
+def all_gather(x: torch.Tensor, tp_size: int, dim: int = -1) -> torch.Tensor:
+    """Concatenate the tensor-parallel group's ``x`` along ``dim``, in tp-rank order."""
+    if tp_size == 1:
+        return x
+    group = _tp_group(tp_size)
+    parts = [torch.empty_like(x) for _ in range(tp_size)]
+    torch.distributed.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def world_min(value: int) -> int:
+    """The smallest of every rank's ``value`` (``value`` itself outside a world): for settings
+    each rank derives from its own machine, such as a KV cache sized by free memory, which all
+    ranks must share to schedule in lockstep."""
+    from kiln.distributed.world import world
+
+    if world() is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return int(t)

@@ -1,0 +1,31 @@
+"""Local workers: run a function in ``world_size`` fresh processes on this machine, each with
+the environment ``torchrun`` would give it (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``), so the same code runs under either."""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (for the world's meeting point)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _worker(index: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:
+    os.environ.update(RANK=str(index), WORLD_SIZE=str(world_size), LOCAL_RANK=str(index),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fn(*args)
+
+
+def spawn_workers(fn: Callable, world_size: int, *args) -> None:
+    """Run ``fn(*args)`` in ``world_size`` spawned processes (ranks 0..world_size-1) and wait
+    for all; a worker's exception is raised here (``torch.multiprocessing.ProcessRaisedException``)
+    after the others are stopped. ``fn`` must be importable (a module-level function)."""
+    mp.start_processes(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True,
+                       start_method="spawn")

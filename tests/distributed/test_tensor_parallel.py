@@ -1,0 +1,125 @@
+"""Tensor parallelism over processes (gloo): a tp_size 2 engine run by two spawned workers
+gives the logits and greedy tokens of the same model in one process."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln import SamplingParams
+from kiln.runtime.engine import Engine
+from kiln.runtime.engine_core import EngineCore
+from tests.conftest import convert_and_build
+from tests.utils.tiny_models import make_gpt2, make_llama
+
+PROMPTS = [[5, 17, 42, 99, 3, 64, 8, 120, 33], [7, 7, 200, 1, 90], [249, 11, 12, 13, 14, 15, 16]]
+NEW_TOKENS = 6
+
+# name: (model maker and options, convert options). Llama with GQA (a KV head per rank) and
+# with one KV head (replicated on both ranks); embeddings whole, split by vocabulary (sharding
+# dim 0, out-of-range ids masked) or by hidden (dim 1, gathered); a table shared with the LM
+# head (tied, vocab-split: the head is the same split table); GPT-2 (learned positions, biases).
+CASES = {
+    "llama-gqa": ((make_llama, dict(num_heads=4, num_kv_heads=2)), {}),
+    "llama-gqa-vocab-split": ((make_llama, dict(num_heads=4, num_kv_heads=2, vocab=250)),
+                              dict(use_parallel_embedding=True, embedding_sharding_dim=0)),
+    "llama-gqa-hidden-split": ((make_llama, dict(num_heads=4, num_kv_heads=2)),
+                               dict(use_parallel_embedding=True, embedding_sharding_dim=1)),
+    "llama-mqa-tied-shared": ((make_llama, dict(num_heads=4, num_kv_heads=1, tie=True)),
+                              dict(use_parallel_embedding=True, embedding_sharding_dim=0)),
+    "llama-tied-hidden-split": ((make_llama, dict(num_heads=4, num_kv_heads=2, tie=True)),
+                                dict(use_parallel_embedding=True, embedding_sharding_dim=1)),
+    "gpt2-vocab-split": ((make_gpt2, {}), dict(use_parallel_embedding=True, embedding_sharding_dim=0)),
+    "gpt2-hidden-split": ((make_gpt2, {}), dict(use_parallel_embedding=True, embedding_sharding_dim=1)),
+}
+
+
+def greedy(engine: Engine, adapters: list | None = None) -> list[tuple[list[int], torch.Tensor]]:
+    """Every prompt's greedy tokens and generation logits, all in one batch; with ``adapters``
+    (reference (weights, config) pairs or None, one per prompt) under those LoRA adapters."""
+    from kiln.runtime.lora_cache import parse_adapter
+
+    loras = [None if a is None else parse_adapter(*a, engine.config, engine.lora_config, "lora")
+             for a in adapters or [None] * len(PROMPTS)]
+    core = EngineCore(engine, max_num_seqs=len(PROMPTS), num_blocks=64)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    requests = [core.add_request(p, params, end_id=None, return_generation_logits=True, lora=lora)
+                for p, lora in zip(PROMPTS, loras)]
+    while core.has_unfinished:
+        core.step()
+    return [(r.seqs[0].output_token_ids, torch.stack([g[0] for g in r.generation_logits])) for r in requests]
+
+
+def tp_worker(jobs: list[tuple[str, str, str | None]]) -> None:
+    """One rank of a tp_size 2 world: runs each engine (under the adapters saved in the job's
+    file, if any); rank 0 saves the results."""
+    from kiln.distributed import init_world, shutdown_world, world
+
+    init_world(tp_size=2)
+    try:
+        for engine_dir, out, adapters in jobs:
+            engine = Engine(engine_dir)
+            assert engine.config.mapping.tp_rank == world().mapping.rank
+            results = greedy(engine, torch.load(adapters) if adapters else None)
+            if world().mapping.rank == 0:
+                torch.save(results, out)
+    finally:
+        shutdown_world()
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    """{case: (single-process results, tp_size 2 results)}."""
+    from kiln.distributed.launch import spawn_workers
+
+    root = tmp_path_factory.mktemp("tp")
+    jobs, single = [], {}
+    for name, ((make, options), convert) in CASES.items():
+        make(root / name / "hf", **options)
+        one = convert_and_build(root / name / "hf", root / name / "tp1", {"tokens_per_block": 4}, dtype="float32")
+        two = convert_and_build(root / name / "hf", root / name / "tp2", {"tokens_per_block": 4}, dtype="float32",
+                                tp_size=2, **convert)
+        single[name] = greedy(Engine(one))
+        jobs.append((str(two), str(root / name / "tp2.pt"), None))
+        if name == "llama-gqa":  # LoRA: a plain adapter, a DoRA one and none, sharded per rank
+            adapters = _adapters(Engine(one).config)
+            torch.save(adapters, root / "adapters.pt")
+            single["llama-gqa-lora"] = greedy(Engine(one), adapters)
+            jobs.append((str(two), str(root / "lora-tp2.pt"), str(root / "adapters.pt")))
+    spawn_workers(tp_worker, 2, jobs)
+    results = {name: (single[name], torch.load(root / name / "tp2.pt")) for name in CASES}
+    results["llama-gqa-lora"] = (single["llama-gqa-lora"], torch.load(root / "lora-tp2.pt"))
+    return results
+
+
+def _adapters(config) -> list:
+    from kiln.bench.common import random_lora_modules
+    from kiln.checkpoint.lora import pack_lora_tensors
+
+    every = ("attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_gate", "mlp_4h_to_h")
+    plain = random_lora_modules(config, 4, every, seed=0, scale=0.2)
+    dora = random_lora_modules(config, 2, ("attn_qkv", "attn_dense", "mlp_gate_up", "mlp_4h_to_h"), seed=1,
+                               scale=0.2)
+    for row in dora:
+        row.magnitude = 1 + 0.2 * torch.randn(row.b.shape[0], generator=torch.Generator().manual_seed(row.layer))
+    return [pack_lora_tensors(plain), pack_lora_tensors(dora), None]
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + ["llama-gqa-lora"])
+def test_tp2_equals_one_process(tp_results, case):
+    single, split = tp_results[case]
+    for (tokens, logits), (tp_tokens, tp_logits) in zip(single, split):
+        assert tp_tokens == tokens
+        torch.testing.assert_close(tp_logits, logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_multi_rank_engine_needs_its_world(tmp_path):
+    from kiln.errors import ConfigError
+
+    make_llama(tmp_path / "hf", num_heads=4, num_kv_heads=2)
+    engine_dir = convert_and_build(tmp_path / "hf", tmp_path / "tp2", {"tokens_per_block": 4}, tp_size=2)
+    with pytest.raises(ConfigError, match="built for tp_size 2 x pp_size 1 ranks; run it in that many processes"):
+        Engine(engine_dir)
+    assert Engine(engine_dir, rank=1).config.mapping.tp_rank == 1  # one rank's weights, to inspect
+    assert Path(engine_dir, "rank1.safetensors").is_file()
