@@ -33,3 +33,8 @@ class RequestError(KilnError):
 
 class CapacityError(KilnError):
     """The KV cache has no room left for the work asked of it."""
+
+
+class WorldError(RuntimeError):
+    """A rank of a multi-process world died or stopped answering: the world cannot go on (not
+    an input error; every rank's next collective fails with it)."""

@@ -6,9 +6,21 @@ more ranks they run over the tensor-parallel group of this rank's pipeline stage
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, WorldError
+
+
+@contextmanager
+def guarded(what: str):
+    """Turn a collective's failure (a peer gone: connection closed, or the world's timeout)
+    into a WorldError saying so."""
+    try:
+        yield
+    except RuntimeError as e:  # torch.distributed.DistBackendError and gloo's errors are RuntimeErrors
+        raise WorldError(f"{what}: a rank of the world died or stopped answering ({e})") from e
 
 
 def _tp_group(tp_size: int):
@@ -28,7 +40,9 @@ def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     """Sum ``x`` over the tensor-parallel group (in place)."""
     if tp_size == 1:
         return x
-    torch.distributed.all_reduce(x, group=_tp_group(tp_size))
+    group = _tp_group(tp_size)
+    with guarded("tensor-parallel all-reduce"):
+        torch.distributed.all_reduce(x, group=group)
     return x
 
 
@@ -38,7 +52,8 @@ def all_gather(x: torch.Tensor, tp_size: int, dim: int = -1) -> torch.Tensor:
         return x
     group = _tp_group(tp_size)
     parts = [torch.empty_like(x) for _ in range(tp_size)]
-    torch.distributed.all_gather(parts, x.contiguous(), group=group)
+    with guarded("tensor-parallel all-gather"):
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
 
@@ -51,5 +66,6 @@ def world_min(value: int) -> int:
     if world() is None:
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    with guarded("agreeing on a setting"):
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
     return int(t)

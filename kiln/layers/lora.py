@@ -42,6 +42,7 @@ class LoraAdapter:
 
     def __init__(self, modules: list[LoraModule]):
         self.key = ("lora", next(self._keys))  # distinct per adapter: salts its prefix-cache hashes
+        self.source = None  # the reference (weights, config) it was parsed from, for other ranks to shard
         self.weights = {(m.layer, m.module_id): (m.a.float().contiguous(), m.b.float().contiguous(),
                                                  None if m.magnitude is None else m.magnitude.float())
                         for m in modules}

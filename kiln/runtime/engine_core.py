@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.distributed import world_min
-from kiln.errors import CapacityError, RequestError
+from kiln.distributed import world, world_min
+from kiln.errors import CapacityError, ConfigError, RequestError
 from kiln.runtime.beam_search import BeamHypothesis, BeamSearch, BeamSearchParams
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.engine import Engine
@@ -29,6 +29,7 @@ from kiln.runtime.prompt_tuning import PromptTable, check_prompt_ids, check_tabl
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import RunnerOutput, Scheduler
 from kiln.runtime.sequence import FinishReason, Sequence
+from kiln.runtime.worker import CacheSettings, Leader
 
 KV_CACHE_MEMORY_FRACTION = 0.3  # of the memory available at start-up, when no size is given
 
@@ -95,9 +96,18 @@ class EngineCore:
         self.max_num_seqs = min(max_num_seqs or build.max_batch_size, build.max_batch_size)
         self.max_num_tokens = min(max_num_tokens or build.max_num_tokens, build.max_num_tokens)
         block = build.tokens_per_block
-        if num_blocks is None:  # every rank of a world schedules the same blocks
-            num_blocks = world_min(default_num_blocks(engine, self.max_num_seqs, memory_fraction))
+        current = world()
+        leader = None
+        if current is not None and current.mapping.world_size > 1:
+            if current.mapping.rank != 0:
+                raise ConfigError("the engine core runs on rank 0 of a world; other ranks call "
+                                  "kiln.runtime.worker.follow(engine)")
+            leader = Leader(CacheSettings(self.max_num_seqs, memory_fraction, num_blocks, attention_backend))
+        if num_blocks is None:
+            num_blocks = default_num_blocks(engine, self.max_num_seqs, memory_fraction)
+        num_blocks = world_min(num_blocks)  # every rank of a world holds the same blocks
         self.runner = ModelRunner(engine, num_blocks, attention_backend)
+        self.runner.leader = leader
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, block, self.max_num_seqs, self.max_num_tokens, capacity_policy,
                                    window=common_window(engine.model))
@@ -105,6 +115,11 @@ class EngineCore:
         self._request_ids = itertools.count()
         self._requests: dict[int, Request] = {}  # seq_id -> request, for live sequences
         self.stats = StepStats()
+
+    def close(self) -> None:
+        """Release the other ranks of a world (their ``follow`` returns); a no-op in one process."""
+        if self.runner.leader is not None:
+            self.runner.leader.stop()
 
     # -- requests ---------------------------------------------------------------------------
 

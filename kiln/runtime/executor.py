@@ -244,13 +244,15 @@ class Executor:
             return stats
 
     def shutdown(self) -> None:
-        """Stop the loop; requests still in flight get a final "cancelled" response."""
+        """Stop the loop; requests still in flight get a final "cancelled" response; the other
+        ranks of a world are released."""
         with self._lock:
             if self._shutdown:
                 return
             self._shutdown = True
             self._lock.notify_all()
         self._thread.join()
+        self.core.close()
 
     async def generate_async(self, request: Request) -> AsyncIterator[Response]:
         """Enqueue ``request`` and yield its responses as they come (asyncio)."""

@@ -44,9 +44,11 @@ def parse_adapter(weights, config, model_config, engine_lora: dict | None, where
         mapping = model_config.mapping
         if mapping.tp_size > 1:  # this rank's share, by reference 004's rule
             modules = [shard_lora_module(m, model_config, mapping.tp_size, mapping.tp_rank) for m in modules]
-        return LoraAdapter(modules)
+        adapter = LoraAdapter(modules)
     except CheckpointError as e:
         raise RequestError(f"{where}: {e}") from None
+    adapter.source = (weights, config)  # what the other ranks of a world shard for themselves
+    return adapter
 
 
 @dataclass

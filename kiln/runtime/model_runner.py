@@ -1,6 +1,12 @@
-"""ModelRunner: turns a SchedulerOutput into one packed forward pass and sampled tokens."""
+"""ModelRunner: turns a SchedulerOutput into one packed forward pass and sampled tokens.
+
+A step is first reduced to plain data (``StepInputs``: token ids, positions, block tables, the
+rows to sample, LoRA rows, prompt tables), which is all the other ranks of a world need to
+compute their part of it (``kiln.runtime.worker``); sampling stays with the scheduler's rank.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +24,24 @@ from kiln.runtime.scheduler import RunnerOutput, SchedulerOutput, TokenResult
 from kiln.runtime.sequence import Sequence
 
 
+@dataclass
+class StepInputs:
+    """One step as plain data. ``context_rows``: (offset, count) spans of prompt tokens whose
+    logits are returned; ``lora``: [(adapter, token rows)]; ``prompts``: the prompt-tuning step."""
+
+    new_blocks: list[int]
+    block_copies: list[tuple[int, int]]
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]
+    last_token: list[int]
+    context_rows: list[tuple[int, int]]
+    lora: list[tuple[object, list[int]]]
+    prompts: object
+
+
 class ModelRunner:
     """Owns the KV cache of one engine and executes steps on it."""
 
@@ -33,6 +57,8 @@ class ModelRunner:
         self.backend = BACKENDS[select_backend(attention_backend, torch_dtype(config.dtype))]()
         self.history = TokenHistory(engine.build_config.max_seq_len, config.vocab_size)
         self._lora_targets_assigned = False
+        # On rank 0 of a world: hands every step to the other ranks (kiln.runtime.worker).
+        self.leader = None
 
     def release(self, seq: Sequence) -> None:
         """Drop per-sequence state of a finished sequence."""
@@ -61,15 +87,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        self.clear_blocks(out.new_blocks)
-        self.copy_blocks(out.block_copies)
+        """Run the scheduled step and sample its completed sequences (on a leader of a world,
+        after handing the step to the other ranks: ``kiln.runtime.worker``)."""
+        step, sampled_seqs, context_seqs = self._step_inputs(out)
+        result = RunnerOutput()
+        if step is None:
+            return result
+        if self.leader is not None:
+            self.leader.send_step(step, self._lora_sources(out))
+        logits, context_logits = self.run_step(step)
+        for seq, rows in zip(context_seqs, context_logits):
+            result.context_logits[seq.seq_id] = rows
+        if logits is None:
+            return result
+        for seq, row in zip(sampled_seqs, logits):
+            if seq.return_generation_logits:
+                result.generation_logits[seq.seq_id] = row.clone()
+        self._sample(logits, sampled_seqs, result)
+        return result
+
+    def _step_inputs(self, out: SchedulerOutput) -> tuple[StepInputs | None, list[Sequence], list[Sequence]]:
+        """The step as plain data (what every rank needs to compute it), the sequences sampled
+        and those returning context logits, in the step's order."""
         input_ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
-        last_token, sampled_seqs, context_rows = [], [], []
+        last_token, sampled_seqs, context_rows, context_seqs = [], [], [], []
         for chunk in out.chunks:
             seq, n = chunk.seq, chunk.num_tokens
             start = seq.num_computed_tokens
             if seq.return_context_logits and start < seq.num_prompt_tokens:
-                context_rows.append((seq, len(input_ids), min(n, seq.num_prompt_tokens - start)))
+                context_rows.append((len(input_ids), min(n, seq.num_prompt_tokens - start)))
+                context_seqs.append(seq)
             input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             query_lens.append(n)
@@ -78,31 +125,39 @@ class ModelRunner:
             if chunk.completes:
                 last_token.append(len(input_ids) - 1)
                 sampled_seqs.append(seq)
-        result = RunnerOutput()
-        if not input_ids:
-            return result
-        md = AttentionMetadata.build(self.backend, query_lens, seq_lens, tables, self.block_size)
-        ids, positions = torch.tensor(input_ids), torch.tensor(positions)
+        if not input_ids and not out.new_blocks and not out.block_copies:
+            return None, [], []
+        lora = self._lora_rows(out)
+        step = StepInputs(list(out.new_blocks), list(out.block_copies), input_ids, positions, query_lens, seq_lens,
+                          tables, last_token, context_rows, lora,
+                          prompt_step(out.chunks, input_ids, self.model.config.vocab_size) if input_ids else None)
+        return step, sampled_seqs, context_seqs
+
+    @torch.inference_mode()
+    def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """Compute ``step`` on this rank's part of the model: the float32 logits of its sampled
+        rows (None when none) and each context-logits span's."""
+        self.clear_blocks(step.new_blocks)
+        self.copy_blocks(step.block_copies)
+        if not step.input_ids:
+            return None, []
+        md = AttentionMetadata.build(self.backend, step.query_lens, step.seq_lens, step.tables, self.block_size)
+        ids, positions = torch.tensor(step.input_ids), torch.tensor(step.positions)
+        context: list[torch.Tensor] = []
         logits = None
-        prompts = prompt_step(out.chunks, input_ids, self.model.config.vocab_size)
-        with lora_step(self._lora_step(out)), prompt_tuning_step(prompts):
-            if not context_rows and len(last_token) == len(input_ids):  # a decode step: every token is sampled
+        with lora_step(self._lora_step(step.lora)), prompt_tuning_step(step.prompts):
+            if not step.context_rows and len(step.last_token) == len(step.input_ids):  # every token is sampled
                 logits = self.model.decode_logits(ids, positions, md, self.kv_caches)
             if logits is None:
                 hidden = self.model(ids, positions, md, self.kv_caches)
-                for seq, offset, count in context_rows:
-                    result.context_logits[seq.seq_id] = self.model.compute_logits(hidden[offset:offset + count])
-                if not sampled_seqs:
-                    return result
-                logits = self.model.compute_logits(hidden[torch.tensor(last_token)])
-        for seq, row in zip(sampled_seqs, logits):
-            if seq.return_generation_logits:
-                result.generation_logits[seq.seq_id] = row.clone()
-        self._sample(logits, sampled_seqs, result)
-        return result
+                context = [self.model.compute_logits(hidden[offset:offset + count])
+                           for offset, count in step.context_rows]
+                if step.last_token:
+                    logits = self.model.compute_logits(hidden[torch.tensor(step.last_token)])
+        return logits, context
 
-    def _lora_step(self, out: SchedulerOutput) -> LoraStep | None:
-        """The step's token rows grouped by LoRA adapter (None when no sequence has one)."""
+    def _lora_rows(self, out: SchedulerOutput) -> list[tuple[object, list[int]]]:
+        """The step's token rows grouped by LoRA adapter: [(adapter, rows)]."""
         rows: dict[int, tuple[object, list[int]]] = {}
         offset = 0
         for chunk in out.chunks:
@@ -110,12 +165,20 @@ class ModelRunner:
             if adapter is not None:
                 rows.setdefault(id(adapter), (adapter, []))[1].extend(range(offset, offset + chunk.num_tokens))
             offset += chunk.num_tokens
-        if not rows:
+        return list(rows.values())
+
+    def _lora_sources(self, out: SchedulerOutput) -> dict:
+        """The step's adapters by key, for the other ranks of a world (each shards its own)."""
+        return {chunk.seq.lora.key: chunk.seq.lora for chunk in out.chunks if chunk.seq.lora is not None}
+
+    def _lora_step(self, lora: list[tuple[object, list[int]]]) -> LoraStep | None:
+        """The step's LoraStep (None when no sequence has an adapter)."""
+        if not lora:
             return None
         if not self._lora_targets_assigned:
             self.model.assign_lora_targets()
             self._lora_targets_assigned = True
-        return LoraStep([(adapter, torch.tensor(r)) for adapter, r in rows.values()])
+        return LoraStep([(adapter, torch.tensor(rows)) for adapter, rows in lora])
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], result: RunnerOutput) -> None:
         beam_rows = [i for i, s in enumerate(seqs) if s.params.use_beam_search]

@@ -48,22 +48,25 @@ def greedy(engine: Engine, adapters: list | None = None) -> list[tuple[list[int]
                 for p, lora in zip(PROMPTS, loras)]
     while core.has_unfinished:
         core.step()
+    core.close()
     return [(r.seqs[0].output_token_ids, torch.stack([g[0] for g in r.generation_logits])) for r in requests]
 
 
 def tp_worker(jobs: list[tuple[str, str, str | None]]) -> None:
-    """One rank of a tp_size 2 world: runs each engine (under the adapters saved in the job's
-    file, if any); rank 0 saves the results."""
+    """One rank of a tp_size 2 world, for each engine: rank 0 schedules and samples (under the
+    adapters saved in the job's file, if any) and saves the results; rank 1 follows."""
     from kiln.distributed import init_world, shutdown_world, world
+    from kiln.runtime.worker import follow
 
     init_world(tp_size=2)
     try:
         for engine_dir, out, adapters in jobs:
             engine = Engine(engine_dir)
             assert engine.config.mapping.tp_rank == world().mapping.rank
-            results = greedy(engine, torch.load(adapters) if adapters else None)
             if world().mapping.rank == 0:
-                torch.save(results, out)
+                torch.save(greedy(engine, torch.load(adapters) if adapters else None), out)
+            else:
+                follow(engine)
     finally:
         shutdown_world()
 
@@ -123,3 +126,59 @@ def test_a_multi_rank_engine_needs_its_world(tmp_path):
         Engine(engine_dir)
     assert Engine(engine_dir, rank=1).config.mapping.tp_rank == 1  # one rank's weights, to inspect
     assert Path(engine_dir, "rank1.safetensors").is_file()
+
+
+def dying_worker(engine_dir: str, report: str, port: int, rank: int) -> None:
+    """Rank 1 dies on its third step; rank 0 records what its engine core raised, and when."""
+    import os
+    import time
+
+    from kiln.distributed import init_world
+    from kiln.runtime.model_runner import ModelRunner
+    from kiln.runtime.worker import follow
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    init_world(tp_size=2, timeout_s=20)
+    engine = Engine(engine_dir)
+    if rank == 1:
+        run_step, steps = ModelRunner.run_step, []
+
+        def run_then_die(self, step):
+            steps.append(1)
+            if len(steps) == 3:
+                os._exit(1)
+            return run_step(self, step)
+
+        ModelRunner.run_step = run_then_die
+        follow(engine)
+        return
+    core = EngineCore(engine, max_num_seqs=1, num_blocks=32)
+    core.add_request(PROMPTS[0], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), end_id=None)
+    started = time.monotonic()
+    try:
+        while core.has_unfinished:
+            core.step()
+        outcome = "finished"
+    except Exception as e:  # noqa: BLE001 - the test wants whatever surfaced
+        outcome = f"{type(e).__name__}: {e}"
+    Path(report).write_text(f"{time.monotonic() - started:.1f}\n{outcome}")
+
+
+def test_a_dead_rank_ends_the_leader_with_an_error(tmp_path):
+    import multiprocessing
+
+    from kiln.distributed.launch import free_port
+
+    make_llama(tmp_path / "hf", num_heads=4, num_kv_heads=2)
+    engine_dir = convert_and_build(tmp_path / "hf", tmp_path / "tp2", {"tokens_per_block": 4}, tp_size=2)
+    context, port = multiprocessing.get_context("spawn"), free_port()
+    ranks = [context.Process(target=dying_worker, args=(str(engine_dir), str(tmp_path / "report"), port, r))
+             for r in (0, 1)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+    assert all(p.exitcode is not None for p in ranks), "a rank hung"
+    seconds, outcome = (tmp_path / "report").read_text().split("\n", 1)
+    assert outcome.startswith("WorldError: ") and "a rank of the world died or stopped answering" in outcome
+    assert float(seconds) < 30
