@@ -79,13 +79,15 @@ def split_quantization(quantization) -> tuple[dict | None, dict]:
 
 
 def resolve_engine(model: str | Path, *, dtype: str | None = None, build_options: dict | None = None,
-                   cache_dir: str | Path | None = None, progress: bool = True, quantization=None) -> Path:
+                   cache_dir: str | Path | None = None, progress: bool = True, quantization=None,
+                   tp_size: int | None = None, pp_size: int | None = None) -> Path:
     """The engine directory for ``model``, converting and building into the cache if needed.
 
     ``quantization`` (an external model only: an algorithm name such as ``"W8A16"``, a
     ``QuantConfig``, or a dict of its fields plus ``calib_dataset`` / ``calib_size`` /
     ``calib_max_len`` / ``smoothquant_alpha`` / ``gptq_act_order`` / ``awq_gptq``) is applied when
-    converting.
+    converting, and so are ``tp_size`` / ``pp_size`` (an external model only: a checkpoint or
+    engine keeps the split it was made with).
     """
     from kiln.build import build_engine, resolve_build_config
     from kiln.checkpoint.format import read_config
@@ -105,6 +107,10 @@ def resolve_engine(model: str | Path, *, dtype: str | None = None, build_options
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     options = {"dtype": dtype, "kind": kind, **build_options}
+    # A checkpoint keeps its split (kiln.cli.world checks it against the flags after the build).
+    split = {k: v for k, v in (("tp_size", tp_size), ("pp_size", pp_size))
+             if v not in (None, 1) and kind == "external"}
+    options.update(split)
     if quant_fields is not None:
         options.update(quantization=quant_fields, **convert_options)
     key = cache_key(path, options)
@@ -120,7 +126,7 @@ def resolve_engine(model: str | Path, *, dtype: str | None = None, build_options
             checkpoint = cache / f"{path.stem}-{key}.checkpoint"
             quant = QuantConfig.from_dict(quant_fields) if quant_fields is not None else None
             convert_checkpoint(path, checkpoint, dtype=dtype, progress=progress, quantization=quant,
-                               **convert_options)
+                               **split, **convert_options)
         try:
             build_engine(checkpoint, engine_dir, resolve_build_config(read_config(checkpoint), **build_options),
                          progress=progress)

@@ -73,6 +73,10 @@ class LLM:
         self.core = EngineCore(self.engine, num_blocks=num_blocks)
         self._lora_adapters: dict[object, LoraAdapter] = {}  # by adapter directory or task id
 
+    def close(self) -> None:
+        """Release the other ranks of a world this LLM runs on rank 0 of (a no-op in one process)."""
+        self.core.close()
+
     # -- requests ---------------------------------------------------------------------------
 
     def _encode(self, prompt: str | list[int]) -> list[int]:

@@ -5,6 +5,8 @@ import json
 import sys
 import time
 
+from kiln.cli.world import add_world_flags, rank_zero
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="generate text for a prompt",
@@ -55,6 +57,7 @@ def add_parser(sub) -> None:
     g.add_argument("--num_return_sequences", type=int, default=1, help="outputs to print (<= beams or samples)")
     g.add_argument("--best_of", type=int, help="sample this many and print the num_return_sequences most likely")
     g.add_argument("--logprobs", type=int, help="also print the top-k log-probs of each generated token")
+    add_world_flags(p)
     p.set_defaults(handler=run)
 
 
@@ -81,13 +84,25 @@ def sampling_params(args):
 def run(args) -> int:
     from kiln.errors import RequestError
     from kiln.llm import LLM
-    from kiln.tokenizer import chat_prompt_ids
 
     try:
         params = sampling_params(args)
     except (ValueError, AttributeError) as e:
         raise RequestError(f"--logit_bias: {e}") from None
-    llm = LLM(args.engine_dir, tokenizer=args.tokenizer_dir, cache_dir=args.cache_dir)
+    from kiln.engine_cache import resolve_engine
+
+    engine_dir = resolve_engine(args.engine_dir, cache_dir=args.cache_dir, tp_size=args.tp_size, pp_size=args.pp_size)
+    with rank_zero(engine_dir, args.tp_size, args.pp_size):
+        llm = LLM(engine_dir, tokenizer=args.tokenizer_dir)
+        try:
+            return _generate(args, llm, params)
+        finally:
+            llm.close()
+
+
+def _generate(args, llm, params) -> int:
+    from kiln.tokenizer import chat_prompt_ids
+
     prompt = chat_prompt_ids(llm.tokenizer, [{"role": "user", "content": args.input_text}]) if args.chat \
         else llm._encode(args.input_text)
     if params.use_beam_search or params.num_samples > 1 or params.logprobs is not None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+from kiln.cli.world import add_world_flags, rank_zero
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -35,6 +37,7 @@ def add_parser(sub) -> None:
                    help="reuse the KV cache of prompt prefixes shared between requests")
     g.add_argument("--max_queue_size", type=int, default=1024,
                    help="requests allowed to wait for admission; beyond it requests get HTTP 503 (default 1024)")
+    add_world_flags(p)
     p.set_defaults(handler=serve)
 
 
@@ -48,7 +51,8 @@ def serve(args) -> int:
 
     engine_dir = resolve_engine(args.model, cache_dir=args.cache_dir,
                                 build_options=dict(max_batch_size=args.max_batch_size,
-                                                   max_num_tokens=args.max_num_tokens))
+                                                   max_num_tokens=args.max_num_tokens),
+                                tp_size=args.tp_size, pp_size=args.pp_size)
     config = ExecutorConfig(max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
                             max_queue_size=args.max_queue_size,
                             kv_cache_config=KvCacheConfig(max_tokens=args.kv_cache_max_tokens,
@@ -59,7 +63,8 @@ def serve(args) -> int:
         if not sep or not name or not path:
             raise ConfigError(f"--lora {spec!r}: expected NAME=DIR")
         loras[name] = path
-    app = create_app(engine_dir, tokenizer_dir=args.tokenizer_dir, api_key=args.api_key, executor_config=config,
-                     served_model_name=args.served_model_name, lora_adapters=loras)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    with rank_zero(engine_dir, args.tp_size, args.pp_size):  # the other ranks of a split engine follow
+        app = create_app(engine_dir, tokenizer_dir=args.tokenizer_dir, api_key=args.api_key,
+                         executor_config=config, served_model_name=args.served_model_name, lora_adapters=loras)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

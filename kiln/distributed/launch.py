@@ -17,9 +17,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def threads_per_rank(local_ranks: int) -> int:
+    """Compute threads for each of ``local_ranks`` processes sharing this machine's cores (more
+    spinning threads than cores would take turns at every collective)."""
+    return max(1, (os.cpu_count() or 1) // local_ranks)
+
+
 def _worker(index: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:
+    import torch
+
     os.environ.update(RANK=str(index), WORLD_SIZE=str(world_size), LOCAL_RANK=str(index),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads_per_rank(world_size))
     fn(*args)
 
 
