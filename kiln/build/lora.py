@@ -39,11 +39,10 @@ def lora_build(model_config, lora_dirs: list[str | Path], max_lora_rank: int | N
             raise BuildError(f"--lora_dir {directory}: another adapter is already named {name!r} (its directory name)")
         try:
             weights, config = read_adapter(directory)
-            modules = parse_lora_tensors(weights, config, allowed, model_config.num_hidden_layers, max_lora_rank)
+            modules = parse_lora_tensors(weights, config, allowed, model_config.num_hidden_layers, max_lora_rank,
+                                         dora=dora)
         except CheckpointError as e:
             raise BuildError(f"--lora_dir {directory}: {e}") from None
-        if not dora and any(m.magnitude is not None for m in modules):
-            raise BuildError(f"--lora_dir {directory}: a DoRA adapter (is_dora rows); build with --dora_plugin enable")
         adapters[name] = (np.asarray(weights), np.asarray(config))
         used |= {m.module_id for m in modules}
         ranks += [m.rank for m in modules]

@@ -86,10 +86,11 @@ def _as_tensor(value, name: str) -> torch.Tensor:
 
 
 def parse_lora_tensors(weights, config, shapes: dict[int, tuple[int, int]], num_layers: int,
-                       max_rank: int | None = None) -> list[LoraModule]:
+                       max_rank: int | None = None, dora: bool = True) -> list[LoraModule]:
     """The rows of an adapter in the reference format, checked against a model whose modules
     have ``shapes`` (``module_shapes``) and ``num_layers`` layers; ``max_rank`` bounds the
-    adapter size when the engine has one. Every error names the row and the field."""
+    adapter size when the engine has one, ``dora`` False refuses DoRA rows (an engine built
+    without ``--dora_plugin enable``). Every error names the row and the field."""
     w, c = _as_tensor(weights, "weights"), _as_tensor(config, "config")
     if c.dim() != 2 or c.shape[1] not in (3, 4):
         raise CheckpointError(f"LoRA config: expected shape [rows, 3] or [rows, 4] ([module_id, layer_idx, "
@@ -102,8 +103,8 @@ def parse_lora_tensors(weights, config, shapes: dict[int, tuple[int, int]], num_
     if not w.is_floating_point():
         raise CheckpointError(f"LoRA weights: expected a floating-point tensor, got {w.dtype}")
     modules, seen = [], {}
-    for row, (module_id, layer, rank, *dora) in enumerate(c.long().tolist()):
-        where = f"LoRA config row {row} ([{module_id}, {layer}, {rank}{', ' + str(dora[0]) if dora else ''}])"
+    for row, (module_id, layer, rank, *is_dora_field) in enumerate(c.long().tolist()):
+        where = f"LoRA config row {row} ([{module_id}, {layer}, {rank}{''.join(f', {d}' for d in is_dora_field)}])"
         if module_id not in LORA_MODULE_NAMES:
             raise CheckpointError(f"{where}: unknown module_id {module_id} (the reference's ids are 0-18)")
         if module_id not in shapes:
@@ -114,14 +115,17 @@ def parse_lora_tensors(weights, config, shapes: dict[int, tuple[int, int]], num_
         if rank < 1 or (max_rank is not None and rank > max_rank):
             bound = f" (the engine's max_lora_rank is {max_rank})" if max_rank is not None else ""
             raise CheckpointError(f"{where}: adapter_size {rank} must be at least 1{bound}")
-        if dora and dora[0] not in (0, 1):
-            raise CheckpointError(f"{where}: is_dora must be 0 or 1, got {dora[0]}")
+        is_dora = bool(is_dora_field and is_dora_field[0])
+        if is_dora_field and is_dora_field[0] not in (0, 1):
+            raise CheckpointError(f"{where}: is_dora must be 0 or 1, got {is_dora_field[0]}")
+        if is_dora and not dora:
+            raise CheckpointError(f"{where}: a DoRA row, but the engine was built without --dora_plugin enable "
+                                  "(build with --dora_plugin enable to take DoRA adapters)")
         if (module_id, layer) in seen:
             raise CheckpointError(f"{where}: module {LORA_MODULE_NAMES[module_id]} of layer {layer} is already "
                                   f"given by row {seen[module_id, layer]}")
         seen[module_id, layer] = row
         size_in, size_out = shapes[module_id]
-        is_dora = bool(dora and dora[0])
         needed = rank * size_in + size_out * rank + (size_out if is_dora else 0)
         if needed > w.shape[1]:
             raise CheckpointError(f"{where}: needs {needed} weight values ({rank} x {size_in} in, {size_out} x "

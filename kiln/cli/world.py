@@ -8,7 +8,6 @@ on this machine as follower processes. Only rank 0 runs the command's body.
 """
 from __future__ import annotations
 
-import multiprocessing
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,26 +36,30 @@ def engine_world(engine_dir: str | Path, tp_size: int | None = None, pp_size: in
     return built.tp_size, built.pp_size
 
 
-def _follower(engine_dir: str, tp_size: int, pp_size: int, rank: int, port: int, threads: int) -> None:
-    import torch
-
-    from kiln.distributed import init_world, shutdown_world
+def _follow(engine_dir: str | Path) -> None:
+    """This rank (not 0) of the initialised world: follow rank 0's steps, then leave."""
+    from kiln.distributed import shutdown_world
     from kiln.runtime.engine import Engine
     from kiln.runtime.worker import follow
 
-    torch.set_num_threads(threads)
-    init_world(tp_size, pp_size, rank=rank, master_addr="127.0.0.1", master_port=port)
     try:
         follow(Engine(engine_dir))
     finally:
         shutdown_world()
 
 
+def _spawned_follower(engine_dir: str, tp_size: int, pp_size: int) -> None:
+    from kiln.distributed import init_world
+
+    init_world(tp_size, pp_size)  # rank and meeting point from the environment start_workers set
+    _follow(engine_dir)
+
+
 @contextmanager
 def rank_zero(engine_dir: str | Path, tp_size: int | None = None, pp_size: int | None = None):
     """Run the block on rank 0 of the engine's world (see the module docstring)."""
     from kiln.distributed import init_world, launch_env, shutdown_world
-    from kiln.distributed.launch import free_port, threads_per_rank
+    from kiln.distributed.launch import free_port, start_workers, threads_per_rank
 
     tp, pp = engine_world(engine_dir, tp_size, pp_size)
     if tp * pp == 1:
@@ -64,26 +67,15 @@ def rank_zero(engine_dir: str | Path, tp_size: int | None = None, pp_size: int |
         return
     followers = []
     if launch_env() is not None:  # a launcher started every rank: join them
-        world = init_world(tp, pp)
-        if world.mapping.rank != 0:
-            from kiln.runtime.engine import Engine
-            from kiln.runtime.worker import follow
-
-            try:
-                follow(Engine(engine_dir))
-            finally:
-                shutdown_world()
+        if init_world(tp, pp).mapping.rank != 0:
+            _follow(engine_dir)
             sys.exit(0)
     else:  # this process is rank 0; the others start here, sharing the cores
         import torch
 
-        threads = threads_per_rank(tp * pp)
-        torch.set_num_threads(threads)
-        port, context = free_port(), multiprocessing.get_context("spawn")
-        followers = [context.Process(target=_follower, args=(str(engine_dir), tp, pp, rank, port, threads),
-                                     daemon=True) for rank in range(1, tp * pp)]
-        for process in followers:
-            process.start()
+        port = free_port()
+        followers = start_workers(_spawned_follower, range(1, tp * pp), tp * pp, port, str(engine_dir), tp, pp)
+        torch.set_num_threads(threads_per_rank(tp * pp))
         init_world(tp, pp, rank=0, master_addr="127.0.0.1", master_port=port)
     try:
         yield

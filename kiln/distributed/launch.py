@@ -3,9 +3,10 @@ the environment ``torchrun`` would give it (``RANK``, ``WORLD_SIZE``, ``LOCAL_RA
 ``MASTER_ADDR``, ``MASTER_PORT``), so the same code runs under either."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch.multiprocessing as mp
 
@@ -38,3 +39,14 @@ def spawn_workers(fn: Callable, world_size: int, *args) -> None:
     after the others are stopped. ``fn`` must be importable (a module-level function)."""
     mp.start_processes(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True,
                        start_method="spawn")
+
+
+def start_workers(fn: Callable, ranks: Iterable[int], world_size: int, port: int, *args) -> list:
+    """Start ``fn(*args)`` as ranks ``ranks`` of a ``world_size`` world meeting at
+    127.0.0.1:``port`` (daemon processes, not waited for: the caller is another rank)."""
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=_worker, args=(rank, fn, world_size, port, args), daemon=True)
+                 for rank in ranks]
+    for process in processes:
+        process.start()
+    return processes

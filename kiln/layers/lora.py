@@ -52,10 +52,6 @@ class LoraAdapter:
     def nbytes(self) -> int:
         return sum(4 * sum(t.numel() for t in row if t is not None) for row in self.weights.values())
 
-    @property
-    def is_dora(self) -> bool:
-        return any(m is not None for _, _, m in self.weights.values())
-
     def fused(self, targets: tuple[LoraTarget, ...]) -> FusedLora | None:
         """This adapter's modules among one linear's ``targets`` as one pair of matmuls (None
         when it adapts none of them). Built once per linear."""

@@ -153,6 +153,7 @@ class NativeDecodeStep:
         self._no_rotary = torch.zeros(1, dtype=torch.float32)
         self._linears = [(layer.attention.qkv, layer.attention.dense, layer.mlp.fused_fc, layer.mlp.proj)
                          for layer in layers]
+        self._widest_input = max(linear.in_features for linear in self._linears[0])
         # Each adapter's LoraLinear array (and the tensors it points at), while the adapter lives.
         self._lora_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -196,7 +197,7 @@ class NativeDecodeStep:
             token_adapter[rows] = i
             tables.append(self._lora_table(adapter))
         pointers = (ctypes.c_void_p * len(tables))(*(ctypes.addressof(table) for table, _, _ in tables))
-        widest = max(max(linear.in_features for linear in self._linears[0]) + work for _, _, work in tables)
+        widest = self._widest_input + max(work for _, _, work in tables)
         weights = kernels.LoraStepWeights(ctypes.addressof(pointers), len(tables), token_adapter.data_ptr(),
                                           num_tokens * widest)
         weights._keep = (pointers, token_adapter, tables)

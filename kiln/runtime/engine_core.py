@@ -57,6 +57,15 @@ def default_num_blocks(engine: Engine, max_num_seqs: int, memory_fraction: float
     return max(1, min(wanted, affordable))
 
 
+def agreed_num_blocks(engine: Engine, settings: CacheSettings) -> int:
+    """The KV blocks of ``settings`` (given, or what memory affords: ``default_num_blocks``),
+    the smallest over the ranks of a world, so every rank holds the same blocks."""
+    num_blocks = settings.num_blocks
+    if num_blocks is None:
+        num_blocks = default_num_blocks(engine, settings.max_num_seqs, settings.memory_fraction)
+    return world_min(num_blocks)
+
+
 @dataclass
 class StepStats:
     num_steps: int = 0
@@ -97,15 +106,14 @@ class EngineCore:
         self.max_num_tokens = min(max_num_tokens or build.max_num_tokens, build.max_num_tokens)
         block = build.tokens_per_block
         current = world()
+        settings = CacheSettings(self.max_num_seqs, memory_fraction, num_blocks, attention_backend)
         leader = None
         if current is not None and current.mapping.world_size > 1:
             if current.mapping.rank != 0:
                 raise ConfigError("the engine core runs on rank 0 of a world; other ranks call "
                                   "kiln.runtime.worker.follow(engine)")
-            leader = Leader(CacheSettings(self.max_num_seqs, memory_fraction, num_blocks, attention_backend))
-        if num_blocks is None:
-            num_blocks = default_num_blocks(engine, self.max_num_seqs, memory_fraction)
-        num_blocks = world_min(num_blocks)  # every rank of a world holds the same blocks
+            leader = Leader(settings)
+        num_blocks = agreed_num_blocks(engine, settings)
         self.runner = ModelRunner(engine, num_blocks, attention_backend)
         self.runner.leader = leader
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
@@ -139,10 +147,10 @@ class EngineCore:
             raise RequestError(f"prompt has {len(prompt_token_ids)} tokens, leaving no room under max_seq_len "
                                f"{build.max_seq_len}")
         vocab = self.engine.config.vocab_size
-        if prompt_table is not None and not isinstance(prompt_table, PromptTable):
-            prompt_table = PromptTable.of(prompt_table, self.engine.config.hidden_size,
-                                          self.engine.model.transformer.vocab_embedding.weight.dtype)
         if prompt_table is not None:
+            if not isinstance(prompt_table, PromptTable):
+                prompt_table = PromptTable.of(prompt_table, self.engine.config.hidden_size,
+                                              self.engine.model.transformer.vocab_embedding.weight.dtype)
             check_table_size(prompt_table, build.max_prompt_embedding_table_size)
         check_prompt_ids(prompt_token_ids, vocab, prompt_table)
         if end_id is not None and not 0 <= end_id < vocab:

@@ -37,10 +37,8 @@ def parse_adapter(weights, config, model_config, engine_lora: dict | None, where
     RequestError starting with ``where``."""
     try:
         modules = parse_lora_tensors(weights, config, engine_lora_shapes(model_config, engine_lora),
-                                     model_config.num_hidden_layers, (engine_lora or {}).get("max_lora_rank"))
-        if engine_lora is not None and not engine_lora.get("dora") and any(m.magnitude is not None for m in modules):
-            raise CheckpointError("a DoRA adapter (is_dora rows), but the engine was built without "
-                                  "--dora_plugin enable")
+                                     model_config.num_hidden_layers, (engine_lora or {}).get("max_lora_rank"),
+                                     dora=engine_lora is None or engine_lora.get("dora", False))
         mapping = model_config.mapping
         if mapping.tp_size > 1:  # this rank's share, by reference 004's rule
             modules = [shard_lora_module(m, model_config, mapping.tp_size, mapping.tp_rank) for m in modules]

@@ -94,7 +94,7 @@ class ModelRunner:
         if step is None:
             return result
         if self.leader is not None:
-            self.leader.send_step(step, self._lora_sources(out))
+            self.leader.send_step(step)
         logits, context_logits = self.run_step(step)
         for seq, rows in zip(context_seqs, context_logits):
             result.context_logits[seq.seq_id] = rows
@@ -166,10 +166,6 @@ class ModelRunner:
                 rows.setdefault(id(adapter), (adapter, []))[1].extend(range(offset, offset + chunk.num_tokens))
             offset += chunk.num_tokens
         return list(rows.values())
-
-    def _lora_sources(self, out: SchedulerOutput) -> dict:
-        """The step's adapters by key, for the other ranks of a world (each shards its own)."""
-        return {chunk.seq.lora.key: chunk.seq.lora for chunk in out.chunks if chunk.seq.lora is not None}
 
     def _lora_step(self, lora: list[tuple[object, list[int]]]) -> LoraStep | None:
         """The step's LoraStep (None when no sequence has an adapter)."""

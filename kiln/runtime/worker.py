@@ -49,9 +49,11 @@ class Leader:
         self._dropped: list = []  # keys of adapters since garbage-collected here
         self.stopped = False
 
-    def send_step(self, step: StepInputs, adapters: dict) -> None:
+    def send_step(self, step: StepInputs) -> None:
+        """Broadcast ``step``, with the reference tensors of its adapters the others lack."""
         new = {}
-        for key, adapter in adapters.items():
+        for adapter, _ in step.lora:
+            key = adapter.key
             if key not in self._sent:
                 source = getattr(adapter, "source", None)
                 if source is None:
@@ -78,16 +80,12 @@ class Leader:
 def follow(engine: Engine) -> None:
     """Compute this rank's part of every step rank 0 schedules, until rank 0 stops (every
     rank but 0 of a world calls this with its ``Engine``)."""
-    from kiln.distributed import world_min
-    from kiln.runtime.engine_core import default_num_blocks
+    from kiln.runtime.engine_core import agreed_num_blocks
 
     kind, settings = _broadcast()
     if kind != "init":
         raise KilnError(f"rank 0 sent {kind!r} before the cache settings")
-    num_blocks = settings.num_blocks
-    if num_blocks is None:
-        num_blocks = default_num_blocks(engine, settings.max_num_seqs, settings.memory_fraction)
-    runner = ModelRunner(engine, world_min(num_blocks), settings.attention_backend)
+    runner = ModelRunner(engine, agreed_num_blocks(engine, settings), settings.attention_backend)
     adapters: dict = {}
     while True:
         message = _broadcast()

@@ -128,7 +128,7 @@ def test_a_multi_rank_engine_needs_its_world(tmp_path):
     assert Path(engine_dir, "rank1.safetensors").is_file()
 
 
-def dying_worker(engine_dir: str, report: str, port: int, rank: int) -> None:
+def dying_worker(engine_dir: str, report: str) -> None:
     """Rank 1 dies on its third step; rank 0 records what its engine core raised, and when."""
     import os
     import time
@@ -137,8 +137,7 @@ def dying_worker(engine_dir: str, report: str, port: int, rank: int) -> None:
     from kiln.runtime.model_runner import ModelRunner
     from kiln.runtime.worker import follow
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    init_world(tp_size=2, timeout_s=20)
+    rank = init_world(tp_size=2, timeout_s=20).mapping.rank
     engine = Engine(engine_dir)
     if rank == 1:
         run_step, steps = ModelRunner.run_step, []
@@ -165,17 +164,11 @@ def dying_worker(engine_dir: str, report: str, port: int, rank: int) -> None:
 
 
 def test_a_dead_rank_ends_the_leader_with_an_error(tmp_path):
-    import multiprocessing
-
-    from kiln.distributed.launch import free_port
+    from kiln.distributed.launch import free_port, start_workers
 
     make_llama(tmp_path / "hf", num_heads=4, num_kv_heads=2)
     engine_dir = convert_and_build(tmp_path / "hf", tmp_path / "tp2", {"tokens_per_block": 4}, tp_size=2)
-    context, port = multiprocessing.get_context("spawn"), free_port()
-    ranks = [context.Process(target=dying_worker, args=(str(engine_dir), str(tmp_path / "report"), port, r))
-             for r in (0, 1)]
-    for process in ranks:
-        process.start()
+    ranks = start_workers(dying_worker, range(2), 2, free_port(), str(engine_dir), str(tmp_path / "report"))
     for process in ranks:
         process.join(timeout=120)
     assert all(p.exitcode is not None for p in ranks), "a rank hung"
