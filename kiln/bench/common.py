@@ -60,6 +60,29 @@ class ForwardTimer:
             del self._module.decode_logits  # back to the class's method
 
 
+class CollectTimer:
+    """Times when each step's results reach rank 0 (``ModelRunner.collect``): in a pipeline the
+    model forward rank 0 runs is only the first stage's."""
+
+    def __init__(self, runner):
+        self.ends: list[float] = []
+        self._runner = runner
+        collect = runner.collect
+
+        def timed():
+            result = collect()
+            self.ends.append(time.perf_counter())
+            return result
+
+        runner.collect = timed
+
+    def reset(self) -> None:
+        self.ends.clear()
+
+    def remove(self) -> None:
+        del self._runner.collect  # back to the class's method
+
+
 def stream_round(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]:
     """Time to first token and decode tok/s (tokens after the first) of one greedy stream of
     ``new_tokens`` tokens, the end token ignored."""

@@ -59,7 +59,8 @@ def run_latency(engine_dir: str, *, hf_gguf: str | None = None, hf_dir: str | No
     prompt, long_prompt = random_prompts(1, prompt_len, vocab, seed)[0], random_prompts(1, prefill_len, vocab, seed)[0]
     model = llm.core.runner.model
     # The model forward and the LM head (logits of the sampled rows, computed after it).
-    timers = [ForwardTimer(model), ForwardTimer(model.lm_head)]
+    # (A pipeline's rank 0 holds only the first stage: its overhead then includes the others'.)
+    timers = [ForwardTimer(model)] + ([ForwardTimer(model.lm_head)] if hasattr(model, "lm_head") else [])
     kiln_load_to_first = constructed + _kiln_stream(llm, prompt, 2, timers)["ttft_s"]  # a cold start
     hf = None
     if hf_gguf or hf_dir:
@@ -85,8 +86,11 @@ def run_latency(engine_dir: str, *, hf_gguf: str | None = None, hf_dir: str | No
             "weight_bytes": weight_bytes, "peak_rss_mb": round(peak_rss_mb())}
     # Three significant figures, not decimals: a tiny model's fraction is far below 0.001.
     kiln["bandwidth_fraction"] = float(f"{weight_bytes * kiln['decode_tok_s'] / (machine['read_gbs'] * 1e9):.3g}")
+    mapping = llm.engine.config.mapping
+    llm.close()  # releases the other ranks of a split engine
     record = new_record("latency", engine=str(engine_dir), dtype=llm.engine.config.dtype, prompt_len=prompt_len,
-                        prefill_len=prefill_len, new_tokens=new_tokens, rounds=rounds, machine=machine, kiln=kiln)
+                        prefill_len=prefill_len, new_tokens=new_tokens, rounds=rounds, machine=machine, kiln=kiln,
+                        world={"tp_size": mapping.tp_size, "pp_size": mapping.pp_size})
     if hf is not None:
         record["hf"] = {"load_s": round(hf_load_s, 3), "load_to_first_token_s": round(hf_load_to_first, 3),
                         "prefill_tok_s": round(statistics.median(hf_prefill), 1), "ttft_s": med(hf_runs, "ttft_s"),
@@ -115,6 +119,10 @@ def format_latency(record: dict) -> str:
         r = ratio(hv, kv) if lower_better else ratio(kv, hv)
         hs = fmt.format(hv) if hv is not None else "-"
         lines.append(f"  {label:22} {fmt.format(kv):>10} {hs:>10} {f'{r:.2f}x' if r else '-':>8}")
+    world = record.get("world") or {}
+    if world.get("tp_size", 1) * world.get("pp_size", 1) > 1:
+        lines.append(f"  tp {world['tp_size']} x pp {world['pp_size']} ranks on this machine; host overhead and "
+                     "weights are rank 0's (its model part)")
     lines.append(f"  kiln engine load {k['engine_load_s']} s (HF from_pretrained {h.get('load_s', '-')} s); "
                  f"host overhead {k['host_overhead_ms']:.2f} ms/step; weights {k['weight_bytes'] / 1e6:.0f} MB "
                  f"read at {k['bandwidth_fraction'] * 100:.0f}% of measured bandwidth; peak RSS {k['peak_rss_mb']} MB")

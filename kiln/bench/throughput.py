@@ -14,14 +14,15 @@ import time
 
 from tqdm import tqdm
 
-from kiln.bench.common import ForwardTimer, new_record, random_prompts, ratio
+from kiln.bench.common import CollectTimer, ForwardTimer, new_record, random_prompts, ratio
 from kiln.bench.machine import machine_facts, peak_rss_mb
 from kiln.bench.peer import hf_generate, load_hf_peer
 
 
-def kiln_batch(llm, prompts: list[list[int]], new_tokens: int, timer: ForwardTimer) -> dict:
+def kiln_batch(llm, prompts: list[list[int]], new_tokens: int, timer: ForwardTimer | CollectTimer) -> dict:
     """Output tok/s, time to first token and decode tok/s of ``prompts`` generating
-    ``new_tokens`` greedy tokens each, all together (every prompt must fit in the first step)."""
+    ``new_tokens`` greedy tokens each, all together (every prompt must fit in the first step;
+    with pipeline stages, in the first micro-batch of each: ``timer`` is then a CollectTimer)."""
     from kiln import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -30,8 +31,9 @@ def kiln_batch(llm, prompts: list[list[int]], new_tokens: int, timer: ForwardTim
     outputs = llm.generate(prompts, params)
     total = time.perf_counter() - started
     assert all(len(o.outputs[0].token_ids) == new_tokens for o in outputs)
-    # Every prompt fits in the first step (checked by the caller), so its end is the first token.
-    first = timer.ends[0] - started
+    # Every prompt fits in the first step (checked by the caller), so its end is the first token;
+    # a pipeline deals them into one micro-batch per stage.
+    first = timer.ends[llm.engine.config.mapping.pp_size - 1 if isinstance(timer, CollectTimer) else 0] - started
     return _figures(len(prompts), new_tokens, first, total)
 
 
@@ -52,7 +54,8 @@ def run_throughput(engine_dir: str, *, hf_gguf: str | None = None, hf_dir: str |
     if too_big:
         raise ValueError(f"batch sizes {too_big} exceed the engine's max_batch_size {build.max_batch_size} or "
                          f"max_num_tokens {build.max_num_tokens} (rebuild with larger limits)")
-    timer = ForwardTimer(llm.core.runner.model)
+    timer = (ForwardTimer(llm.core.runner.model) if llm.engine.config.mapping.pp_size == 1
+             else CollectTimer(llm.core.runner))
     hf = None
     if hf_gguf or hf_dir:
         hf, _ = load_hf_peer(llm.engine.config.dtype, gguf=hf_gguf, model_dir=hf_dir)
@@ -75,8 +78,11 @@ def run_throughput(engine_dir: str, *, hf_gguf: str | None = None, hf_dir: str |
     timer.remove()
     del hf
     gc.collect()
+    mapping = llm.engine.config.mapping
+    llm.close()  # releases the other ranks of a split engine
     return new_record("throughput", engine=str(engine_dir), dtype=llm.engine.config.dtype, prompt_len=prompt_len,
                       new_tokens=new_tokens, rounds=rounds, machine=machine, batches=results,
+                      world={"tp_size": mapping.tp_size, "pp_size": mapping.pp_size},
                       peak_rss_mb=round(peak_rss_mb()))
 
 
@@ -86,7 +92,9 @@ def _median(runs: list[dict]) -> dict:
 
 def format_throughput(record: dict) -> str:
     m = record["machine"]
-    lines = [f"throughput: {record['dtype']}, {m['threads']} threads, {record['prompt_len']}-token prompts, "
+    world = record.get("world") or {}
+    split = f", tp {world['tp_size']} x pp {world['pp_size']}" if world.get("tp_size", 1) * world.get("pp_size", 1) > 1 else ""
+    lines = [f"throughput: {record['dtype']}{split}, {m['threads']} threads, {record['prompt_len']}-token prompts, "
              f"{record['new_tokens']} new tokens each (median of {record['rounds']})",
              f"machine: read {m['read_gbs']} GB/s, matmul {m['matmul_gflops_fp32']} GFLOP/s fp32, "
              f"{m['matmul_gflops_bf16']} bf16",

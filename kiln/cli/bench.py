@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
+from kiln.cli.world import add_world_flags, rank_zero
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure speed beside Hugging Face transformers",
@@ -29,6 +31,7 @@ def add_parser(sub) -> None:
         q.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens (default 0)")
         q.add_argument("--output_json", help="append the figures as one JSON line to this file")
         q.add_argument("--json", action="store_true", help="print the record as JSON instead of a table")
+        add_world_flags(q)
         q.set_defaults(handler=run)
     lat.add_argument("--prefill_len", type=int, default=512, help="prompt tokens for prefill tok/s (default 512)")
     lat.add_argument("--rounds", type=int, default=3, help="rounds alternating kiln and HF; medians (default 3)")
@@ -49,6 +52,18 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     common = dict(hf_gguf=args.hf_gguf, hf_dir=args.hf_dir, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                   rounds=args.rounds, seed=args.seed)
+    with rank_zero(args.engine_dir, args.tp_size, args.pp_size):  # the other ranks of a split engine follow
+        record, text = _measure(args, common)
+    record["command"] = " ".join(["kiln", *sys.argv[1:]])
+    print(json.dumps(record, indent=2) if args.json else text)
+    if args.output_json:
+        append_record(args.output_json, record)
+    return 0
+
+
+def _measure(args, common: dict) -> tuple[dict, str]:
+    from kiln.errors import ConfigError
+
     if args.mode == "latency":
         from kiln.bench.latency import format_latency, run_latency
 
@@ -62,8 +77,4 @@ def run(args) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from e
         text = format_throughput(record)
-    record["command"] = " ".join(["kiln", *sys.argv[1:]])
-    print(json.dumps(record, indent=2) if args.json else text)
-    if args.output_json:
-        append_record(args.output_json, record)
-    return 0
+    return record, text

@@ -1,4 +1,4 @@
-"""Collectives used by tensor-parallel layers.
+"""Collectives used by tensor-parallel layers, and the point-to-point messages of a world.
 
 Layers call these explicitly in ``forward``. With ``tp_size == 1`` they are no-ops; with
 more ranks they run over the tensor-parallel group of this rank's pipeline stage
@@ -6,6 +6,7 @@ more ranks they run over the tensor-parallel group of this rank's pipeline stage
 """
 from __future__ import annotations
 
+import pickle
 from contextlib import contextmanager
 
 import torch
@@ -69,3 +70,48 @@ def world_min(value: int) -> int:
     with guarded("agreeing on a setting"):
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
     return int(t)
+
+
+# -- point to point: rank 0's steps, activations between pipeline stages, sampled tokens --------
+
+# Sends in progress, with the tensors they read (freed only once sent).
+_SENDS: list[tuple[object, torch.Tensor]] = []
+
+
+def send_tensor(x: torch.Tensor, dst: int, tag: int, group=None) -> None:
+    """Start sending ``x`` to rank ``dst`` and return at once (the receiver may still be busy
+    with an earlier step: that is what lets pipeline stages overlap)."""
+    x = x.contiguous()
+    with guarded(f"sending to rank {dst}"):
+        work = torch.distributed.isend(x, dst, group=group, tag=tag)
+    _SENDS.append((work, x))
+    _SENDS[:] = [(w, t) for w, t in _SENDS if not w.is_completed()]
+
+
+def recv_tensor(shape, dtype: torch.dtype, src: int, tag: int, group=None) -> torch.Tensor:
+    """Wait for the tensor rank ``src`` sends with ``tag``."""
+    x = torch.empty(shape, dtype=dtype)
+    with guarded(f"waiting for rank {src}"):
+        torch.distributed.recv(x, src, group=group, tag=tag)
+    return x
+
+
+def send_object(obj, dst: int, tag: int, group=None) -> None:
+    """Start sending a picklable ``obj`` to rank ``dst`` (its length, then its bytes)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    send_tensor(torch.tensor([data.numel()], dtype=torch.int64), dst, tag, group)
+    send_tensor(data, dst, tag, group)
+
+
+def recv_object(src: int, tag: int, group=None):
+    """Wait for the object rank ``src`` sends with ``tag``."""
+    size = int(recv_tensor((1,), torch.int64, src, tag, group))
+    return pickle.loads(recv_tensor((size,), torch.uint8, src, tag, group).numpy().tobytes())
+
+
+def wait_sends() -> None:
+    """Wait until every send started here has left (before leaving the world)."""
+    with guarded("finishing sends"):
+        for work, _ in _SENDS:
+            work.wait()
+    _SENDS.clear()

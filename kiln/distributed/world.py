@@ -21,6 +21,9 @@ from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 
 DEFAULT_TIMEOUT_S = 120.0  # the longest any rank waits in a collective before giving up
+# How long a rank waits for rank 0's next step: a server may sit idle for days. A rank 0 that
+# dies still ends the wait at once (gloo sees its connection close).
+CONTROL_TIMEOUT = timedelta(days=365)
 
 # (launcher, rank, world size, local rank) environment variables, in the order they are tried.
 LAUNCHERS = (
@@ -58,13 +61,15 @@ def launch_env(environ: dict | None = None) -> LaunchEnv | None:
 
 @dataclass
 class World:
-    """An initialised world: this rank's ``mapping`` and the process group of its stage's
-    tensor-parallel ranks (None with one)."""
+    """An initialised world: this rank's ``mapping``, the process group of its stage's
+    tensor-parallel ranks (None with one) and the group rank 0's steps reach the others
+    over (every rank; no timeout to speak of, see ``CONTROL_TIMEOUT``)."""
 
     mapping: Mapping
     tp_group: object
     backend: str
     timeout_s: float
+    control_group: object = None
 
 
 _WORLD: World | None = None
@@ -110,7 +115,8 @@ def init_world(tp_size: int = 1, pp_size: int = 1, *, rank: int | None = None, g
                                             timeout=timedelta(seconds=timeout_s))
         if stage == mapping.pp_rank:
             tp_group = group
-    _WORLD = World(mapping, tp_group if tp_size > 1 else None, backend, timeout_s)
+    control_group = torch.distributed.new_group(list(range(size)), timeout=CONTROL_TIMEOUT)
+    _WORLD = World(mapping, tp_group if tp_size > 1 else None, backend, timeout_s, control_group)
     return _WORLD
 
 

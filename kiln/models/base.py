@@ -259,16 +259,21 @@ class DecoderModelForCausalLM(nn.Module):
         return m.tp_size == 1 or (c.use_parallel_embedding and c.embedding_sharding_dim == 0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata,
-                kv_caches: list) -> torch.Tensor:
-        """Run one packed step. ``input_ids``/``positions``: ``[num_tokens]``; returns hidden states."""
+                kv_caches: list, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one packed step. ``input_ids``/``positions``: ``[num_tokens]``; returns hidden states.
+
+        On a pipeline stage (``config.mapping``) after the first, ``hidden`` is the previous
+        stage's output, taken instead of embedding ``input_ids``; a stage before the last
+        returns its last layer's output, for the next stage."""
         t = self.transformer
-        hidden = self.first_layer_input(input_ids, positions)
+        if hidden is None:
+            hidden = self.first_layer_input(input_ids, positions)
         native = native_decode_for(self, kv_caches, metadata)
-        if native is not None:  # a decode step: every layer in one native call
+        if native is not None:  # a decode step: every layer in one native call (one rank only)
             return t.finish(native(hidden, positions, metadata))
         for cache, layer in zip(kv_caches, t.layers.values()):
             hidden = layer(hidden, positions, metadata, cache)
-        return t.finish(hidden)
+        return t.finish(hidden) if self.config.mapping.is_last_pp_rank else hidden
 
     def assign_lora_targets(self) -> None:
         """Mark every linear with the reference LoRA modules it holds (``Linear.lora_targets``):
@@ -397,7 +402,7 @@ class DecoderModelForCausalLM(nn.Module):
         lm_head = getattr(model, "lm_head", None)
         if lm_head is not None and not model.shares_embedding_table:
             lm_head_key = translate_key("lm_head.weight", loader.key_map)[0]
-            if lm_head_key not in external and config.get("tie_word_embeddings"):
+            if lm_head_key not in external and (config.get("tie_word_embeddings") or config.share_embedding_table):
                 # Tied weights stored once: the lm_head rows come from the embedding table.
                 lm_head.external_key_map = {"lm_head": embedding.rpartition(".")[0]}
         gptq = gptq_settings(hf, str(source.path))

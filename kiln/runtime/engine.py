@@ -78,9 +78,6 @@ def _world_rank(engine_dir: Path, built: Mapping, rank: int | None) -> int:
     if shape != (built.tp_size, built.pp_size):
         raise ConfigError(f"{engine_dir}: built for tp_size {built.tp_size} x pp_size {built.pp_size}, but this world "
                           f"is tp_size {shape[0]} x pp_size {shape[1]}")
-    if built.pp_size > 1:
-        raise ConfigError(f"{engine_dir}: pipeline-parallel engines (pp_size {built.pp_size}) do not run yet: "
-                          "convert with --pp_size 1")
     return current.mapping.rank if rank is None else rank
 
 

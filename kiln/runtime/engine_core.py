@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from kiln.distributed import world, world_min
-from kiln.errors import CapacityError, ConfigError, RequestError
+from kiln.errors import CapacityError, ConfigError, RequestError, WorldError
+from kiln.models.base import layer_window
 from kiln.runtime.beam_search import BeamHypothesis, BeamSearch, BeamSearchParams
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.engine import Engine
@@ -36,8 +39,10 @@ KV_CACHE_MEMORY_FRACTION = 0.3  # of the memory available at start-up, when no s
 
 def common_window(model) -> int | None:
     """The sliding window every layer keeps to (the widest), or None if a layer attends to all
-    positions: only then can blocks behind the window be released."""
-    windows = [layer.attention.window for layer in model.transformer.layers.values()]
+    positions: only then can blocks behind the window be released. (Every layer of the model:
+    a pipeline stage holds only some, and all stages share the block tables.)"""
+    config = model.config
+    windows = [layer_window(config, i) for i in range(config.num_hidden_layers)]
     return None if not windows or None in windows else max(windows)
 
 
@@ -73,6 +78,7 @@ class StepStats:
     num_generated: int = 0
     seconds: float = 0.0
     last_step_tokens: int = 0
+    max_in_flight: int = 0  # the most micro-batches in flight at once (pipeline stages busy together)
 
 
 @dataclass(eq=False)
@@ -116,6 +122,9 @@ class EngineCore:
         num_blocks = agreed_num_blocks(engine, settings)
         self.runner = ModelRunner(engine, num_blocks, attention_backend)
         self.runner.leader = leader
+        # Micro-batches in flight: one per pipeline stage (see ``step``).
+        self.pipeline_depth = engine.config.mapping.pp_size
+        self._in_flight: deque = deque()
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, block, self.max_num_seqs, self.max_num_tokens, capacity_policy,
                                    window=common_window(engine.model))
@@ -127,6 +136,12 @@ class EngineCore:
     def close(self) -> None:
         """Release the other ranks of a world (their ``follow`` returns); a no-op in one process."""
         if self.runner.leader is not None:
+            try:
+                while self._in_flight:  # the sampling rank answers every step before it stops
+                    self._in_flight.popleft()
+                    self.runner.collect()
+            except WorldError:
+                pass
             self.runner.leader.stop()
 
     # -- requests ---------------------------------------------------------------------------
@@ -225,12 +240,30 @@ class EngineCore:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that advanced (got tokens or finished)."""
+        """Run one step; returns the requests that advanced (got tokens or finished).
+
+        With ``pp_size`` pipeline stages, up to ``pp_size`` micro-batches (disjoint sets of
+        sequences, each at most its share of the running ones) are in flight: a call schedules
+        and starts one when fewer are, and returns at once while the pipeline fills; otherwise
+        it takes the oldest one's tokens. So while stage 1 computes micro-batch A, stage 0
+        computes B — the schedule of TensorRT-LLM's in-flight batching across pipeline ranks
+        (each step of a sequence still waits for its previous token)."""
         started = time.perf_counter()
-        out = self.scheduler.schedule()
-        if not out.chunks:
-            raise CapacityError("no sequence could be scheduled: the KV cache is too small for the work queued")
-        result = self.runner.execute(out)
+        scheduled = False
+        if len(self._in_flight) < self.pipeline_depth:
+            out = self.scheduler.schedule(self._micro_batch_seqs())
+            if out.chunks:
+                self.runner.submit(out)
+                self._in_flight.append(out)
+                self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._in_flight))
+                scheduled = True
+            elif not self._in_flight:
+                raise CapacityError("no sequence could be scheduled: the KV cache is too small for the work queued")
+        if scheduled and len(self._in_flight) < self.pipeline_depth:
+            self.stats.seconds += time.perf_counter() - started
+            return []
+        out = self._in_flight.popleft()
+        result = self.runner.collect()
         self._collect_logits(result)
         advanced_seqs = self.scheduler.update(out, result)
         advanced: dict[int, Request] = {}
@@ -251,12 +284,23 @@ class EngineCore:
         s.seconds += time.perf_counter() - started
         return list(advanced.values())
 
+    def _micro_batch_seqs(self) -> int | None:
+        """The most sequences one micro-batch takes: an even share of the work, so each stage
+        has a batch in every slot (None with one stage: all of them)."""
+        if self.pipeline_depth == 1:
+            return None
+        work = min(self.max_num_seqs, len(self.scheduler.running) + len(self.scheduler.waiting))
+        return max(1, math.ceil(work / self.pipeline_depth))
+
     def _collect_logits(self, result: RunnerOutput) -> None:
         for seq_id, logits in result.context_logits.items():
-            self._requests[seq_id].context_logits.append(logits)
+            if seq_id in self._requests:  # not cancelled while in flight
+                self._requests[seq_id].context_logits.append(logits)
         by_request: dict[int, tuple[Request, dict]] = {}
         for seq_id, logits in result.generation_logits.items():
-            request = self._requests[seq_id]
+            request = self._requests.get(seq_id)
+            if request is None:
+                continue
             by_request.setdefault(request.request_id, (request, {}))[1][seq_id] = logits
         for request, by_seq in by_request.values():
             request.generation_logits.append([by_seq.get(s.seq_id) for s in request.seqs])
@@ -292,7 +336,7 @@ class EngineCore:
             seq.token_ids = tokens + [token]
             seq.block_ids, seq.block_hashes = blocks, hashes
             seq.num_computed_tokens = computed
-            self.runner.history.reset(seq)
+            self.runner.release(seq)  # its tokens were rewritten: per-sequence state starts again
         if decision.done:
             request.hypotheses = request.beam.finalize()
             for seq in live:

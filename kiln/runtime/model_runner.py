@@ -2,13 +2,22 @@
 
 A step is first reduced to plain data (``StepInputs``: token ids, positions, block tables, the
 rows to sample, LoRA rows, prompt tables), which is all the other ranks of a world need to
-compute their part of it (``kiln.runtime.worker``); sampling stays with the scheduler's rank.
+compute their part of it (``kiln.runtime.worker``).
+
+Who samples: the rank holding the logits. In one process or with tensor parallelism alone
+that is rank 0, the scheduler's. With pipeline stages each stage hands its last layer's output
+to the next (``send_tensor``), and the last stage's first rank samples and returns the tokens
+(``kiln.runtime.worker.Sampler``): ``submit`` starts a step and ``collect`` takes its results,
+so rank 0 can start the next micro-batch in between.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
+
+from kiln.distributed.comm import recv_tensor, send_tensor
 
 from kiln.layers.embedding import prompt_tuning_step
 from kiln.layers.lora import LoraStep, lora_step
@@ -22,6 +31,8 @@ from kiln.runtime.prompt_tuning import prompt_step
 from kiln.runtime.sampling import sample
 from kiln.runtime.scheduler import RunnerOutput, SchedulerOutput, TokenResult
 from kiln.runtime.sequence import Sequence
+
+ACTIVATIONS_TAG = 2  # a stage's output to the next stage
 
 
 @dataclass
@@ -57,12 +68,18 @@ class ModelRunner:
         self.backend = BACKENDS[select_backend(attention_backend, torch_dtype(config.dtype))]()
         self.history = TokenHistory(engine.build_config.max_seq_len, config.vocab_size)
         self._lora_targets_assigned = False
+        self.mapping = config.mapping
         # On rank 0 of a world: hands every step to the other ranks (kiln.runtime.worker).
         self.leader = None
+        # Per submitted step, in order: its results, or None while another rank samples them.
+        self._submitted: deque[RunnerOutput | None] = deque()
 
     def release(self, seq: Sequence) -> None:
-        """Drop per-sequence state of a finished sequence."""
+        """Drop per-sequence state of a finished sequence (or one whose tokens were rewritten:
+        a beam re-formed)."""
         self.history.reset(seq)
+        if self.leader is not None:
+            self.leader.forget(seq)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks ``src -> dst`` in every layer (copy-on-write of shared blocks)."""
@@ -85,17 +102,36 @@ class ModelRunner:
             indexable(k).index_fill_(0, index, 0)  # zero bytes: 0.0 in every cache type
             indexable(v).index_fill_(0, index, 0)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run the scheduled step and sample its completed sequences (on a leader of a world,
-        after handing the step to the other ranks: ``kiln.runtime.worker``)."""
+        """Run the scheduled step and sample its completed sequences."""
+        self.submit(out)
+        return self.collect()
+
+    @torch.inference_mode()
+    def submit(self, out: SchedulerOutput) -> None:
+        """Start the scheduled step: hand it to the other ranks of a world (``kiln.runtime.worker``),
+        compute this rank's part, and sample it here when this rank holds the logits."""
         step, sampled_seqs, context_seqs = self._step_inputs(out)
-        result = RunnerOutput()
         if step is None:
-            return result
+            self._submitted.append(RunnerOutput())
+            return
         if self.leader is not None:
-            self.leader.send_step(step)
+            self.leader.send_step(step, sampled_seqs, context_seqs)
         logits, context_logits = self.run_step(step)
+        if self.mapping.is_last_pp_rank:
+            self._submitted.append(self.finish_step(logits, context_logits, sampled_seqs, context_seqs))
+        else:
+            self._submitted.append(None)  # the last stage samples it
+
+    def collect(self) -> RunnerOutput:
+        """The results of the oldest step submitted and not yet collected."""
+        result = self._submitted.popleft()
+        return result if result is not None else self.leader.receive_result()
+
+    def finish_step(self, logits: torch.Tensor | None, context_logits: list[torch.Tensor],
+                    sampled_seqs: list[Sequence], context_seqs: list[Sequence]) -> RunnerOutput:
+        """A step's results from its logits: tokens sampled, logits kept where asked."""
+        result = RunnerOutput()
         for seq, rows in zip(context_seqs, context_logits):
             result.context_logits[seq.seq_id] = rows
         if logits is None:
@@ -135,21 +171,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-        """Compute ``step`` on this rank's part of the model: the float32 logits of its sampled
-        rows (None when none) and each context-logits span's."""
+        """Compute ``step`` on this rank's part of the model: on the last pipeline stage, the
+        float32 logits of its sampled rows (None when none) and each context-logits span's; on
+        a stage before it, (None, []) once its output is on its way to the next stage."""
         self.clear_blocks(step.new_blocks)
         self.copy_blocks(step.block_copies)
         if not step.input_ids:
             return None, []
         md = AttentionMetadata.build(self.backend, step.query_lens, step.seq_lens, step.tables, self.block_size)
         ids, positions = torch.tensor(step.input_ids), torch.tensor(step.positions)
+        m = self.mapping
+        hidden = None
+        if not m.is_first_pp_rank:  # the same tensor-parallel rank of the previous stage sends it
+            hidden = recv_tensor((len(step.input_ids), self.model.config.hidden_size),
+                                 torch_dtype(self.model.config.dtype), m.rank - m.tp_size, ACTIVATIONS_TAG)
         context: list[torch.Tensor] = []
         logits = None
         with lora_step(self._lora_step(step.lora)), prompt_tuning_step(step.prompts):
-            if not step.context_rows and len(step.last_token) == len(step.input_ids):  # every token is sampled
-                logits = self.model.decode_logits(ids, positions, md, self.kv_caches)
+            if not m.is_last_pp_rank:
+                send_tensor(self.model(ids, positions, md, self.kv_caches, hidden), m.rank + m.tp_size,
+                            ACTIVATIONS_TAG)
+                return None, []
+            if hidden is None and not step.context_rows and len(step.last_token) == len(step.input_ids):
+                logits = self.model.decode_logits(ids, positions, md, self.kv_caches)  # every token is sampled
             if logits is None:
-                hidden = self.model(ids, positions, md, self.kv_caches)
+                hidden = self.model(ids, positions, md, self.kv_caches, hidden)
                 context = [self.model.compute_logits(hidden[offset:offset + count])
                            for offset, count in step.context_rows]
                 if step.last_token:

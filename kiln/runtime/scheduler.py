@@ -20,6 +20,9 @@ block every position of which fell out of the window goes back to the pool after
 KV cache however long it grows.
 
 The step is ``out = scheduler.schedule(); res = runner.execute(out); scheduler.update(out, res)``.
+Between ``schedule`` and ``update`` a step's sequences are *in flight*: a pipeline-parallel
+engine schedules the next micro-batch before the last one's tokens are back, from the other
+sequences only (and never preempts one in flight).
 """
 from __future__ import annotations
 
@@ -115,24 +118,35 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """The next step: at most ``max_seqs`` sequences (a pipeline's micro-batch), none of
+        them in flight."""
         out = SchedulerOutput()
         budget = self.max_num_tokens
+        max_seqs = max_seqs or self.max_num_seqs
+        groups: set[int] = set()  # the groups (a request's sequences) in this step
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._held_back(seq, len(out.chunks) >= max_seqs, groups):
+                i += 1
+                continue
+            if seq.group is not None:
+                groups.add(id(seq.group))
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._reserve(seq, n, out):
-                # Free room by preempting from the back; maybe this very sequence.
-                victim = self.running.pop()
+                # Free room by preempting from the back (not from a step in flight); maybe this very sequence.
+                victim = next(s for s in reversed(self.running) if not s.in_flight)
+                self.running.remove(victim)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
                 continue
-            out.chunks.append(ScheduledChunk(seq, n))
+            self._add_chunk(out, seq, n)
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted
+               and len(out.chunks) < max_seqs):
             seq = self.waiting[0]
             if self.capacity_policy == "GUARANTEED_NO_EVICT" and not self._fits_to_the_end(seq):
                 break
@@ -143,9 +157,29 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            out.chunks.append(ScheduledChunk(seq, n))
+            self._add_chunk(out, seq, n)
             budget -= n
         return out
+
+    @staticmethod
+    def _held_back(seq: Sequence, full: bool, groups: set[int]) -> bool:
+        """Whether a running ``seq`` sits this step out: it is in flight, or the micro-batch is
+        ``full``. A request's sequences go together (a beam search steps all its beams at
+        once): one joins its group in this step even when full, and waits while a member of
+        its group is in flight."""
+        if seq.in_flight:  # in an earlier micro-batch (this step's chunks are marked too)
+            return True
+        group = seq.group
+        if group is None:
+            return full
+        if id(group) in groups:
+            return False
+        return full or any(s.in_flight for s in getattr(group, "seqs", ()))
+
+    @staticmethod
+    def _add_chunk(out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        out.chunks.append(ScheduledChunk(seq, n))
+        seq.in_flight = True
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
         """Start a fresh sequence from the cached blocks of its longest known prefix.
@@ -231,6 +265,9 @@ class Scheduler:
         advanced = []
         for chunk in out.chunks:
             seq = chunk.seq
+            seq.in_flight = False
+            if seq.is_finished:  # cancelled while its step was in flight: its blocks are gone
+                continue
             completes = chunk.completes
             seq.num_computed_tokens += chunk.num_tokens
             if self.pool.enable_caching:

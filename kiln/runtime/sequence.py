@@ -48,6 +48,7 @@ class Sequence:
     priority: float = 0.5  # higher is admitted first; equal priorities keep arrival order
     lora: object = None  # the kiln.layers.lora.LoraAdapter its tokens run with, if any
     prompt_table: object = None  # its prompt-tuning table (kiln.runtime.prompt_tuning.PromptTable), if any
+    in_flight: bool = False  # scheduled in a step whose results have not come back (pipeline parallelism)
 
     @property
     def cache_salt(self) -> object:

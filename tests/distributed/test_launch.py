@@ -1,4 +1,4 @@
-"""kiln run / kiln serve on a tensor-parallel engine: the CLI starts the other ranks itself."""
+"""kiln run / serve / bench on an engine split over ranks: the CLI starts the other ranks itself."""
 from __future__ import annotations
 
 import subprocess
@@ -25,39 +25,74 @@ def hf(tmp_path_factory):
     return root
 
 
-def test_kiln_run_with_tp_2_prints_what_one_process_prints(hf):
-    common = ("run", "--engine_dir", "hf", "--cache_dir", "cache", "--input_text", "the quick brown fox",
-              "--max_output_len", "12", "--ignore_eos")
-    one, two = kiln(*common, cwd=hf), kiln(*common, "--tp_size", "2", cwd=hf)
-    assert one.returncode == 0 and two.returncode == 0, two.stderr
-    assert two.stdout == one.stdout and one.stdout.strip()
-    assert "12 generated" in two.stderr
-    engine = next(p for p in (hf / "cache").iterdir() if (p / "rank1.safetensors").is_file())
+def cached_engine(hf: Path, tp_size: int, pp_size: int) -> Path:
+    """The engine kiln's cache holds for this split."""
+    import json
+
+    for engine in (p.parent for p in (hf / "cache").glob("*/config.json")):
+        mapping = json.loads((engine / "config.json").read_text()).get("mapping", {})
+        if (mapping.get("tp_size", 1), mapping.get("pp_size", 1)) == (tp_size, pp_size):
+            return engine
+    raise AssertionError(f"no tp {tp_size} x pp {pp_size} engine in the cache")
+
+
+RUN = ("run", "--engine_dir", "hf", "--cache_dir", "cache", "--input_text", "the quick brown fox",
+       "--max_output_len", "12", "--ignore_eos")
+
+
+@pytest.mark.parametrize("split", [("--tp_size", "2"), ("--pp_size", "2"), ("--tp_size", "2", "--pp_size", "2")],
+                         ids=["tp2", "pp2", "tp2-pp2"])
+def test_kiln_run_split_prints_what_one_process_prints(hf, split):
+    one, split_run = kiln(*RUN, cwd=hf), kiln(*RUN, *split, cwd=hf)
+    assert one.returncode == 0 and split_run.returncode == 0, split_run.stderr
+    assert split_run.stdout == one.stdout and one.stdout.strip()
+    assert "12 generated" in split_run.stderr
+
+
+def test_a_mismatched_split_is_refused(hf):
+    assert kiln(*RUN, "--tp_size", "2", cwd=hf).returncode == 0
+    engine = cached_engine(hf, tp_size=2, pp_size=1)
     bad = kiln("run", "--engine_dir", engine, "--input_text", "x", "--tp_size", "4", cwd=hf)
     assert bad.returncode == 2 and "--tp_size 4: " in bad.stderr and "was built for 2" in bad.stderr
 
 
-def _serve(hf: Path, port: int, launcher: list[str], extra: list[str]) -> subprocess.Popen:
+def test_kiln_bench_runs_a_pipeline(hf):
+    """kiln bench throughput on a two-stage engine: the CLI starts the second stage, the
+    figures come back, every rank exits."""
+    assert kiln(*RUN, "--pp_size", "2", cwd=hf).returncode == 0
+    engine = cached_engine(hf, tp_size=1, pp_size=2)
+    bench = kiln("bench", "throughput", "--engine_dir", engine, "--pp_size", "2", "--batch_sizes", "2", "4",
+                 "--prompt_len", "8", "--new_tokens", "6", "--json", cwd=hf)
+    assert bench.returncode == 0, bench.stderr
+    record = __import__("json").loads(bench.stdout)
+    assert record["world"] == {"tp_size": 1, "pp_size": 2}
+    assert [row["batch"] for row in record["batches"]] == [2, 4]
+    assert all(row["kiln"]["output_tok_s"] > 0 and row["kiln"]["ttft_s"] > 0 for row in record["batches"])
+
+
+def _serve(hf: Path, port: int, launcher: list[str], split: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, *launcher, "kiln.cli.main", "serve", "hf", "--cache_dir", "cache",
-                             "--port", str(port), "--tp_size", "2", *extra], cwd=hf, stdout=subprocess.DEVNULL,
+                             "--port", str(port), split, "2"], cwd=hf, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
 
 
-@pytest.mark.parametrize("machines", [1, 2], ids=["spawned-ranks", "two-torchrun-nodes"])
-def test_kiln_serve_with_tp_2_answers_through_the_openai_client(hf, machines):
+@pytest.mark.parametrize("machines, split", [(1, "--tp_size"), (2, "--tp_size"), (2, "--pp_size")],
+                         ids=["spawned-ranks-tp2", "two-torchrun-nodes-tp2", "two-torchrun-nodes-pp2"])
+def test_kiln_serve_split_answers_through_the_openai_client(hf, machines, split):
     """One kiln serve starting its second rank itself, or two torchrun "machines" (node groups
-    rendezvousing on 127.0.0.1, one rank each) running the same command."""
+    rendezvousing on 127.0.0.1, one rank each: a tensor-parallel half or a pipeline stage each)
+    running the same command."""
     from openai import OpenAI
 
     from kiln.distributed.launch import free_port
 
     port = free_port()
     if machines == 1:
-        servers = [_serve(hf, port, ["-m"], [])]
+        servers = [_serve(hf, port, ["-m"], split)]
     else:
         rendezvous = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend",
                       "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m"]
-        servers = [_serve(hf, port, rendezvous, []) for _ in range(2)]
+        servers = [_serve(hf, port, rendezvous, split) for _ in range(2)]
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
         deadline = time.monotonic() + 120
