@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from kiln.cli.world import add_world_flags, rank_zero
 
@@ -63,8 +64,22 @@ def serve(args) -> int:
         if not sep or not name or not path:
             raise ConfigError(f"--lora {spec!r}: expected NAME=DIR")
         loras[name] = path
+    broken: list[BaseException] = []
+    server: list = []
+
+    def stop_serving(error: BaseException) -> None:
+        """Another rank died: the engine cannot step again, so the server shuts down (as on
+        Ctrl-C) and the command fails, for a supervisor to restart it."""
+        broken.append(error)
+        server[0].should_exit = True
+
     with rank_zero(engine_dir, args.tp_size, args.pp_size):  # the other ranks of a split engine follow
         app = create_app(engine_dir, tokenizer_dir=args.tokenizer_dir, api_key=args.api_key,
-                         executor_config=config, served_model_name=args.served_model_name, lora_adapters=loras)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+                         executor_config=config, served_model_name=args.served_model_name, lora_adapters=loras,
+                         on_world_error=stop_serving)
+        server.append(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)))
+        server[0].run()
+    if broken:
+        print(f"kiln serve: stopped: {broken[0]}", file=sys.stderr)
+        return 1
     return 0

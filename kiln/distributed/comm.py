@@ -38,13 +38,43 @@ def _tp_group(tp_size: int):
 
 
 def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    """Sum ``x`` over the tensor-parallel group (in place)."""
+    """Sum ``x`` over the tensor-parallel group (in place).
+
+    On gloo with a power-of-two group this is recursive doubling over point-to-point sends:
+    partners swap partial sums and add (log2(tp) exchanges; every rank ends with the same bits,
+    addition being commutative). gloo's own all-reduce took 0.5-1.9 ms for a decode step's
+    hidden states on this machine, a swap 0.1-0.3 ms (``benchmarks/parallel_scaling.py``)."""
     if tp_size == 1:
         return x
     group = _tp_group(tp_size)
     with guarded("tensor-parallel all-reduce"):
-        torch.distributed.all_reduce(x, group=group)
+        if _swaps_apply(x, tp_size):
+            _swap_all_reduce(x, tp_size, group)
+        else:
+            torch.distributed.all_reduce(x, group=group)
     return x
+
+
+def _swaps_apply(x: torch.Tensor, tp_size: int) -> bool:
+    from kiln.distributed.world import world
+
+    return world().backend == "gloo" and tp_size & (tp_size - 1) == 0 and x.is_contiguous()
+
+
+def _swap_all_reduce(x: torch.Tensor, tp_size: int, group) -> None:
+    from kiln.distributed.world import world
+
+    mapping = world().mapping
+    first = mapping.pp_rank * tp_size  # the group's ranks: this stage's, tp-major
+    partial = torch.empty_like(x)
+    step = 1
+    while step < tp_size:
+        peer = first + (mapping.tp_rank ^ step)
+        sending = torch.distributed.isend(x, peer, group=group)
+        torch.distributed.recv(partial, peer, group=group)
+        sending.wait()
+        x += partial
+        step *= 2
 
 
 def all_gather(x: torch.Tensor, tp_size: int, dim: int = -1) -> torch.Tensor:

@@ -270,6 +270,12 @@ class Executor:
 
     # -- the loop ---------------------------------------------------------------------------
 
+    @property
+    def failure(self) -> BaseException | None:
+        """What stopped the executor's loop (a ``kiln.errors.WorldError`` when another rank of its
+        world died), or None while it runs."""
+        return self._error
+
     def _check_running(self) -> None:
         if self._error is not None:
             raise KilnError(f"the executor stopped after an internal error: {self._error!r}")

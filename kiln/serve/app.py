@@ -19,14 +19,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from kiln.checkpoint.peft import read_adapter
-from kiln.errors import ConfigError, KilnError, RequestError
+from kiln.errors import ConfigError, KilnError, RequestError, WorldError
 from kiln.outputs import TextTracker
 from kiln.runtime.executor import Executor, ExecutorConfig, OutputConfig, Request, Response
 from kiln.runtime.lora_cache import LoraConfig
@@ -75,8 +75,12 @@ class ServingEngine:
     """The executor, tokenizer and metrics the endpoints share."""
 
     def __init__(self, engine_dir: str | Path, tokenizer_dir: str | Path | None = None,
-                 executor_config: ExecutorConfig | None = None, served_model_name: str | None = None):
+                 executor_config: ExecutorConfig | None = None, served_model_name: str | None = None,
+                 on_world_error: Callable[[BaseException], None] | None = None):
         self.executor = Executor(engine_dir, executor_config)
+        # Called once when another rank of the engine's world died: the executor cannot run
+        # again, so the CLI's server exits instead of answering errors forever.
+        self.on_world_error = on_world_error
         try:
             engine = self.executor.engine
             tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else engine.tokenizer_dir
@@ -123,6 +127,9 @@ class ServingEngine:
                     waiting = list(self._queues.items())
                 for rid, queue in waiting:
                     self._loop.call_soon_threadsafe(queue.put_nowait, Response(rid, error_msg=str(e)))
+                if isinstance(self.executor.failure, WorldError) and self.on_world_error is not None:
+                    on_world_error, self.on_world_error = self.on_world_error, None
+                    on_world_error(self.executor.failure)
                 self._stopping.wait(0.1)
                 continue
             for response in responses:
@@ -326,9 +333,11 @@ def _error(e: ApiError) -> JSONResponse:
 
 def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, api_key: str | None = None,
                executor_config: ExecutorConfig | None = None, served_model_name: str | None = None,
-               lora_adapters: dict[str, str | Path] | None = None) -> FastAPI:
+               lora_adapters: dict[str, str | Path] | None = None,
+               on_world_error: Callable[[BaseException], None] | None = None) -> FastAPI:
     """An OpenAI-compatible app serving the engine in ``engine_dir`` (the executor starts with the
-    app), and each LoRA adapter of ``lora_adapters`` (name -> directory) as a model of that name."""
+    app), and each LoRA adapter of ``lora_adapters`` (name -> directory) as a model of that name.
+    ``on_world_error``: called once if another rank of the engine's world dies."""
     from kiln.serve import chat, completions
 
     holder: dict[str, ServingEngine] = {}
@@ -336,7 +345,8 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine = await asyncio.to_thread(ServingEngine, engine_dir, tokenizer_dir, executor_config, name)
+        engine = await asyncio.to_thread(ServingEngine, engine_dir, tokenizer_dir, executor_config, name,
+                                         on_world_error)
         try:  # the engine's built-in adapters, then those given here
             built_in = engine.executor.engine.lora_adapter_dirs
             for lora_name, path in {**built_in, **(lora_adapters or {})}.items():

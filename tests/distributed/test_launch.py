@@ -113,3 +113,54 @@ def test_kiln_serve_split_answers_through_the_openai_client(hf, machines, split)
             server.send_signal(2)
         for server in servers:
             server.wait(timeout=60)
+
+
+def _spawned_ranks(parent: int) -> list[int]:
+    """Processes ``parent`` started through multiprocessing's spawn (its followers)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"spawn_main" in cmdline:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def test_kiln_serve_exits_when_a_rank_dies(hf):
+    """The follower of a tp 2 server is killed: the next request gets an error answer, and the
+    server process exits (status 1) instead of serving errors forever."""
+    import os
+    import signal
+
+    from openai import OpenAI
+
+    from kiln.distributed.launch import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "serve", "hf", "--cache_dir", "cache", "--port",
+                               str(port), "--tp_size", "2"], cwd=hf, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                model = client.models.list().data[0].id
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                assert server.poll() is None and time.monotonic() < deadline
+                time.sleep(0.5)
+        followers = _spawned_ranks(server.pid)
+        assert len(followers) == 1
+        os.kill(followers[0], signal.SIGKILL)
+        with pytest.raises(Exception) as failed:  # noqa: PT011 - the openai client's error class varies by status
+            client.completions.create(model=model, prompt="the quick brown fox", max_tokens=4)
+        assert "died or stopped answering" in str(failed.value)
+        assert server.wait(timeout=60) == 1
+        assert "kiln serve: stopped: " in server.stderr.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
