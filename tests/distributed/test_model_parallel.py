@@ -13,6 +13,7 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from tests.conftest import convert_and_build
 from tests.utils.tiny_models import make_gpt2, make_llama
+from tests.utils.tiny_moe_models import make_mixtral, make_qwen2_moe
 
 PROMPTS = [[5, 17, 42, 99, 3, 64, 8, 120, 33], [7, 7, 200, 1, 90], [249, 11, 12, 13, 14, 15, 16]]
 NEW_TOKENS = 6
@@ -22,7 +23,7 @@ BUILD = {"tokens_per_block": 4, "max_beam_width": 2}
 # with one KV head (replicated on both ranks); embeddings whole, split by vocabulary (sharding
 # dim 0, out-of-range ids masked) or by hidden (dim 1, gathered); a table shared with the LM
 # head (tied: with tp_size 2 the vocab-split head is the same split table; with pp_size 2 the
-# last stage holds its own copy); GPT-2 (learned positions, biases, tied).
+# last stage holds its own copy); GPT-2 (learned positions, biases, tied); Mixtral and Qwen2-MoE.
 CASES = {
     "llama-gqa": ((make_llama, dict(num_heads=4, num_kv_heads=2)), {}),
     "llama-gqa-vocab-split": ((make_llama, dict(num_heads=4, num_kv_heads=2, vocab=250)),
@@ -35,6 +36,9 @@ CASES = {
                                 dict(use_parallel_embedding=True, embedding_sharding_dim=1)),
     "gpt2-vocab-split": ((make_gpt2, {}), dict(use_parallel_embedding=True, embedding_sharding_dim=0)),
     "gpt2-hidden-split": ((make_gpt2, {}), dict(use_parallel_embedding=True, embedding_sharding_dim=1)),
+    # Mixture of experts: every expert's MLP split like a dense one, the router replicated.
+    "mixtral": ((make_mixtral, {}), {}),
+    "qwen2-moe-shared-expert": ((make_qwen2_moe, {}), {}),
 }
 WORLDS = {"tp2": (2, 1), "pp2": (1, 2), "tp2-pp2": (2, 2)}  # name: (tp_size, pp_size)
 
