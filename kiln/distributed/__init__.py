@@ -1,5 +1,7 @@
 """Running one model over several processes: the world (process groups from a launcher's
-environment, or spawned locally) and the collectives layers call explicitly in ``forward``.
+environment, or spawned locally), the collectives layers call explicitly in ``forward``, and
+the point-to-point messages of the runtime (rank 0's steps, activations between pipeline
+stages, sampled tokens: ``kiln.distributed.comm``).
 
 Imports flow one way: layers call ``kiln.distributed``; it imports nothing of kiln's models.
 """
