@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -151,15 +150,14 @@ def world_worker(engine_dir: str, batches: list[int], prompt_len: int, new_token
     from kiln.runtime.worker import follow
 
     init_world(*_shape(engine_dir))
-    comm = CommTimer()
     try:
         engine = Engine(engine_dir)
         mapping = world().mapping
         costs = {batch: wire_cost(engine, batch) for batch in batches}
         if mapping.rank != 0:
             follow(engine)
-            Path(f"{out}.rank{mapping.rank}").write_text(json.dumps(comm.snapshot()))
             return
+        comm = CommTimer()  # rank 0's figures (after the wire measurement, which times itself)
         core = EngineCore(engine, max_num_seqs=max(batches), num_blocks=max(batches) * 8 + 8)
         decode(core, random_prompts(2, prompt_len, engine.config.vocab_size, 1), 4, comm)  # warm-up
         results = []
@@ -196,10 +194,6 @@ def single_process(engine_dir: str, batches: list[int], prompt_len: int, new_tok
 def _shape(engine_dir: str) -> tuple[int, int]:
     mapping = json.loads(Path(engine_dir, "config.json").read_text())["mapping"]
     return mapping["tp_size"], mapping["pp_size"]
-
-
-def collective_calls_per_step(comm: dict, steps: float) -> dict:
-    return {kind: comm["calls"][kind] / steps for kind in comm["calls"]}
 
 
 def main() -> None:
@@ -248,7 +242,7 @@ def main() -> None:
             comm, share, wire, calls = r.get("comm"), "-", "-", ""
             if comm:
                 steps = r["seconds"] * 1000 / r["token_step_ms"]
-                per_step = collective_calls_per_step(comm, steps)
+                per_step = {kind: calls / steps for kind, calls in comm["calls"].items()}
                 share = f"{sum(comm['seconds'].values()) / r['seconds']:.0%}"
                 wire_s = (per_step["all_reduce"] * r["wire"].get("all_reduce", 0)
                           + per_step["recv"] * r["wire"].get("hand_over", 0))

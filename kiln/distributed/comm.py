@@ -126,11 +126,14 @@ def recv_tensor(shape, dtype: torch.dtype, src: int, tag: int, group=None) -> to
     return x
 
 
-def send_object(obj, dst: int, tag: int, group=None) -> None:
-    """Start sending a picklable ``obj`` to rank ``dst`` (its length, then its bytes)."""
+def send_object(obj, dsts: int | list[int], tag: int, group=None) -> None:
+    """Start sending a picklable ``obj`` to rank ``dsts`` (or each of a list: pickled once),
+    its length, then its bytes."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-    send_tensor(torch.tensor([data.numel()], dtype=torch.int64), dst, tag, group)
-    send_tensor(data, dst, tag, group)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    for dst in [dsts] if isinstance(dsts, int) else dsts:
+        send_tensor(size, dst, tag, group)
+        send_tensor(data, dst, tag, group)
 
 
 def recv_object(src: int, tag: int, group=None):

@@ -249,19 +249,17 @@ class EngineCore:
         computes B — the schedule of TensorRT-LLM's in-flight batching across pipeline ranks
         (each step of a sequence still waits for its previous token)."""
         started = time.perf_counter()
-        scheduled = False
         if len(self._in_flight) < self.pipeline_depth:
             out = self.scheduler.schedule(self._micro_batch_seqs())
             if out.chunks:
                 self.runner.submit(out)
                 self._in_flight.append(out)
                 self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._in_flight))
-                scheduled = True
+                if len(self._in_flight) < self.pipeline_depth:  # the pipeline is still filling
+                    self.stats.seconds += time.perf_counter() - started
+                    return []
             elif not self._in_flight:
                 raise CapacityError("no sequence could be scheduled: the KV cache is too small for the work queued")
-        if scheduled and len(self._in_flight) < self.pipeline_depth:
-            self.stats.seconds += time.perf_counter() - started
-            return []
         out = self._in_flight.popleft()
         result = self.runner.collect()
         self._collect_logits(result)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from kiln.distributed.comm import recv_tensor, send_tensor
-
 from kiln.layers.embedding import prompt_tuning_step
 from kiln.layers.lora import LoraStep, lora_step
 from kiln.models.base import torch_dtype

@@ -80,8 +80,7 @@ class Leader:
         self.stopped = False
 
     def _send(self, message) -> None:
-        for rank in self._others:
-            send_object(message, rank, CONTROL_TAG, _control_group())
+        send_object(message, self._others, CONTROL_TAG, _control_group())
 
     def send_step(self, step: StepInputs, sampled: list[Sequence], context: list[Sequence]) -> None:
         """Send ``step``, with the reference tensors of its adapters the others lack (and, to

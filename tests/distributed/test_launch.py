@@ -70,6 +70,20 @@ def test_kiln_bench_runs_a_pipeline(hf):
     assert all(row["kiln"]["output_tok_s"] > 0 and row["kiln"]["ttft_s"] > 0 for row in record["batches"])
 
 
+def _client_once_up(port: int, servers: list[subprocess.Popen]):
+    """An openai client of the server on ``port`` once it lists its model, and the model's id."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            return client, client.models.list().data[0].id
+        except Exception:  # noqa: BLE001 - not up yet
+            assert all(s.poll() is None for s in servers) and time.monotonic() < deadline
+            time.sleep(0.5)
+
+
 def _serve(hf: Path, port: int, launcher: list[str], split: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, *launcher, "kiln.cli.main", "serve", "hf", "--cache_dir", "cache",
                              "--port", str(port), split, "2"], cwd=hf, stdout=subprocess.DEVNULL,
@@ -82,8 +96,6 @@ def test_kiln_serve_split_answers_through_the_openai_client(hf, machines, split)
     """One kiln serve starting its second rank itself, or two torchrun "machines" (node groups
     rendezvousing on 127.0.0.1, one rank each: a tensor-parallel half or a pipeline stage each)
     running the same command."""
-    from openai import OpenAI
-
     from kiln.distributed.launch import free_port
 
     port = free_port()
@@ -94,15 +106,7 @@ def test_kiln_serve_split_answers_through_the_openai_client(hf, machines, split)
                       "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m"]
         servers = [_serve(hf, port, rendezvous, split) for _ in range(2)]
     try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                model = client.models.list().data[0].id
-                break
-            except Exception:  # noqa: BLE001 - not up yet
-                assert all(s.poll() is None for s in servers) and time.monotonic() < deadline
-                time.sleep(0.5)
+        client, model = _client_once_up(port, servers)
         text = client.completions.create(model=model, prompt="the quick brown fox", max_tokens=12, temperature=0,
                                          extra_body={"ignore_eos": True}).choices[0].text
         expected = kiln("run", "--engine_dir", "hf", "--cache_dir", "cache", "--input_text", "the quick brown fox",
@@ -135,8 +139,6 @@ def test_kiln_serve_exits_when_a_rank_dies(hf):
     import os
     import signal
 
-    from openai import OpenAI
-
     from kiln.distributed.launch import free_port
 
     port = free_port()
@@ -144,15 +146,7 @@ def test_kiln_serve_exits_when_a_rank_dies(hf):
                                str(port), "--tp_size", "2"], cwd=hf, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                model = client.models.list().data[0].id
-                break
-            except Exception:  # noqa: BLE001 - not up yet
-                assert server.poll() is None and time.monotonic() < deadline
-                time.sleep(0.5)
+        client, model = _client_once_up(port, [server])
         followers = _spawned_ranks(server.pid)
         assert len(followers) == 1
         os.kill(followers[0], signal.SIGKILL)
