@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.distributed import world, world_min
-from kiln.errors import CapacityError, ConfigError, RequestError, WorldError
+from kiln.errors import CapacityError, ConfigError, KilnError, RequestError, WorldError
 from kiln.models.base import layer_window
 from kiln.runtime.beam_search import BeamHypothesis, BeamSearch, BeamSearchParams
 from kiln.runtime.block_pool import BlockPool
@@ -35,6 +35,10 @@ from kiln.runtime.sequence import FinishReason, Sequence
 from kiln.runtime.worker import CacheSettings, Leader
 
 KV_CACHE_MEMORY_FRACTION = 0.3  # of the memory available at start-up, when no size is given
+# Steps in a row whose every request failed with an internal error: past this, the engine
+# itself is taken to be broken and ``step`` raises (an engine that fails everything must say
+# so, not answer each request with an error forever).
+MAX_FAILED_STEPS = 8
 
 
 def common_window(model) -> int | None:
@@ -131,6 +135,8 @@ class EngineCore:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._requests: dict[int, Request] = {}  # seq_id -> request, for live sequences
+        self._failures: list[tuple[Request, Exception]] = []  # requests that failed alone, not yet taken
+        self._failed_steps = 0  # steps in a row that advanced nothing and failed with an internal error
         self.stats = StepStats()
 
     def close(self) -> None:
@@ -193,7 +199,7 @@ class EngineCore:
         for i in range(copies):
             seq_params = params
             if copies > 1 and params.seed is not None:
-                seq_params = dataclasses.replace(params, seed=params.seed + i)  # distinct, reproducible draws
+                seq_params = dataclasses.replace(params, seed=params.seed_for(i))  # distinct, reproducible draws
             seq = Sequence(next(self._seq_ids), list(prompt_token_ids), seq_params, end_id, build.max_seq_len)
             seq.return_context_logits = return_context_logits and i == 0
             seq.return_generation_logits = return_generation_logits
@@ -215,12 +221,18 @@ class EngineCore:
             self._requests[seq.seq_id] = request
         return request
 
-    def abort(self, request: Request) -> None:
-        """Stop a request now; its unfinished sequences end as cancelled."""
+    def abort(self, request: Request, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        """Stop a request now; its unfinished sequences end with ``reason`` (cancelled)."""
         for seq in request.seqs:
-            self.finish_sequence(seq, FinishReason.CANCELLED)
+            self.finish_sequence(seq, reason)
         if request.beam is not None and request.hypotheses is None:
             request.hypotheses = []
+
+    def take_failures(self) -> list[tuple[Request, Exception]]:
+        """The requests that failed alone in the steps since the last call, with their errors.
+        They are finished (``FinishReason.ERROR``) and hold no KV blocks; the engine goes on."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def finish_sequence(self, seq: Sequence, reason: FinishReason) -> None:
         """End one sequence now (a stop string found in its text, a cancel) and free its blocks."""
@@ -272,8 +284,13 @@ class EngineCore:
                 self._release(seq)
         beam_requests = {r.request_id: r for r in map(self._requests.get, result.beam_logprobs) if r is not None}
         for request in beam_requests.values():
-            if self._advance_beams(request, result):
-                advanced[request.request_id] = request
+            try:
+                if self._advance_beams(request, result):
+                    advanced[request.request_id] = request
+            except Exception as error:  # noqa: BLE001 - this request fails alone
+                result.failed.update({seq.seq_id: error for seq in request.seqs})
+        for request in self._fail(result.failed, bool(advanced_seqs) or bool(advanced)):
+            advanced.pop(request.request_id, None)
         s = self.stats
         s.num_steps += 1
         s.num_tokens += out.num_tokens
@@ -281,6 +298,24 @@ class EngineCore:
         s.num_generated += len(advanced_seqs) + sum(len(r.seqs) for r in beam_requests.values())
         s.seconds += time.perf_counter() - started
         return list(advanced.values())
+
+    def _fail(self, failed: dict[int, Exception], progressed: bool) -> list[Request]:
+        """Finish the requests of the sequences that failed this step; returns them. Raises once
+        ``MAX_FAILED_STEPS`` steps in a row failed with internal errors and advanced nothing."""
+        requests: dict[int, tuple[Request, Exception]] = {}
+        for seq_id, error in failed.items():
+            request = self._requests.get(seq_id)
+            if request is not None:
+                requests.setdefault(request.request_id, (request, error))
+        for request, error in requests.values():
+            self.abort(request, FinishReason.ERROR)
+            self._failures.append((request, error))
+        internal = [e for _, e in requests.values() if not isinstance(e, KilnError)]
+        self._failed_steps = self._failed_steps + 1 if internal and not progressed else 0
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise RuntimeError(f"{MAX_FAILED_STEPS} steps in a row failed every request they ran; "
+                               f"the last error: {internal[0]!r}") from internal[0]
+        return [request for request, _ in requests.values()]
 
     def _micro_batch_seqs(self) -> int | None:
         """The most sequences one micro-batch takes: an even share of the work, so each stage

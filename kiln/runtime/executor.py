@@ -110,12 +110,25 @@ class Result:
 
 @dataclass
 class Response:
+    """A request's new output, or its error: ``internal_error`` False when the request was at
+    fault (invalid: a client error), True when kiln failed while serving it (a server error)."""
+
     request_id: int
     result: Result | None = None
     error_msg: str | None = None
+    internal_error: bool = False
 
     def has_error(self) -> bool:
         return self.error_msg is not None
+
+
+def error_response(request_id: int, error: BaseException) -> Response:
+    """The final response of a request that failed with ``error``; only kiln's own input errors
+    are the request's fault."""
+    if isinstance(error, KilnError):
+        return Response(request_id, error_msg=str(error))
+    return Response(request_id, error_msg=f"internal error while serving this request: {error!r}",
+                    internal_error=True)
 
 
 @dataclass
@@ -337,9 +350,11 @@ class Executor:
                 list(r.input_token_ids), params, r.end_id, return_context_logits=r.output_config.return_context_logits,
                 return_generation_logits=r.output_config.return_generation_logits, priority=r.priority, lora=adapter,
                 prompt_table=self._prompt_table(r))
-        except KilnError as e:
+        except Exception as e:  # noqa: BLE001 - this request fails alone
+            if not isinstance(e, KilnError):
+                logger.exception("admitting request %d failed", tracked.request_id)
             self._release_lora(tracked)
-            self._post(Response(tracked.request_id, error_msg=str(e)))
+            self._post(error_response(tracked.request_id, e))
             return
         self._live[tracked.request_id] = tracked
 
@@ -428,6 +443,12 @@ class Executor:
         started = time.perf_counter()
         advanced = self.core.step()
         by_core = {id(t.core): t for t in self._live.values()}
+        for core_request, error in self.core.take_failures():  # finished in the core, blocks freed
+            tracked = by_core.get(id(core_request))
+            if tracked is not None:
+                del self._live[tracked.request_id]
+                self._release_lora(tracked)
+                self._post(error_response(tracked.request_id, error))
         for core_request in advanced:
             tracked = by_core.get(id(core_request))
             if tracked is None:
@@ -447,8 +468,22 @@ class Executor:
             self._stats.append(stats)
 
     def _respond(self, tracked: _Tracked, final: bool) -> None:
+        """Post the request's new output (its final one when ``final``); a request whose output
+        cannot be built gets an error instead, and is stopped."""
         if final:
             self._release_lora(tracked)
+        try:
+            response = Response(tracked.request_id, self._result(tracked, final))
+        except Exception as e:  # noqa: BLE001 - this request fails alone
+            logger.exception("building the output of request %d failed", tracked.request_id)
+            if not final:
+                self._live.pop(tracked.request_id, None)
+                self._release_lora(tracked)
+                self.core.abort(tracked.core, FinishReason.ERROR)
+            response = error_response(tracked.request_id, e)
+        self._post(response)
+
+    def _result(self, tracked: _Tracked, final: bool) -> Result:
         core, r = tracked.core, tracked.request
         prompt = [] if r.output_config.exclude_input_from_output else list(r.input_token_ids)
         if core.beam is not None and core.hypotheses is not None:
@@ -476,7 +511,7 @@ class Executor:
             result.context_logits = torch.cat(core.context_logits)
         if final and r.output_config.return_generation_logits:
             result.generation_logits = core.generation_logits
-        self._post(Response(tracked.request_id, result))
+        return result
 
     def _post(self, response: Response) -> None:
         with self._lock:

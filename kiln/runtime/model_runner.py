@@ -12,12 +12,14 @@ so rank 0 can start the next micro-batch in between.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from kiln.distributed.comm import recv_tensor, send_tensor
+from kiln.errors import KilnError, WorldError
 from kiln.layers.embedding import prompt_tuning_step
 from kiln.layers.lora import LoraStep, lora_step
 from kiln.models.base import torch_dtype
@@ -28,8 +30,10 @@ from kiln.runtime.logits_processors import TokenHistory, process_logits
 from kiln.runtime.metadata import AttentionMetadata
 from kiln.runtime.prompt_tuning import prompt_step
 from kiln.runtime.sampling import sample
-from kiln.runtime.scheduler import RunnerOutput, SchedulerOutput, TokenResult
+from kiln.runtime.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenResult
 from kiln.runtime.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 ACTIVATIONS_TAG = 2  # a stage's output to the next stage
 
@@ -109,7 +113,52 @@ class ModelRunner:
     @torch.inference_mode()
     def submit(self, out: SchedulerOutput) -> None:
         """Start the scheduled step: hand it to the other ranks of a world (``kiln.runtime.worker``),
-        compute this rank's part, and sample it here when this rank holds the logits."""
+        compute this rank's part, and sample it here when this rank holds the logits.
+
+        In one process a step that raises is run again one request at a time (``_run_apart``),
+        so a request that cannot be computed fails alone. (In a world the other ranks already
+        computed their parts of the whole step: there an error ends the step.)"""
+        if self.leader is not None:
+            self._submit(out)
+            return
+        try:
+            self._submit(out)
+        except WorldError:
+            raise
+        except Exception as error:  # noqa: BLE001 - isolated below, or raised if no request is at fault
+            self._submitted.append(self._run_apart(out, error))
+
+    def _run_apart(self, out: SchedulerOutput, error: Exception) -> RunnerOutput:
+        """Step ``out`` again, one request (sequence group) at a time: those that fail alone are
+        listed in ``failed``. Raises ``error`` when every one of several fails (the engine, not a
+        request, is at fault). Rerunning is safe: the failed step advanced no sequence, so the
+        rerun writes the same K/V slots again (a seeded request draws afresh)."""
+        groups: dict[int, list[ScheduledChunk]] = {}
+        for chunk in out.chunks:
+            group = chunk.seq.group if chunk.seq.group is not None else chunk.seq
+            groups.setdefault(id(group), []).append(chunk)
+        result = RunnerOutput()
+        failures = 0
+        for chunks in groups.values():
+            blocks = {b for chunk in chunks for b in chunk.seq.block_ids}
+            part = SchedulerOutput(chunks=chunks, block_copies=[c for c in out.block_copies if c[1] in blocks],
+                                   new_blocks=[b for b in out.new_blocks if b in blocks])
+            try:
+                self._submit(part)
+            except WorldError:
+                raise
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                failures += 1
+                logger.warning("a step failed for sequences %s: %r", [c.seq.seq_id for c in chunks], e,
+                               exc_info=not isinstance(e, KilnError))
+                result.failed.update({chunk.seq.seq_id: e for chunk in chunks})
+                continue
+            result.merge(self._submitted.pop())
+        if failures == len(groups) > 1:
+            raise error
+        return result
+
+    def _submit(self, out: SchedulerOutput) -> None:
         step, sampled_seqs, context_seqs = self._step_inputs(out)
         if step is None:
             self._submitted.append(RunnerOutput())

@@ -110,7 +110,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
     """
     params = [s.params for s in seqs]
     if all(p.is_greedy and p.logprobs is None for p in params):  # greedy decoding: nothing but the argmax
-        return SampleOutput(_argmax(logits))
+        return SampleOutput(_check_allowed(logits, _argmax(logits), seqs))
     n, vocab = logits.shape
     temperature = torch.tensor([p.temperature if not p.is_greedy and p.temperature > 0 else 1.0 for p in params])
     if (temperature != 1).any():
@@ -135,7 +135,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
         for r, (i, k) in enumerate(zip(rows, top_k)):
             noise[r, : k or width].exponential_(generator=seqs[i].generator)
         tokens[rows] = candidates.gather(1, (probs / noise).argmax(dim=-1, keepdim=True))[:, 0]
-    out = SampleOutput(tokens)
+    out = SampleOutput(_check_allowed(logits, tokens, seqs))
     if any(p.logprobs is not None for p in params):
         # log_softmax(x)[t] = x[t] - logsumexp(x): no [n, vocab] output needed.
         normalizer = torch.logsumexp(logits, dim=-1)
@@ -147,6 +147,17 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
             out.top_logprobs = [dict(zip(ids[r, : p.logprobs or 0].tolist(), values[r, : p.logprobs or 0].tolist()))
                                 for r, p in enumerate(params)]
     return out
+
+
+def _check_allowed(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """``tokens``, unless a row's bans left no token to draw (its pick is -inf): that request
+    cannot go on, and fails alone (the executor retries the step without it)."""
+    banned = torch.isneginf(logits.gather(1, tokens[:, None])[:, 0])
+    if banned.any():
+        seq = seqs[int(banned.nonzero()[0])]
+        raise RequestError(f"sequence {seq.seq_id}: every token is banned at output token {seq.num_output_tokens} "
+                           "(bad_words, no_repeat_ngram_size and min_tokens together leave none)")
+    return tokens
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

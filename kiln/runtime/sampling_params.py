@@ -15,7 +15,16 @@ Order in which the controls act on a step's logits (one batched pass, see
    "Factuality Enhanced Language Models" rule when ``top_p_decay`` < 1), ``min_p``; then a
    draw with the request's own generator (``seed``).
 
-Greedy decoding is ``temperature == 0`` (or ``top_k == 1``): steps 1-4 still apply.
+Greedy decoding is ``temperature == 0`` (or ``top_k == 1``): steps 1-4 still apply. A
+temperature below ``GREEDY_TEMPERATURE`` (1e-5) also decodes greedily, as vLLM does: dividing
+float32 logits by less would overflow them to inf.
+
+Ranges (checked by :meth:`SamplingParams.validate`, the same for the Python API and the
+server) keep every value inside what float32 logits and the beam scores can hold: OpenAI's
+[-100, 100] for ``logit_bias`` values, [0.01, 100] for ``repetition_penalty``, [-10, 10] for
+``length_penalty``. A ``seed`` may be any signed or unsigned 64-bit integer,
+[-2**63, 2**64); the generator is seeded with it modulo 2**64 (so -1 and 2**64 - 1 draw
+alike), and the ``i``-th of several samples uses ``seed + i`` modulo 2**64.
 Reported log-probs are those of the distribution after steps 1-4 and the temperature,
 before the top-k/top-p/min-p truncation.
 """
@@ -28,6 +37,13 @@ from typing import Any
 import torch
 
 from kiln.errors import RequestError
+
+GREEDY_TEMPERATURE = 1e-5  # below it sampling is greedy (float32 logits / T would overflow)
+SEED_RANGE = (-2**63, 2**64)  # signed or unsigned 64-bit
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+LENGTH_PENALTY_RANGE = (-10.0, 10.0)  # a sequence length ** length_penalty stays a finite float
+
 
 def _check(ok: bool, field_name: str, allowed: str, value: Any) -> None:
     if not ok:
@@ -118,16 +134,19 @@ class SamplingParams:
         _check(_is_number(self.top_p_decay) and 0 < self.top_p_decay <= 1, "top_p_decay", "in (0, 1]",
                self.top_p_decay)
         _check(_is_number(self.top_p_min) and 0 < self.top_p_min <= 1, "top_p_min", "in (0, 1]", self.top_p_min)
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "> 0",
-               self.repetition_penalty)
+        low, high = REPETITION_PENALTY_RANGE
+        _check(_is_number(self.repetition_penalty) and low <= self.repetition_penalty <= high, "repetition_penalty",
+               f"in [{low}, {high}]", self.repetition_penalty)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, name, "in [-2, 2]", value)
         _check(_is_int(self.no_repeat_ngram_size) and self.no_repeat_ngram_size >= 0, "no_repeat_ngram_size",
                "an integer >= 0", self.no_repeat_ngram_size)
         _check(isinstance(self.logit_bias, dict) and all(_is_int(k) and k >= 0 and _is_number(v)
+                                                           and abs(v) <= MAX_LOGIT_BIAS
                                                            for k, v in self.logit_bias.items()),
-               "logit_bias", "a dict of token id -> finite number", self.logit_bias)
+               "logit_bias", f"a dict of token id -> number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+               self.logit_bias)
         self.bad_words_ids = _token_lists(self.bad_words_ids, "bad_words_ids")
         self.stop_words_ids = _token_lists(self.stop_words_ids, "stop_words_ids")
         for name in ("stop_token_ids", "top_p_reset_ids"):
@@ -141,8 +160,11 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and 0 <= value <= 20), name, "None or an integer in [0, 20]", value)
-        _check(self.seed is None or _is_int(self.seed), "seed", "None or an integer", self.seed)
-        _check(_is_number(self.length_penalty), "length_penalty", "a finite number", self.length_penalty)
+        _check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]), "seed",
+               "None or a 64-bit integer in [-2**63, 2**64)", self.seed)
+        low, high = LENGTH_PENALTY_RANGE
+        _check(_is_number(self.length_penalty) and low <= self.length_penalty <= high, "length_penalty",
+               f"in [{low:g}, {high:g}]", self.length_penalty)
         _check(any(self.early_stopping is v for v in (True, False)) or self.early_stopping == "never",
                "early_stopping", "True, False or 'never'", self.early_stopping)
         _check(_is_number(self.beam_search_diversity_rate) and self.beam_search_diversity_rate >= 0,
@@ -172,7 +194,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def beam_width(self) -> int:
@@ -189,6 +211,10 @@ class SamplingParams:
         return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.no_repeat_ngram_size > 0 or any(len(w) > 1 for w in self.bad_words_ids))
 
+    def seed_for(self, i: int) -> int | None:
+        """The seed of the ``i``-th of several samples drawn for one request (None: unseeded)."""
+        return None if self.seed is None else (self.seed + i) % 2**64
+
     def make_generator(self) -> torch.Generator | None:
         if self.is_greedy or self.use_beam_search:
             return None  # nothing random to draw
@@ -196,5 +222,5 @@ class SamplingParams:
         if self.seed is None:
             g.seed()
         else:
-            g.manual_seed(self.seed)
+            g.manual_seed(self.seed % 2**64)
         return g

@@ -72,6 +72,12 @@ class RunnerOutput:
     beam_logprobs: dict = field(default_factory=dict)  # beam sequences: processed log-probs [vocab]
     context_logits: dict = field(default_factory=dict)  # [prompt tokens this step, vocab], when asked
     generation_logits: dict = field(default_factory=dict)  # [vocab] raw logits, when asked
+    failed: dict = field(default_factory=dict)  # sequences whose step raised: seq_id -> the exception
+
+    def merge(self, other: RunnerOutput) -> None:
+        """Take in ``other``'s results (a part of the same step, run on its own)."""
+        for name in ("tokens", "beam_logprobs", "context_logits", "generation_logits", "failed"):
+            getattr(self, name).update(getattr(other, name))
 
 
 CAPACITY_POLICIES = ("MAX_UTILIZATION", "GUARANTEED_NO_EVICT")
@@ -261,26 +267,38 @@ class Scheduler:
         """Advance sequences by the step's results; returns the sequences that got a token.
 
         Beam sequences get their tokens from their beam group afterwards (see EngineCore).
+        A sequence whose step failed (``result.failed``) does not advance; one whose own
+        update raises is added to ``result.failed`` and the others go on.
         """
         advanced = []
         for chunk in out.chunks:
             seq = chunk.seq
             seq.in_flight = False
-            if seq.is_finished:  # cancelled while its step was in flight: its blocks are gone
+            # Cancelled while its step was in flight (its blocks are gone), or its step failed.
+            if seq.is_finished or seq.seq_id in result.failed:
                 continue
-            completes = chunk.completes
-            seq.num_computed_tokens += chunk.num_tokens
-            if self.pool.enable_caching:
-                self._register_full_blocks(seq)  # before any release: released blocks stay findable
-            if self.window is not None:
-                self._release_out_of_window(seq)
-            if completes and seq.seq_id in result.tokens:
-                r = result.tokens[seq.seq_id]
-                seq.append_token(r.token, r.logprob, r.top_logprobs)
-                advanced.append(seq)
-                if seq.is_finished:
-                    self.finish(seq)
+            try:
+                if self._advance(seq, chunk, result):
+                    advanced.append(seq)
+            except Exception as error:  # noqa: BLE001 - this sequence's request fails alone
+                result.failed[seq.seq_id] = error
         return advanced
+
+    def _advance(self, seq: Sequence, chunk: ScheduledChunk, result: RunnerOutput) -> bool:
+        """Apply one sequence's step; whether it got a token."""
+        completes = chunk.completes
+        seq.num_computed_tokens += chunk.num_tokens
+        if self.pool.enable_caching:
+            self._register_full_blocks(seq)  # before any release: released blocks stay findable
+        if self.window is not None:
+            self._release_out_of_window(seq)
+        if not (completes and seq.seq_id in result.tokens):
+            return False
+        r = result.tokens[seq.seq_id]
+        seq.append_token(r.token, r.logprob, r.top_logprobs)
+        if seq.is_finished:
+            self.finish(seq)
+        return True
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished (or cancelled) sequence's blocks and drop it."""

@@ -15,6 +15,7 @@ class FinishReason(str, Enum):
     LENGTH = "length"
     CANCELLED = "cancelled"
     TIMEOUT = "timeout"
+    ERROR = "error"  # the request failed alone (its error goes to its caller)
 
 
 @dataclass(slots=True, eq=False)

@@ -172,8 +172,7 @@ class ServingEngine:
         stop_ids = list(params.stop_token_ids)
         if self.extra_stop_ids and not params.ignore_eos:
             stop_ids += self.extra_stop_ids
-        seed = None if params.seed is None else params.seed + i
-        return dataclasses.replace(params, n=1, best_of=None, seed=seed, stop=[], stop_token_ids=stop_ids)
+        return dataclasses.replace(params, n=1, best_of=None, seed=params.seed_for(i), stop=[], stop_token_ids=stop_ids)
 
     def load_lora(self, name: str, path: str | Path) -> None:
         """Serve the LoRA adapter in ``path`` (a PEFT adapter or a ``kiln lora convert``

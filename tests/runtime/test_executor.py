@@ -366,3 +366,104 @@ def test_many_short_requests_leave_the_pool_free(make_executor):
                 else final_tokens(got[rid])
             assert len(tokens) == r.max_tokens
     assert_pool_free(ex)
+
+
+# -- 7. fault isolation --------------------------------------------------------------------------
+
+POISON = VOCAB - 1  # a prompt starting with it trips the injected fault
+
+
+def _poisoned(seqs) -> bool:
+    return any(s.token_ids[0] == POISON for s in seqs)
+
+
+def _inject(monkeypatch, ex: Executor, phase: str) -> None:
+    """Make ``phase`` raise for (only) the sequences whose prompt starts with POISON."""
+    from kiln.runtime import model_runner
+    from kiln.runtime.sequence import Sequence
+
+    def fault(*_):
+        raise RuntimeError(f"injected {phase} fault")
+
+    if phase == "admission":
+        add = ex.core.add_request
+        monkeypatch.setattr(ex.core, "add_request",
+                            lambda ids, *a, **kw: fault() if ids[0] == POISON else add(ids, *a, **kw))
+    elif phase == "forward":
+        run = ex.core.runner.run_step
+        monkeypatch.setattr(ex.core.runner, "run_step",
+                            lambda step: fault() if POISON in step.input_ids else run(step))
+    elif phase == "sampling":
+        sample = model_runner.sample
+        monkeypatch.setattr(model_runner, "sample", lambda logits, seqs: fault() if _poisoned(seqs)
+                            else sample(logits, seqs))
+    elif phase == "update":
+        append = Sequence.append_token
+        monkeypatch.setattr(Sequence, "append_token", lambda seq, *a: fault() if _poisoned([seq])
+                            else append(seq, *a))
+    elif phase == "output":
+        result = ex._result
+        monkeypatch.setattr(ex, "_result", lambda tracked, final: fault()
+                            if tracked.request.input_token_ids[0] == POISON else result(tracked, final))
+
+
+@pytest.mark.parametrize("phase", ["admission", "forward", "sampling", "update", "output"])
+@pytest.mark.parametrize("streaming", [False, True], ids=["final", "streaming"])
+def test_a_request_failing_inside_the_engine_fails_alone(make_executor, monkeypatch, phase, streaming):
+    """An exception while admitting, computing, sampling, advancing or answering one request
+    gives that request an internal error; the requests batched with it get what they get alone,
+    every KV block comes back, and the executor goes on serving."""
+    ex = make_executor()
+    config = SamplingParams(temperature=0.8, top_k=20, seed=5)
+    good = [req([3, 4, 5, i], 8, sampling_config=config, streaming=streaming) for i in range(3)]
+    alone = [run_alone(ex, req(r.input_token_ids, 8, sampling_config=config)) for r in good]
+    _inject(monkeypatch, ex, phase)
+    ids = ex.enqueue_requests([good[0], req([POISON, 1, 2], 8, streaming=streaming), good[1], good[2]])
+    got = collect(ex, ids)
+    error = got[ids[1]][-1]
+    assert error.has_error() and error.internal_error and f"injected {phase} fault" in error.error_msg
+    tokens = [[t for r in got[rid] for t in r.result.output_token_ids[0]] if streaming else final_tokens(got[rid])
+              for rid in (ids[0], ids[2], ids[3])]
+    assert tokens == alone
+    assert ex.failure is None
+    assert_pool_free(ex)
+    assert run_alone(ex, req(good[0].input_token_ids, 8, sampling_config=config)) == alone[0]
+
+
+def test_an_invalid_request_found_mid_step_is_a_request_error(make_executor):
+    """Bans that leave no token to draw fail that request (not the engine) with a client error."""
+    ex = make_executor()
+    everything = SamplingParams(temperature=0, bad_words_ids=[[t] for t in range(VOCAB)])
+    ids = ex.enqueue_requests([req([1, 2, 3], 4, sampling_config=everything), req([1, 2, 3], 4)])
+    got = collect(ex, ids)
+    assert got[ids[0]][-1].has_error() and not got[ids[0]][-1].internal_error
+    assert "every token is banned" in got[ids[0]][-1].error_msg
+    assert len(final_tokens(got[ids[1]])) == 4
+    assert ex.failure is None
+    assert_pool_free(ex)
+
+
+def test_an_engine_failing_every_request_stops_and_says_so(make_executor, monkeypatch):
+    """When every request of a step fails alone too, the engine is at fault: the executor stops
+    with that error (so a server's health check reports it) instead of failing requests forever."""
+    ex = make_executor()
+
+    def broken(step):
+        raise RuntimeError("the model is broken")
+
+    monkeypatch.setattr(ex.core.runner, "run_step", broken)
+    ids = ex.enqueue_requests([req([1, 2, 3], 4), req([4, 5, 6], 4)])
+    got = collect(ex, ids)
+    assert all(got[rid][-1].has_error() for rid in ids)
+    assert isinstance(ex.failure, RuntimeError) and "broken" in str(ex.failure)
+    with pytest.raises(KilnError, match="stopped after an internal error"):
+        ex.enqueue_request(req([1, 2], 2))
+
+
+def test_full_64_bit_seeds_are_served(make_executor):
+    """Seeds anywhere in [-2**63, 2**64) sample; the samples of one request wrap past 2**64 - 1."""
+    ex = make_executor()
+    ids = ex.enqueue_requests([req([1, 2, 3], 4, sampling_config=SamplingParams(temperature=1.0, seed=seed, n=2))
+                               for seed in (2**64 - 1, -2**63)])
+    got = collect(ex, ids)
+    assert all(len(final_tokens(got[rid])) == 4 for rid in ids)

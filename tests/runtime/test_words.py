@@ -124,8 +124,12 @@ INVALID = [  # (field values, fragments the message must contain: the field and 
     (dict(top_k=2.5), ["top_k", "integer"]),
     (dict(min_p=-0.01), ["min_p", "[0, 1]"]),
     (dict(min_p=1.5), ["min_p", "[0, 1]"]),
-    (dict(repetition_penalty=0.0), ["repetition_penalty", "> 0"]),
-    (dict(repetition_penalty=-1.0), ["repetition_penalty", "> 0"]),
+    (dict(repetition_penalty=0.0), ["repetition_penalty", "[0.01, 100"]),
+    (dict(repetition_penalty=-1.0), ["repetition_penalty", "[0.01, 100"]),
+    (dict(repetition_penalty=1e6), ["repetition_penalty", "[0.01, 100"]),
+    (dict(seed=2**64), ["seed", "64-bit"]),
+    (dict(length_penalty=50.0), ["length_penalty", "[-10, 10]"]),
+    (dict(logit_bias={3: 101.0}), ["logit_bias", "[-100, 100]"]),
     (dict(presence_penalty=2.5), ["presence_penalty", "[-2, 2]"]),
     (dict(presence_penalty=-2.01), ["presence_penalty", "[-2, 2]"]),
     (dict(frequency_penalty=-3), ["frequency_penalty", "[-2, 2]"]),
@@ -145,7 +149,7 @@ INVALID = [  # (field values, fragments the message must contain: the field and 
     (dict(n=3, best_of=2), ["best_of", ">= n (3)"]),
     (dict(top_p_decay=0.0), ["top_p_decay", "(0, 1]"]),
     (dict(top_p_min=0.0), ["top_p_min", "(0, 1]"]),
-    (dict(logit_bias={3: float("inf")}), ["logit_bias", "finite"]),
+    (dict(logit_bias={3: float("inf")}), ["logit_bias", "[-100, 100]"]),
     (dict(stop_token_ids=[-1]), ["stop_token_ids", ">= 0"]),
     (dict(embedding_bias=torch.zeros(2, 3)), ["embedding_bias", "1-D"]),
 ]
@@ -216,7 +220,7 @@ def test_sampling_config_invalid_value_names_the_sequence_and_field():
         SamplingConfig(temperature=[0.5, -1.0], top_k=5).per_sequence(2, 8)
     with raises_naming("sequence 0", "top_p", "(0, 1]"):
         SamplingConfig(top_p=[1.5, 0.5]).per_sequence(2, 8)
-    with raises_naming("sequence 1", "repetition_penalty", "> 0"):
+    with raises_naming("sequence 1", "repetition_penalty", "in"):
         SamplingConfig(repetition_penalty=[1.0, 0.0]).per_sequence(2, 8)
     with raises_naming("SamplingConfig.beam_width", ">= 1"):
         SamplingConfig(beam_width=0).per_sequence(1, 8)
