@@ -10,7 +10,8 @@ from kiln.cli.world import add_world_flags, rank_zero
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve MODEL over HTTP: /v1/models, /v1/completions and /v1/chat/completions "
-                                   "(OpenAI-compatible, with streaming), /health and /metrics (Prometheus). "
+                                   "(OpenAI-compatible, with streaming), /health (liveness), /health/ready "
+                                   "(readiness) and /metrics (Prometheus). "
                                    "MODEL may be an engine, a kiln checkpoint, a Hugging Face dir or a GGUF "
                                    "file; anything but an engine is converted and built into the engine cache "
                                    "first.")
@@ -37,7 +38,14 @@ def add_parser(sub) -> None:
     g.add_argument("--enable_prefix_caching", action="store_true",
                    help="reuse the KV cache of prompt prefixes shared between requests")
     g.add_argument("--max_queue_size", type=int, default=1024,
-                   help="requests allowed to wait for admission; beyond it requests get HTTP 503 (default 1024)")
+                   help="requests allowed to wait for admission; beyond it requests get HTTP 503 with "
+                        "Retry-After (default 1024)")
+    g.add_argument("--request_timeout", type=float, metavar="SECONDS",
+                   help="end a request this long after it arrived, queueing included (finish reason 'abort'; "
+                        "default: no limit)")
+    g.add_argument("--graceful_shutdown_timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, refuse new requests (503) and let those in flight finish for up "
+                        "to this long, then cancel the rest and exit 0; a second signal exits at once (default 30)")
     add_world_flags(p)
     p.set_defaults(handler=serve)
 
@@ -49,6 +57,7 @@ def serve(args) -> int:
     from kiln.errors import ConfigError
     from kiln.runtime.executor import ExecutorConfig, KvCacheConfig
     from kiln.serve.app import create_app
+    from kiln.serve.shutdown import DrainingServer
 
     engine_dir = resolve_engine(args.model, cache_dir=args.cache_dir,
                                 build_options=dict(max_batch_size=args.max_batch_size,
@@ -76,8 +85,11 @@ def serve(args) -> int:
     with rank_zero(engine_dir, args.tp_size, args.pp_size):  # the other ranks of a split engine follow
         app = create_app(engine_dir, tokenizer_dir=args.tokenizer_dir, api_key=args.api_key,
                          executor_config=config, served_model_name=args.served_model_name, lora_adapters=loras,
-                         on_world_error=stop_serving)
-        server.append(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)))
+                         on_world_error=stop_serving, request_timeout=args.request_timeout)
+        # uvicorn's own wait for open connections is a backstop: the drain has ended them.
+        uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                        timeout_graceful_shutdown=5)
+        server.append(DrainingServer(app, uvicorn_config, grace=args.graceful_shutdown_timeout))
         server[0].run()
     if broken:
         print(f"kiln serve: stopped: {broken[0]}", file=sys.stderr)

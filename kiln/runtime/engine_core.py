@@ -177,6 +177,8 @@ class EngineCore:
         if end_id is not None and not 0 <= end_id < vocab:
             raise RequestError(f"end_id {end_id} is outside the vocabulary [0, {vocab})")
         params.validate(vocab_size=vocab, max_beam_width=build.max_beam_width)
+        if params.num_samples > self.max_num_seqs:  # a request's samples are generated together
+            raise RequestError(f"n (best_of) {params.num_samples} exceeds the batch limit {self.max_num_seqs}")
         if params.use_beam_search:
             if params.beam_width > self.max_num_seqs:
                 raise RequestError(f"beam width {params.beam_width} exceeds the batch limit {self.max_num_seqs}")

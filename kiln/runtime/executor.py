@@ -322,7 +322,8 @@ class Executor:
             with self._lock:
                 self._error = e
                 for tracked in list(self._live.values()):
-                    self._responses[tracked.request_id].append(Response(tracked.request_id, error_msg=repr(e)))
+                    self._responses[tracked.request_id].append(Response(tracked.request_id, error_msg=repr(e),
+                                                                        internal_error=True))
                 self._live.clear()
                 self._lock.notify_all()
             return

@@ -122,7 +122,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
         tokens[greedy] = _argmax(logits if len(greedy) == n else logits[greedy])
     if rows:
         sub = logits if len(rows) == n else logits[rows]
-        top_k = [params[i].top_k if params[i].top_k > 0 else 0 for i in rows]
+        top_k = [min(params[i].top_k, vocab) if params[i].top_k > 0 else 0 for i in rows]  # >= vocab: all
         width = max(top_k) if min(top_k) > 0 else vocab
         values, candidates = sub.topk(width, dim=-1) if width < vocab else sub.sort(dim=-1, descending=True)
         probs = _filtered_probs(values, torch.tensor([k or width for k in top_k]),

@@ -128,6 +128,7 @@ class SamplingParams:
         _check(self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n), "best_of",
                f"None or an integer >= n ({self.n})", self.best_of)
         _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        # A top_k at or above the vocabulary size keeps every token.
         _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "an integer >= -1 (0 or -1: off)", self.top_k)
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)

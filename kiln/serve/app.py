@@ -76,8 +76,12 @@ class ServingEngine:
 
     def __init__(self, engine_dir: str | Path, tokenizer_dir: str | Path | None = None,
                  executor_config: ExecutorConfig | None = None, served_model_name: str | None = None,
-                 on_world_error: Callable[[BaseException], None] | None = None):
+                 on_world_error: Callable[[BaseException], None] | None = None,
+                 request_timeout: float | None = None):
         self.executor = Executor(engine_dir, executor_config)
+        # Seconds a request may take from arrival to its last token; then it ends ("abort").
+        self.request_timeout = request_timeout
+        self.draining = False  # set by drain(): new requests get 503, those in flight finish
         # Called once when another rank of the engine's world died: the executor cannot run
         # again, so the CLI's server exits instead of answering errors forever.
         self.on_world_error = on_world_error
@@ -106,6 +110,11 @@ class ServingEngine:
 
     # -- lifecycle ------------------------------------------------------------------------
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop serving the app (once started)."""
+        return self._loop
+
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._router = threading.Thread(target=self._route, name="kiln-serve-router", daemon=True)
@@ -126,7 +135,8 @@ class ServingEngine:
                 with self._lock:
                     waiting = list(self._queues.items())
                 for rid, queue in waiting:
-                    self._loop.call_soon_threadsafe(queue.put_nowait, Response(rid, error_msg=str(e)))
+                    self._loop.call_soon_threadsafe(queue.put_nowait,
+                                                    Response(rid, error_msg=str(e), internal_error=True))
                 if isinstance(self.executor.failure, WorldError) and self.on_world_error is not None:
                     on_world_error, self.on_world_error = self.on_world_error, None
                     on_world_error(self.executor.failure)
@@ -164,7 +174,35 @@ class ServingEngine:
             params.validate(vocab_size=self.vocab_size)
         except RequestError as e:
             raise ApiError(400, str(e), request_error_param(str(e))) from None
+        if params.n > self.executor.core.max_num_seqs:  # the choices of a prompt are generated together
+            raise ApiError(400, f"n must be at most {self.executor.core.max_num_seqs} (the most sequences this "
+                                f"server generates at once), got {params.n}", "n")
         return params
+
+    # -- health and shutdown ----------------------------------------------------------------
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What stopped the engine (it cannot serve again), or None while it can."""
+        return self.executor.failure
+
+    async def drain(self, timeout: float) -> None:
+        """Stop taking requests (they get 503), let those in flight finish for up to ``timeout``
+        seconds, then cancel what still runs (finish reason "abort") and wait for it to end."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.metrics.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.metrics.in_flight:
+            with self._lock:
+                running = list(self._queues)
+            logger.warning("cancelling %d requests still running after %.0f s of draining", len(running), timeout)
+            for rid in running:
+                self.executor.cancel_request(rid)
+            deadline = loop.time() + 10
+            while self.metrics.in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
 
     def _engine_params(self, params: SamplingParams, i: int) -> SamplingParams:
         """Choice ``i``'s executor params: one sample, its own seed, the model's extra end ids;
@@ -196,6 +234,7 @@ class ServingEngine:
         streaming path is cancelled by the server instead). Leaving early cancels what still runs.
         """
         want_logprobs = params.logprobs is not None
+        timeout_ms = None if self.request_timeout is None else max(1, round(self.request_timeout * 1000))
         lora_task = self.lora_task_ids.get(model)
         lora = LoraConfig(lora_task) if lora_task is not None else None
         requests, choices = [], []
@@ -204,14 +243,16 @@ class ServingEngine:
                 requests.append(Request(input_token_ids=ids, max_tokens=params.max_tokens, streaming=True,
                                         sampling_config=self._engine_params(params, i), end_id=self.end_id,
                                         output_config=OutputConfig(return_log_probs=want_logprobs),
-                                        lora_config=lora))
+                                        lora_config=lora, allotted_time_ms=timeout_ms))
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             try:
                 rids = self.executor.enqueue_requests(requests)
             except KilnError as e:
-                status = 503 if "queue is full" in str(e) else 500
-                raise ApiError(status, str(e), None, "server_error" if status == 500 else "overloaded_error")
+                if self.failure is not None or self.draining:
+                    raise ApiError(503, str(e), None, "server_error") from None
+                # The queue is full: worth trying again shortly.
+                raise ApiError(503, str(e), None, "overloaded_error", headers={"Retry-After": "1"}) from None
             for rid in rids:
                 self._queues[rid] = queue
         started = time.perf_counter()
@@ -242,6 +283,8 @@ class ServingEngine:
                 if choice.finished:
                     continue
                 if response.has_error():
+                    if response.internal_error:
+                        raise ApiError(500, response.error_msg, None, "server_error")
                     raise ApiError(400, response.error_msg, request_error_param(response.error_msg))
                 event = self._advance(choice, response.result, started)
                 if choice.finished:
@@ -327,16 +370,25 @@ class ServingEngine:
 
 
 def _error(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _validation_message(err: dict) -> str:
+    where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+    if err.get("type") == "extra_forbidden":
+        return f"{where}: kiln does not support this field"
+    return f"{where}: {err.get('msg')}"
 
 
 def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, api_key: str | None = None,
                executor_config: ExecutorConfig | None = None, served_model_name: str | None = None,
                lora_adapters: dict[str, str | Path] | None = None,
-               on_world_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_world_error: Callable[[BaseException], None] | None = None,
+               request_timeout: float | None = None) -> FastAPI:
     """An OpenAI-compatible app serving the engine in ``engine_dir`` (the executor starts with the
     app), and each LoRA adapter of ``lora_adapters`` (name -> directory) as a model of that name.
-    ``on_world_error``: called once if another rank of the engine's world dies."""
+    ``on_world_error``: called once if another rank of the engine's world dies;
+    ``request_timeout``: seconds a request may run (queueing included) before it is ended."""
     from kiln.serve import chat, completions
 
     holder: dict[str, ServingEngine] = {}
@@ -345,7 +397,7 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine = await asyncio.to_thread(ServingEngine, engine_dir, tokenizer_dir, executor_config, name,
-                                         on_world_error)
+                                         on_world_error, request_timeout)
         try:  # the engine's built-in adapters, then those given here
             built_in = engine.executor.engine.lora_adapter_dirs
             for lora_name, path in {**built_in, **(lora_adapters or {})}.items():
@@ -372,12 +424,24 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
         first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = loc[0] if loc else None
-        message = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body')}: {err.get('msg')}"
-                            for err in errors) or "invalid request"
+        message = "; ".join(_validation_message(err) for err in errors) or "invalid request"
         return _error(ApiError(400, message, param))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected_error(_, e: Exception):  # a bug while serving one request: a 500 for it alone
+        logger.error("request failed", exc_info=e)
+        return _error(ApiError(500, f"internal error while serving this request: {e!r}", None, "server_error"))
 
     def engine() -> ServingEngine:
         return holder["engine"]
+
+    async def accepting() -> None:
+        """Requests are refused while the server drains or after its engine failed."""
+        e = engine()
+        if e.failure is not None:
+            raise ApiError(503, f"the engine stopped after an internal error: {e.failure!r}", None, "server_error")
+        if e.draining:
+            raise ApiError(503, "the server is shutting down", None, "server_error", headers={"Connection": "close"})
 
     async def check_key(request: HttpRequest) -> None:
         if api_key is None:
@@ -396,13 +460,32 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
     # Documented in the OpenAPI schema, so clients (and schema fuzzers) know every answer.
     errors = {code: {"model": ErrorResponse, "description": text} for code, text in (
         (400, "invalid request (the error names the field)"), (401, "invalid or missing API key"),
-        (404, "unknown model"), (503, "the request queue is full"))}
-    event_stream = {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+        (404, "unknown model"), (500, "kiln failed while serving this request (the engine goes on)"),
+        (503, "the request queue is full (Retry-After), the server is shutting down, or its engine failed"))}
+    health = {"content": {"application/json": {"schema": {"type": "object"}}}}
+    # Each server-sent event: a JSON chunk (or an error) in ``data``, the last one "[DONE]".
+    sse_event = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+                 "required": ["data"]}
+    event_stream = {"content": {"text/event-stream": {"schema": sse_event}},
                     "description": "the response, or with stream=true server-sent events ending in [DONE]"}
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    @app.get("/health", responses={200: {**health, "description": "alive (status ok, or draining)"},
+                                   503: {**health, "description": "the engine failed: restart the server"}})
+    async def liveness():
+        """Liveness: 503 once the engine failed (it cannot serve again), else 200."""
+        e = engine()
+        if e.failure is not None:
+            return JSONResponse({"status": "failed", "error": repr(e.failure)}, status_code=503)
+        return {"status": "draining" if e.draining else "ok"}
+
+    @app.get("/health/ready", responses={200: {**health, "description": "taking requests"},
+                                         503: {**health, "description": "draining, or the engine failed"}})
+    async def readiness():
+        """Readiness: 200 while new requests are taken, 503 while draining or once the engine failed."""
+        e = engine()
+        if e.failure is not None or e.draining:
+            return JSONResponse({"status": "failed" if e.failure is not None else "draining"}, status_code=503)
+        return {"status": "ready"}
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
@@ -424,13 +507,15 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
         await asyncio.to_thread(engine().load_lora, body.lora_name, body.lora_path)
         return ModelCard(id=body.lora_name, parent=name)
 
-    @app.post("/v1/completions", dependencies=[Depends(check_key)], response_model=CompletionResponse,
+    @app.post("/v1/completions", dependencies=[Depends(check_key), Depends(accepting)],
+              response_model=CompletionResponse,
               responses={200: event_stream, **errors})
     async def create_completion(body: CompletionRequest, request: HttpRequest):
         check_model(body.model)
         return await completions.serve(engine(), body, request)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)], response_model=ChatCompletionResponse,
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key), Depends(accepting)],
+              response_model=ChatCompletionResponse,
               responses={200: event_stream, **errors})
     async def create_chat_completion(body: ChatCompletionRequest, request: HttpRequest):
         check_model(body.model)

@@ -22,9 +22,10 @@ def _content(content) -> str:
         return content or ""
     parts = []
     for part in content:  # [{"type": "text", "text": ...}, ...]
-        if part.get("type") != "text":
-            raise ApiError(400, f"only text content parts are supported, got {part.get('type')!r}", "messages")
-        parts.append(str(part.get("text", "")))
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"only text content parts ({{'type': 'text', 'text': '...'}}) are supported, "
+                                f"got {part!r:.100}", "messages")
+        parts.append(part["text"])
     return "".join(parts)
 
 
@@ -41,8 +42,22 @@ def _logprobs(engine: ServingEngine, token_ids: list[int], logprobs: list[float]
     return ChatLogprobs(content=content)
 
 
+def _messages(body: ChatCompletionRequest) -> list[dict]:
+    """The messages as the chat template takes them ("developer" is OpenAI's newer "system")."""
+    out = []
+    for i, m in enumerate(body.messages):
+        if m.role in ("tool", "function"):
+            raise ApiError(400, f"messages[{i}]: {m.role!r} messages need tool calling, which kiln does not "
+                                "support yet", "messages")
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": _content(m.content)})
+    return out
+
+
 async def serve(engine: ServingEngine, body: ChatCompletionRequest, http_request: HttpRequest):
-    messages = [{"role": m.role, "content": _content(m.content)} for m in body.messages]
+    if body.response_format is not None and body.response_format.type != "text":
+        raise ApiError(400, f"response_format {body.response_format.type!r} is not supported yet (only 'text')",
+                       "response_format")
+    messages = _messages(body)
     try:
         ids = chat_prompt_ids(engine.tokenizer, messages)
     except KilnError as e:

@@ -6,6 +6,7 @@ keywords, and server-sent-event streaming.
 from __future__ import annotations
 
 import json
+import logging
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from fastapi import Request as HttpRequest
@@ -16,6 +17,8 @@ from kiln.serve.protocol import (ApiError, CompletionChoice, CompletionLogprobs,
 
 if TYPE_CHECKING:
     from kiln.serve.app import Event, ServingEngine
+
+logger = logging.getLogger(__name__)
 
 
 def sampling_kwargs(body: SamplingFields) -> dict:
@@ -64,6 +67,10 @@ async def stream_events(events: AsyncIterator[Event], chunk: Callable[[Event], d
                 yield sse(payload)
         except ApiError as e:
             yield sse(e.body())
+        except Exception as e:  # noqa: BLE001 - a bug while streaming: this stream ends with the error
+            logger.error("streaming a response failed", exc_info=e)
+            yield sse(ApiError(500, f"internal error while serving this request: {e!r}", None,
+                               "server_error").body())
         finally:
             await events.aclose()
         yield sse("[DONE]")
@@ -107,6 +114,10 @@ async def serve(engine: ServingEngine, body: CompletionRequest, http_request: Ht
     if body.suffix:
         raise ApiError(400, "suffix is not supported", "suffix")
     prompts = [engine.encode(p) for p in _prompts(body)]
+    limit = engine.executor.config.max_queue_size
+    if len(prompts) * body.n > limit:
+        raise ApiError(400, f"prompt: a request may ask for at most {limit} completions (prompts x n), "
+                            f"this one asks for {len(prompts) * body.n}", "prompt")
     for ids in prompts:
         engine.check_prompt(ids, "prompt")
     max_tokens = body.max_tokens if body.max_tokens is not None else default_max_tokens(engine, prompts)

@@ -1,15 +1,27 @@
 """OpenAI-compatible request and response schemas (pydantic), plus kiln's sampling extras.
 
-Requests only check types here; value ranges are checked by :class:`SamplingParams` so that
-the server and the Python API reject the same things with the same messages.
+Requests are strict: a field kiln does not implement is a 400 naming it, never dropped,
+except the few in ``IGNORED_FIELDS`` (bookkeeping that changes no output). A field kiln does
+not implement sent as null (or an empty list) asks for nothing and is accepted. Limits OpenAI
+sets are checked here (``temperature`` in [0, 2], ``n`` up to 128, ``stop`` and
+``logit_bias`` sizes); value ranges shared with the Python API are checked by
+:class:`SamplingParams`, so both reject the same things with the same messages.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# OpenAI request fields that are accepted and ignored: they label or route a request and
+# change nothing in its output.
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_N = 128  # OpenAI's bound; the server also bounds n by its batch size
 
 
 def random_id(prefix: str) -> str:
@@ -20,28 +32,48 @@ def now() -> int:
     return int(time.time())
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields (user, ...) are ignored
+class _Strict(BaseModel):
+    """Unknown fields are refused (``extra_forbidden``: the server answers 400 naming them);
+    one sent as null or [] asks for nothing and is dropped first."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_empty_unknown_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if k in cls.model_fields or not (v is None or v == [])}
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class SamplingFields(_Lenient):
+StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+
+
+class SamplingFields(_Strict):
     """Fields both endpoints share."""
 
     model: str
-    n: int = 1
-    stop: Union[str, list[str], None] = None
-    temperature: float | None = None  # OpenAI's default: 1.0
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)], None] = None
+    temperature: float | None = Field(None, ge=0, le=2)  # OpenAI's default: 1.0
     top_p: float | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # accepted and ignored (IGNORED_FIELDS)
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     # kiln extras (vLLM names)
     top_k: int = 0
     min_tokens: int = 0
@@ -59,9 +91,15 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None  # likewise: insertion is not supported
 
 
-class ChatMessage(_Lenient):
-    role: str
+class ChatMessage(_Strict):
+    # "tool" and "function" messages are known roles that kiln refuses until it calls tools.
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -70,6 +108,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None  # only "text" is served (the default)
 
 
 class Usage(BaseModel):
@@ -187,12 +226,13 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ApiError(Exception):
-    """An error answered as OpenAI error JSON with ``status``."""
+    """An error answered as OpenAI error JSON with ``status`` (and HTTP ``headers``)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers
 
     def body(self) -> dict:
         return ErrorResponse(error=ErrorBody(message=self.message, type=self.type, param=self.param,

@@ -14,7 +14,7 @@ from kiln import LLM, SamplingParams
 from kiln.runtime.executor import ExecutorConfig, KvCacheConfig
 from kiln.serve import create_app
 from tests.conftest import convert_and_build
-from tests.serve.test_server import _Server
+from tests.utils.server import LocalServer
 from tests.utils.fakes import make_tiny_llama_with_tokenizer
 
 MODEL = "tiny"
@@ -46,7 +46,7 @@ def setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(setup):
     engine, adapters = setup
-    s = _Server(create_app(engine, executor_config=ExecutorConfig(kv_cache_config=KvCacheConfig(max_tokens=2048)),
+    s = LocalServer(create_app(engine, executor_config=ExecutorConfig(kv_cache_config=KvCacheConfig(max_tokens=2048)),
                            served_model_name=MODEL, lora_adapters={"sql": adapters["sql"]}))
     yield s
     s.stop()
@@ -101,7 +101,7 @@ def test_adapters_built_into_the_engine_are_served_by_name(setup, tmp_path):
     engine, adapters = setup
     built = build_engine(engine.parent / "checkpoint", tmp_path / "engine", progress=False, dtype="float32",
                          lora_dirs=[adapters["poet"]])
-    s = _Server(create_app(built, executor_config=ExecutorConfig(kv_cache_config=KvCacheConfig(max_tokens=1024)),
+    s = LocalServer(create_app(built, executor_config=ExecutorConfig(kv_cache_config=KvCacheConfig(max_tokens=1024)),
                            served_model_name=MODEL))
     try:
         client = s.client()

@@ -1,0 +1,52 @@
+"""A kiln server on a tiny engine for the serve tests: uvicorn in a background thread on a free
+loopback port, with the official ``openai`` client pointed at it."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import openai
+import uvicorn
+
+MODEL = "tiny"  # the served model name
+MAX_INPUT_LEN = 48
+MAX_SEQ_LEN = 128
+BUILD_OPTIONS = dict(tokens_per_block=4, max_batch_size=16, max_num_tokens=128, max_input_len=MAX_INPUT_LEN,
+                     max_seq_len=MAX_SEQ_LEN)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """uvicorn serving ``app`` on 127.0.0.1 and a free port, in a background thread."""
+
+    def __init__(self, app):
+        self.port = free_port()
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+
+    @property
+    def engine(self):
+        """The app's ServingEngine."""
+        return self.app.state.engine
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def client(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url("/v1"), api_key=api_key, max_retries=0, timeout=60)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
