@@ -209,9 +209,12 @@ def read_adapter(directory: str | Path) -> tuple:
     """``(weights, config)`` of a LoRA adapter directory: a Hugging Face PEFT adapter
     (converted in memory) or what ``kiln lora convert`` wrote."""
     directory = Path(directory)
-    if (directory / "adapter_config.json").is_file():
-        return pack_lora_tensors(peft_to_lora_modules(directory))
-    if not (directory / WEIGHTS_FILE).is_file():
-        raise CheckpointError(f"{directory}: not a LoRA adapter (no adapter_config.json of a PEFT adapter, "
-                              f"no {WEIGHTS_FILE} from kiln lora convert)")
-    return load_lora_dir(directory)
+    try:
+        if (directory / "adapter_config.json").is_file():
+            return pack_lora_tensors(peft_to_lora_modules(directory))
+        if not (directory / WEIGHTS_FILE).is_file():
+            raise CheckpointError(f"{directory}: not a LoRA adapter (no adapter_config.json of a PEFT adapter, "
+                                  f"no {WEIGHTS_FILE} from kiln lora convert)")
+        return load_lora_dir(directory)
+    except OSError as e:  # a name too long, no permission, a directory where a file should be...
+        raise CheckpointError(f"{str(directory)[:200]}: cannot read the adapter: {e.strerror or e}") from None

@@ -24,6 +24,7 @@ from typing import AsyncIterator, Callable
 from fastapi import Depends, FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.checkpoint.peft import read_adapter
 from kiln.errors import ConfigError, KilnError, RequestError, WorldError
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 FINISH = {"end_id": "stop", "stop_words": "stop", "length": "length", "cancelled": "abort", "timeout": "abort"}
 DISCONNECT_CHECK_S = 0.5  # how often a waiting request checks whether its client hung up
+MAX_BODY_BYTES = 32 << 20  # a request body past 32 MiB is refused (413) before it is read whole
 
 
 @dataclass
@@ -412,7 +414,7 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
         finally:
             await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="kiln", lifespan=lifespan)
+    app = FastAPI(title="kiln", lifespan=lifespan, max_body_size=MAX_BODY_BYTES)  # larger bodies: 413
 
     @app.exception_handler(ApiError)
     async def on_api_error(_, e: ApiError):
@@ -426,6 +428,10 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
         param = loc[0] if loc else None
         message = "; ".join(_validation_message(err) for err in errors) or "invalid request"
         return _error(ApiError(400, message, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_, e: StarletteHTTPException):  # unknown routes, wrong methods: OpenAI error JSON
+        return _error(ApiError(e.status_code, str(e.detail), None, headers=e.headers))
 
     @app.exception_handler(Exception)
     async def on_unexpected_error(_, e: Exception):  # a bug while serving one request: a 500 for it alone

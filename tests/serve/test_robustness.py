@@ -361,3 +361,14 @@ def test_openapi_fuzz_finds_no_server_error_and_the_server_goes_on(server, clien
     assert report.cases >= 60 and report.server_errors == 0 and not report.failures, report.failures[:3]
     assert report.by_status.get(400, 0) > 0 and report.by_status.get(200, 0) > 0  # it reached both sides
     assert _pool_idle(server)
+
+
+def test_oversized_bodies_odd_paths_and_unreadable_adapters_are_client_errors(server):
+    from kiln.serve.app import MAX_BODY_BYTES
+
+    status, _, _ = _post(server, "/v1/completions", {"model": MODEL, "prompt": "x" * MAX_BODY_BYTES})
+    assert status == 413
+    status, body, _ = _post(server, "/v1/nothing-here", {})
+    assert status == 404 and "message" in body["error"]
+    status, body, _ = _post(server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "ä" * 300})
+    assert status == 400 and body["error"]["param"] == "lora_path"  # a name too long for the filesystem
