@@ -1,4 +1,5 @@
-"""The serve tests' tiny engine (built once per session) and their single-threaded torch."""
+"""The serve tests' tiny engine (built once per session), a server of it per module, and
+single-threaded torch."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 from tests.conftest import convert_and_build
 from tests.utils.fakes import make_tiny_llama_with_tokenizer
-from tests.utils.server import BUILD_OPTIONS
+from tests.utils.server import BUILD_OPTIONS, serve_tiny
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -23,3 +24,15 @@ def engine_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve")
     make_tiny_llama_with_tokenizer(d / "hf")
     return convert_and_build(d / "hf", d / "w", build_options=BUILD_OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir):
+    s = serve_tiny(engine_dir)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()

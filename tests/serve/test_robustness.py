@@ -20,32 +20,14 @@ import urllib.request
 import openai
 import pytest
 
-from kiln.runtime.executor import ExecutorConfig, KvCacheConfig
-from kiln.serve import create_app
-from tests.utils.server import MAX_SEQ_LEN, MODEL, LocalServer, free_port
+from tests.utils.server import MAX_SEQ_LEN, MODEL, LocalServer, free_port, serve_tiny
 
 PROMPT = "the quick brown fox"
 MESSAGES = [{"role": "user", "content": "hello world, how are you?"}]
 POISON = " kiln"  # a prompt holding it trips the injected fault (one token of the tiny vocabulary)
 
 
-def _config() -> ExecutorConfig:
-    return ExecutorConfig(kv_cache_config=KvCacheConfig(max_tokens=4096))
-
-
-@pytest.fixture(scope="module")
-def server(engine_dir):
-    s = LocalServer(create_app(engine_dir, executor_config=_config(), served_model_name=MODEL))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
-def _post(server, path: str, payload) -> tuple[int, dict | str, object]:
+def _post(server: LocalServer, path: str, payload) -> tuple[int, dict | str, object]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("POST", path, payload if isinstance(payload, str) else json.dumps(payload),
                  {"Content-Type": "application/json"})
@@ -183,7 +165,7 @@ def test_an_internal_error_fails_that_request_only(server, client, poisoned):
 def test_a_failed_engine_says_so(engine_dir, monkeypatch):
     """An engine failing every request stops; /health and /health/ready turn 503 (an orchestrator
     restarts it) and new requests get 503, not a silent dead server."""
-    s = LocalServer(create_app(engine_dir, executor_config=_config(), served_model_name=MODEL))
+    s = serve_tiny(engine_dir)
     try:
         def broken(step):
             raise RuntimeError("the model is broken")

@@ -14,30 +14,12 @@ import openai
 import pytest
 
 from kiln import LLM
-from kiln.runtime.executor import ExecutorConfig, KvCacheConfig
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.serve import create_app
-from tests.utils.server import MAX_INPUT_LEN, MAX_SEQ_LEN, MODEL, LocalServer
+from tests.utils.server import MAX_INPUT_LEN, MAX_SEQ_LEN, MODEL, serve_tiny
 
 KEY = "secret-key"
 PROMPT = "the quick brown fox"
 MESSAGES = [{"role": "user", "content": "hello world, how are you?"}]
-
-
-def _config() -> ExecutorConfig:
-    return ExecutorConfig(kv_cache_config=KvCacheConfig(max_tokens=4096))
-
-
-@pytest.fixture(scope="module")
-def server(engine_dir):
-    s = LocalServer(create_app(engine_dir, executor_config=_config(), served_model_name=MODEL))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +186,7 @@ def test_unknown_model_is_404(client):
 
 
 def test_api_key(engine_dir):
-    s = LocalServer(create_app(engine_dir, executor_config=_config(), served_model_name=MODEL, api_key=KEY))
+    s = serve_tiny(engine_dir, api_key=KEY)
     try:
         with pytest.raises(openai.AuthenticationError) as e:
             s.client("wrong").completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
