@@ -154,8 +154,11 @@ class LLM:
                 self.core.finish_sequence(seq, FinishReason.STOP_WORDS)
 
     def _step(self, pending: dict[int, tuple[Request, dict]]) -> list[Request]:
-        """One engine step; applies stop strings; returns the requests that finished."""
+        """One engine step; applies stop strings; returns the requests that finished. A request
+        that failed inside the engine raises its error here (the engine is fine)."""
         self.core.step()
+        for _, error in self.core.take_failures():
+            raise error
         done = []
         for request_id, (request, trackers) in list(pending.items()):
             if trackers:
@@ -195,9 +198,14 @@ class LLM:
                 self.core.abort(request)
             raise
         pending = {r.request_id: (r, t) for r, t in added}
-        with tqdm(total=len(added), desc="generating", disable=not use_tqdm) as bar:
-            while pending:
-                bar.update(len(self._step(pending)))
+        try:
+            with tqdm(total=len(added), desc="generating", disable=not use_tqdm) as bar:
+                while pending:
+                    bar.update(len(self._step(pending)))
+        except BaseException:  # a request failed, or the caller interrupted: leave nothing queued
+            for request, _ in pending.values():
+                self.core.abort(request)
+            raise
         return [self._output(r, t, p if isinstance(p, str) else None, sp)
                 for (r, t), p, sp in zip(added, prompts, params_list)]
 

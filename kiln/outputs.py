@@ -14,7 +14,7 @@ from kiln.tokenizer import IncrementalDetokenizer
 
 # What users of OpenAI-style APIs expect to see.
 FINISH_NAMES = {FinishReason.END_ID: "stop", FinishReason.STOP_WORDS: "stop", FinishReason.LENGTH: "length",
-                FinishReason.CANCELLED: "abort"}
+                FinishReason.CANCELLED: "abort", FinishReason.TIMEOUT: "abort", FinishReason.ERROR: "error"}
 
 
 @dataclass

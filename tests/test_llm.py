@@ -199,3 +199,18 @@ def test_quantization_converts_into_an_engine_of_its_own(llm, hf, tmp_path):
         LLM(hf[0], cache_dir=cache, progress=False, quantization="W3A16")
     with pytest.raises(ConfigError, match="kiln engine"):
         LLM(llm.engine_dir, progress=False, quantization="W8A16")
+
+
+def test_a_request_failing_inside_the_engine_raises_and_leaves_nothing_queued(llm, monkeypatch):
+    """generate raises the failing request's error; the other prompts of the call are dropped,
+    every KV block comes back, and the next call is served."""
+    from kiln.runtime import model_runner
+
+    sample = model_runner.sample
+    monkeypatch.setattr(model_runner, "sample", lambda logits, seqs: (_ for _ in ()).throw(RuntimeError("boom"))
+                        if any(s.token_ids[0] == 7 for s in seqs) else sample(logits, seqs))
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate([[7, 8, 9], [5, 6]], GREEDY)
+    pool = llm.core.pool
+    assert pool.num_free == pool.num_blocks and not llm.core.has_unfinished
+    assert len(llm.generate([[5, 6]], GREEDY)[0].outputs[0].token_ids) == 8

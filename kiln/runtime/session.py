@@ -119,6 +119,10 @@ class GenerationSession:
         step = 0
         while not all(r.is_finished for r in requests):
             self._core.step()
+            for _, error in self._core.take_failures():  # a sequence failed inside the engine
+                for request in requests:
+                    self._core.abort(request)
+                raise error
             step += 1
             if on_token_generated is not None:
                 for b, request in enumerate(requests):
