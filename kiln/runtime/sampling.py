@@ -152,6 +152,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
 def _check_allowed(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """``tokens``, unless a row's bans left no token to draw (its pick is -inf): that request
     cannot go on, and fails alone (the executor retries the step without it)."""
+    if not any(s.params.may_ban_tokens for s in seqs):
+        return tokens
     banned = torch.isneginf(logits.gather(1, tokens[:, None])[:, 0])
     if banned.any():
         seq = seqs[int(banned.nonzero()[0])]

@@ -212,6 +212,13 @@ class SamplingParams:
         return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.no_repeat_ngram_size > 0 or any(len(w) > 1 for w in self.bad_words_ids))
 
+    @property
+    def may_ban_tokens(self) -> bool:
+        """Whether processing can set logits to -inf (bad words, n-gram bans, min_tokens, an
+        embedding bias), and so perhaps every one of them."""
+        return (bool(self.bad_words_ids) or self.no_repeat_ngram_size > 0 or self.min_tokens > 0
+                or self.embedding_bias is not None)
+
     def seed_for(self, i: int) -> int | None:
         """The seed of the ``i``-th of several samples drawn for one request (None: unseeded)."""
         return None if self.seed is None else (self.seed + i) % 2**64
