@@ -102,6 +102,8 @@ def main() -> int:
     args = p.parse_args()
 
     torch.set_num_threads(2)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()  # the code this run loaded
     cache = args.cache_dir or tempfile.mkdtemp(prefix="kiln-fuzz-")
     engine_dir = resolve_engine(smollm2_gguf_path(), cache_dir=cache, progress=True,
                                 build_options=dict(max_batch_size=16, max_seq_len=512, max_input_len=384))
@@ -140,8 +142,6 @@ def main() -> int:
         healthy = server.engine.failure is None
     finally:
         server.stop()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
     record = {"kind": "robustness", "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "kiln_commit": commit, "model": "SmolLM2-135M-Instruct (bundled GGUF)",
               "fuzz": {"examples_per_operation": args.examples, "seed": args.seed, "cases": report.cases,
