@@ -101,7 +101,9 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
             write_rank_weights(tmp, rank, model.checkpoint_weights())
             config = model.config
             del model
-        write_config(tmp, config.to_dict())
+        # A dtype the user chose carries through: engines built with dtype "auto" keep it.
+        chosen = {"keep_dtype": True} if dtype not in (None, "auto") else {}
+        write_config(tmp, {**config.to_dict(), **chosen})
         _save_tokenizer(source, Path(model_dir), tmp)
     return Path(output_dir)
 

@@ -78,10 +78,21 @@ def split_quantization(quantization) -> tuple[dict | None, dict]:
     return fields, {k: v for k, v in quantization.items() if k in CALIBRATION_OPTIONS}
 
 
-def resolve_engine(model: str | Path, *, dtype: str | None = None, build_options: dict | None = None,
+# Build limits of the engines the cache builds, where they differ from kiln build's defaults:
+# every path that builds through the cache (LLM, kiln run, kiln serve, kiln bench) gets the same
+# engine for the same source, and it can serve beam search.
+CACHE_BUILD_DEFAULTS = {"max_beam_width": 8}
+
+
+def resolve_engine(model: str | Path, *, dtype: str | None = "auto", build_options: dict | None = None,
                    cache_dir: str | Path | None = None, progress: bool = True, quantization=None,
                    tp_size: int | None = None, pp_size: int | None = None) -> Path:
     """The engine directory for ``model``, converting and building into the cache if needed.
+
+    ``dtype``: the engine's compute dtype, ``"auto"`` (None too) for the rule ``kiln build
+    --dtype auto`` follows (``kiln.build.builder.resolve_engine_dtype``); an explicit dtype is
+    also the converted checkpoint's. ``build_options``: limits over ``CACHE_BUILD_DEFAULTS`` and
+    kiln build's defaults. The cache key holds every resolved setting.
 
     ``quantization`` (an external model only: an algorithm name such as ``"W8A16"``, a
     ``QuantConfig``, or a dict of its fields plus ``calib_dataset`` / ``calib_size`` /
@@ -90,6 +101,7 @@ def resolve_engine(model: str | Path, *, dtype: str | None = None, build_options
     engine keeps the split it was made with).
     """
     from kiln.build import build_engine, resolve_build_config
+    from kiln.build.builder import cpu_has_native_bf16
     from kiln.checkpoint.format import read_config
     from kiln.config import QuantConfig
     from kiln.convert import convert_checkpoint
@@ -103,10 +115,13 @@ def resolve_engine(model: str | Path, *, dtype: str | None = None, build_options
                           "with a Hugging Face directory or GGUF file")
     if kind == "engine":
         return path
-    build_options = {k: v for k, v in (build_options or {}).items() if v is not None}
+    build_options = {**CACHE_BUILD_DEFAULTS, **{k: v for k, v in (build_options or {}).items() if v is not None}}
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
-    options = {"dtype": dtype, "kind": kind, **build_options}
+    dtype = dtype or "auto"
+    # "auto" resolves by the checkpoint and this CPU: the CPU's part goes into the key.
+    machine = {"native_bf16": cpu_has_native_bf16()} if dtype == "auto" else {}
+    options = {"dtype": dtype, **machine, "kind": kind, **build_options}
     # A checkpoint keeps its split (kiln.cli.world checks it against the flags after the build).
     split = {k: v for k, v in (("tp_size", tp_size), ("pp_size", pp_size))
              if v not in (None, 1) and kind == "external"}
@@ -125,11 +140,11 @@ def resolve_engine(model: str | Path, *, dtype: str | None = None, build_options
         if kind == "external":
             checkpoint = cache / f"{path.stem}-{key}.checkpoint"
             quant = QuantConfig.from_dict(quant_fields) if quant_fields is not None else None
-            convert_checkpoint(path, checkpoint, dtype=dtype, progress=progress, quantization=quant,
-                               **split, **convert_options)
+            convert_checkpoint(path, checkpoint, dtype=None if dtype == "auto" else dtype, progress=progress,
+                               quantization=quant, **split, **convert_options)
         try:
             build_engine(checkpoint, engine_dir, resolve_build_config(read_config(checkpoint), **build_options),
-                         progress=progress)
+                         progress=progress, dtype=dtype)
         finally:
             if checkpoint != path:
                 import shutil

@@ -29,14 +29,13 @@ from kiln.tokenizer import chat_prompt_ids, end_ids, load_tokenizer
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "StreamDelta"]
 
-DEFAULT_MAX_BEAM_WIDTH = 8  # engines the LLM API builds itself can serve beam search
-
-
 class LLM:
     """Generate text with a model given as an HF dir, a GGUF file, a kiln checkpoint or an engine.
 
     Anything but an engine is converted and built once into the engine cache
-    (``cache_dir``, default ``~/.cache/kiln``) and reused on later calls. ``quantization``
+    (``cache_dir``, default ``~/.cache/kiln``) and reused on later calls, exactly as ``kiln run``
+    and ``kiln serve`` build it; ``dtype`` ``"auto"`` follows ``kiln build --dtype auto``
+    (bfloat16 on a CPU with native bf16), ``"float32"`` keeps full precision. ``quantization``
     quantizes an HF dir or GGUF file while converting: an algorithm name (``"W8A16"``,
     ``"W4A16"``, ``"W4A16_AWQ"``, ``"W4A16_GPTQ"``, ``"W4A8_AWQ"``, ``"FP8"``, ``"W8A8_SQ_PER_CHANNEL"``), a
     ``QuantConfig``, or a dict of its fields (``group_size``, ``has_zero_point``,
@@ -46,11 +45,11 @@ class LLM:
     prompt tuning (``generate(prompt_table=...)``) for tables of up to that many rows.
     """
 
-    def __init__(self, model: str | Path, *, tokenizer: str | Path | None = None, dtype: str | None = None,
+    def __init__(self, model: str | Path, *, tokenizer: str | Path | None = None, dtype: str = "auto",
                  cache_dir: str | Path | None = None, max_batch_size: int | None = None,
                  max_input_len: int | None = None, max_seq_len: int | None = None,
                  max_num_tokens: int | None = None, tokens_per_block: int | None = None,
-                 max_beam_width: int = DEFAULT_MAX_BEAM_WIDTH, kv_cache_max_tokens: int | None = None,
+                 max_beam_width: int | None = None, kv_cache_max_tokens: int | None = None,
                  max_prompt_embedding_table_size: int | None = None, quantization=None, progress: bool = True):
         build_options = dict(max_batch_size=max_batch_size, max_input_len=max_input_len, max_seq_len=max_seq_len,
                              max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block,

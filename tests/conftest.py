@@ -17,7 +17,8 @@ torch.set_num_threads(2)
 
 def convert_and_build(hf_dir: Path, work_dir: Path, build_options: dict | None = None,
                       **convert_kwargs) -> Path:
-    """Convert ``hf_dir`` into ``work_dir/checkpoint`` and build ``work_dir/engine``; return the engine dir.
+    """Convert ``hf_dir`` into ``work_dir/checkpoint`` (float32 unless ``dtype`` is given) and build
+    ``work_dir/engine`` (dtype auto: the checkpoint's, as chosen); return the engine dir.
 
     ``build_options`` go to :func:`kiln.build.resolve_build_config` (``tokens_per_block=4``...).
     """
@@ -26,6 +27,7 @@ def convert_and_build(hf_dir: Path, work_dir: Path, build_options: dict | None =
     from kiln.convert import convert_checkpoint
 
     work_dir = Path(work_dir)
+    convert_kwargs.setdefault("dtype", "float32")  # chosen, so the engine keeps it (exact comparisons with HF)
     checkpoint = convert_checkpoint(hf_dir, work_dir / "checkpoint", progress=False, **convert_kwargs)
     build_config = resolve_build_config(read_config(checkpoint), **(build_options or {}))
     return build_engine(checkpoint, work_dir / "engine", build_config, progress=False)

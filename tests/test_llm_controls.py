@@ -36,7 +36,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model, tmp_path_factory):
-    return LLM(model[0], cache_dir=tmp_path_factory.mktemp("cache"), progress=False)
+    return LLM(model[0], cache_dir=tmp_path_factory.mktemp("cache"), dtype="float32", progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -63,33 +63,36 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_engine_dtype(requested: str | None, checkpoint_dtype: str, quantized: bool = False) -> str:
-    """The engine's compute dtype: ``requested``, or for ``auto``/None bfloat16 when the checkpoint
-    is float32/bfloat16 and the CPU has native bf16 (or the checkpoint is weight-only quantized,
-    whose kernels compute in bf16), else the checkpoint's dtype."""
-    if requested in (None, "auto") and quantized:
+def resolve_engine_dtype(requested: str | None, config: PretrainedConfig) -> str:
+    """The engine's compute dtype for ``requested``: a dtype is taken as given; ``"auto"`` (or
+    None) is kiln's one rule, the same for ``kiln build``, ``LLM(...)``, ``kiln run`` and
+    ``kiln serve``: bfloat16 for a weight-only/FP8 checkpoint (its kernels compute in bf16);
+    the checkpoint's dtype when the user chose it at convert time (``keep_dtype``); bfloat16
+    for a float32/bfloat16 checkpoint on a CPU with native bf16; else the checkpoint's."""
+    if requested not in (None, "auto"):
+        if requested not in ENGINE_DTYPES:
+            raise BuildError(f"dtype {requested!r} is not one of auto, {', '.join(ENGINE_DTYPES)}")
+        return requested
+    if config.quantization.quant_algo in BF16_ENGINE_ALGOS:
         return "bfloat16"
-    if requested in (None, "auto"):
-        if checkpoint_dtype in ("float32", "bfloat16") and cpu_has_native_bf16():
-            return "bfloat16"
-        return checkpoint_dtype
-    if requested not in ENGINE_DTYPES:
-        raise BuildError(f"dtype {requested!r} is not one of auto, {', '.join(ENGINE_DTYPES)}")
-    return requested
+    if config.get("keep_dtype"):
+        return config.dtype
+    if config.dtype in ("float32", "bfloat16") and cpu_has_native_bf16():
+        return "bfloat16"
+    return config.dtype
 
 
 def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_config: BuildConfig | None = None,
-                 progress: bool = True, dtype: str | None = None, lora_dirs: list[str | Path] | None = None,
+                 progress: bool = True, dtype: str | None = "auto", lora_dirs: list[str | Path] | None = None,
                  max_lora_rank: int | None = None, lora_target_modules: list[str] | None = None,
                  dora: bool = False) -> Path:
     """Validate ``checkpoint_dir`` and write an engine to ``output_dir``.
 
-    Without ``build_config`` the limits come from :func:`resolve_build_config`. ``dtype``
-    casts the floating-point weights (the engine computes in it); None keeps the checkpoint's,
-    except that a weight-only quantized checkpoint always builds in bfloat16 (use
-    :func:`resolve_engine_dtype` for the machine's best). ``lora_dirs`` / ``max_lora_rank`` /
-    ``lora_target_modules`` / ``dora``: LoRA settings and adapters kept in the engine
-    (kiln.build.lora).
+    Without ``build_config`` the limits come from :func:`resolve_build_config`. The engine
+    computes in ``dtype`` (its floating-point weights are cast to it): a dtype name, or
+    ``"auto"`` (None too) for :func:`resolve_engine_dtype`'s rule. ``lora_dirs`` /
+    ``max_lora_rank`` / ``lora_target_modules`` / ``dora``: LoRA settings and adapters kept in
+    the engine (kiln.build.lora).
     """
     checkpoint_dir = Path(checkpoint_dir)
     config = read_config(checkpoint_dir)
@@ -99,16 +102,13 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_confi
     if lora_dirs or max_lora_rank is not None or lora_target_modules or dora:
         lora_section, lora_adapters = lora_build(config, list(lora_dirs or []), max_lora_rank, lora_target_modules,
                                                  dora)
-    if dtype is not None and dtype not in ENGINE_DTYPES:
-        raise BuildError(f"dtype {dtype!r} is not one of {', '.join(ENGINE_DTYPES)}")
+    dtype = resolve_engine_dtype(dtype, config)
     # Weight-only and FP8 kernels compute in bf16; SmoothQuant W8A8 (int8 matmul, float32 scales) in any dtype.
     bf16_only = config.quantization.quant_algo in BF16_ENGINE_ALGOS
-    if bf16_only and dtype is None:
-        dtype = "bfloat16"
     if bf16_only and dtype != "bfloat16":
         raise BuildError(f"a {config.quantization.quant_algo} checkpoint builds into a bfloat16 engine (its kernels "
                          f"compute in bf16); got dtype {dtype}")
-    cast = getattr(torch, dtype) if dtype and dtype != config.dtype else None
+    cast = getattr(torch, dtype) if dtype != config.dtype else None
     model_cls = get_model_class(config.architecture, source=str(checkpoint_dir / "config.json"))
     raw = read_config_dict(checkpoint_dir)
     with atomic_output_dir(output_dir) as tmp:

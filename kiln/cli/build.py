@@ -12,8 +12,10 @@ def add_parser(sub) -> None:
     p.add_argument("--checkpoint_dir", required=True, help="the kiln checkpoint (from kiln convert)")
     p.add_argument("--output_dir", required=True, help="where to write the engine (replaced atomically)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="compute dtype of the engine; auto (default) is bfloat16 for a float32/bfloat16 "
-                        "checkpoint on a CPU with native bf16 (AVX512-BF16 or AMX), else the checkpoint's")
+                   help="compute dtype of the engine; auto (default; what LLM(...), kiln run and kiln serve "
+                        "build too) keeps a dtype chosen with kiln convert --dtype, and is otherwise bfloat16 "
+                        "for a float32/bfloat16 checkpoint on a CPU with native bf16 (AVX512-BF16 or AMX), else "
+                        "the checkpoint's")
     p.add_argument("--max_batch_size", type=int, help="most sequences in one step (default 64)")
     p.add_argument("--max_input_len", type=int,
                    help="longest prompt in tokens (default 2048, capped at max_seq_len)")
@@ -46,11 +48,10 @@ def run(args) -> int:
     from kiln.build import build_engine, resolve_build_config
     from kiln.build.builder import resolve_engine_dtype
     from kiln.checkpoint.format import read_config
-    from kiln.quantization.weight_only import BF16_ENGINE_ALGOS
 
     started = time.perf_counter()
     config = read_config(args.checkpoint_dir)
-    dtype = resolve_engine_dtype(args.dtype, config.dtype, quantized=config.quantization.quant_algo in BF16_ENGINE_ALGOS)
+    dtype = resolve_engine_dtype(args.dtype, config)
     build_config = resolve_build_config(
         config, max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
         max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens, tokens_per_block=args.tokens_per_block,

@@ -29,7 +29,8 @@ def add_parser(sub) -> None:
                    help="Hugging Face model directory (safetensors, sharded safetensors, .bin or .pth) or a .gguf file")
     p.add_argument("--output_dir", required=True, help="where to write the checkpoint (replaced atomically)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="weight dtype of the checkpoint; auto keeps the source's dtype (float32 for GGUF)")
+                   help="weight dtype of the checkpoint; auto keeps the source's dtype (float32 for GGUF); a "
+                        "dtype given here carries through: kiln build --dtype auto keeps it")
     p.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks to split the weights over (default 1)")
     p.add_argument("--pp_size", type=int, default=1, help="pipeline-parallel stages to split the layers over (default 1)")
     p.add_argument("--use_parallel_embedding", action="store_true",

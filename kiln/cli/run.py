@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 from kiln.cli.world import add_world_flags, rank_zero
 
@@ -89,9 +90,7 @@ def run(args) -> int:
         params = sampling_params(args)
     except (ValueError, AttributeError) as e:
         raise RequestError(f"--logit_bias: {e}") from None
-    from kiln.engine_cache import resolve_engine
-
-    engine_dir = resolve_engine(args.engine_dir, cache_dir=args.cache_dir, tp_size=args.tp_size, pp_size=args.pp_size)
+    engine_dir = engine_dir_for(args)
     with rank_zero(engine_dir, args.tp_size, args.pp_size):
         llm = LLM(engine_dir, tokenizer=args.tokenizer_dir)
         try:
@@ -147,3 +146,11 @@ def _run_many(llm, prompt: list[int], params) -> int:
     print(f"[{len(prompt)} prompt tokens, {len(result.outputs)} outputs in {time.perf_counter() - started:.2f} s]",
           file=sys.stderr)
     return 0
+
+
+def engine_dir_for(args) -> Path:
+    """The engine ``--engine_dir`` names, built into the cache from any other source exactly as
+    ``LLM(source)`` and ``kiln serve source`` build it."""
+    from kiln.engine_cache import resolve_engine
+
+    return resolve_engine(args.engine_dir, cache_dir=args.cache_dir, tp_size=args.tp_size, pp_size=args.pp_size)

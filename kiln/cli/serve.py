@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from kiln.cli.world import add_world_flags, rank_zero
 
@@ -53,16 +54,12 @@ def add_parser(sub) -> None:
 def serve(args) -> int:
     import uvicorn
 
-    from kiln.engine_cache import resolve_engine
     from kiln.errors import ConfigError
     from kiln.runtime.executor import ExecutorConfig, KvCacheConfig
     from kiln.serve.app import create_app
     from kiln.serve.shutdown import DrainingServer
 
-    engine_dir = resolve_engine(args.model, cache_dir=args.cache_dir,
-                                build_options=dict(max_batch_size=args.max_batch_size,
-                                                   max_num_tokens=args.max_num_tokens),
-                                tp_size=args.tp_size, pp_size=args.pp_size)
+    engine_dir = engine_dir_for(args)
     config = ExecutorConfig(max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
                             max_queue_size=args.max_queue_size,
                             kv_cache_config=KvCacheConfig(max_tokens=args.kv_cache_max_tokens,
@@ -95,3 +92,14 @@ def serve(args) -> int:
         print(f"kiln serve: stopped: {broken[0]}", file=sys.stderr)
         return 1
     return 0
+
+
+def engine_dir_for(args) -> Path:
+    """The engine MODEL names, built into the cache from any other source as ``LLM(source)`` and
+    ``kiln run`` build it (a --max_batch_size or --max_num_tokens above the default limits
+    builds a larger engine)."""
+    from kiln.engine_cache import resolve_engine
+
+    return resolve_engine(args.model, cache_dir=args.cache_dir,
+                          build_options=dict(max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens),
+                          tp_size=args.tp_size, pp_size=args.pp_size)

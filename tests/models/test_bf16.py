@@ -86,15 +86,24 @@ def test_build_casts_an_fp32_checkpoint_to_bf16(tmp_path, bf16_case):
                                atol=0.05, rtol=0.05)
 
 
-def test_auto_dtype_follows_the_cpu(monkeypatch):
+def test_auto_dtype_follows_the_cpu_and_keeps_a_chosen_dtype(monkeypatch):
     from kiln.build import builder
+    from kiln.config import PretrainedConfig
     from kiln.errors import BuildError
 
+    def config(dtype: str, **extra):
+        return PretrainedConfig.from_dict({"architecture": "LlamaForCausalLM", "dtype": dtype, "vocab_size": 8,
+                                           "hidden_size": 4, "num_hidden_layers": 1, "num_attention_heads": 1, "hidden_act": "silu",
+                                           **extra})
+
     monkeypatch.setattr(builder, "cpu_has_native_bf16", lambda: True)
-    assert builder.resolve_engine_dtype("auto", "float32") == "bfloat16"
-    assert builder.resolve_engine_dtype(None, "float16") == "float16"  # fp16 checkpoints stay fp16
-    assert builder.resolve_engine_dtype("float32", "float32") == "float32"
+    assert builder.resolve_engine_dtype("auto", config("float32")) == "bfloat16"
+    assert builder.resolve_engine_dtype(None, config("float16")) == "float16"  # fp16 checkpoints stay fp16
+    assert builder.resolve_engine_dtype("auto", config("float32", keep_dtype=True)) == "float32"  # chosen
+    assert builder.resolve_engine_dtype("float32", config("bfloat16")) == "float32"
+    assert builder.resolve_engine_dtype("auto", config("float32", quantization={"quant_algo": "W8A16"})) \
+        == "bfloat16"
     monkeypatch.setattr(builder, "cpu_has_native_bf16", lambda: False)
-    assert builder.resolve_engine_dtype("auto", "float32") == "float32"
+    assert builder.resolve_engine_dtype("auto", config("float32")) == "float32"
     with pytest.raises(BuildError, match="dtype 'int8'"):
-        builder.resolve_engine_dtype("int8", "float32")
+        builder.resolve_engine_dtype("int8", config("float32"))
