@@ -1,20 +1,16 @@
 """``POST /v1/chat/completions``: messages rendered by the tokenizer's chat template, then generated."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
 from kiln.errors import KilnError
 from kiln.serve.completions import default_max_tokens, sampling_kwargs, stream_events
+from kiln.serve.engine import Event, ServingEngine
 from kiln.serve.protocol import (ApiError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                  ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
                                  DeltaMessage, TopLogprob, Usage, now, random_id)
 from kiln.tokenizer import chat_prompt_ids
-
-if TYPE_CHECKING:
-    from kiln.serve.app import Event, ServingEngine
 
 
 def _content(content) -> str:

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kiln.serve.engine import Event, ServingEngine
 from kiln.serve.protocol import (ApiError, CompletionChoice, CompletionLogprobs, CompletionRequest,
                                  CompletionResponse, SamplingFields, Usage, now, random_id)
-
-if TYPE_CHECKING:
-    from kiln.serve.app import Event, ServingEngine
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,362 @@
+"""ServingEngine: the executor, tokenizer and metrics the endpoints share, and the bridge from
+the executor's thread to asyncio (a router thread moves responses to each request's queue).
+
+Every choice of every prompt runs as its own streaming executor request (``n`` samples get
+seeds ``seed``, ``seed + 1``... like the LLM API), so a stop string found in one choice
+cancels just that request and its KV blocks go back to the pool at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+from fastapi import Request as HttpRequest
+
+from kiln.checkpoint.peft import read_adapter
+from kiln.errors import ConfigError, KilnError, RequestError, WorldError
+from kiln.outputs import FINISH_NAMES, TextTracker
+from kiln.runtime.executor import Executor, ExecutorConfig, OutputConfig, Request, Response
+from kiln.runtime.lora_cache import LoraConfig
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sequence import FinishReason
+from kiln.serve.metrics import Metrics
+from kiln.serve.protocol import ApiError
+from kiln.tokenizer import end_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_CHECK_S = 0.5  # how often a waiting request checks whether its client hung up
+
+
+@dataclass
+class Event:
+    """New output of one choice."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)  # of token_ids
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass(eq=False)
+class _Choice:
+    index: int
+    request_id: int
+    tracker: TextTracker
+    tokens: list[int] = field(default_factory=list)
+    finished: bool = False
+    first_at: float | None = None
+    last_at: float | None = None
+
+
+def request_error_param(message: str, default: str | None = None) -> str | None:
+    """The field a kiln RequestError names (its messages start with it)."""
+    m = re.match(r"([a-z_]+)( token ids)? must", message)
+    return m.group(1) if m else default
+
+
+class ServingEngine:
+    """The executor, tokenizer and metrics the endpoints share."""
+
+    def __init__(self, engine_dir: str | Path, tokenizer_dir: str | Path | None = None,
+                 executor_config: ExecutorConfig | None = None, served_model_name: str | None = None,
+                 on_world_error: Callable[[BaseException], None] | None = None,
+                 request_timeout: float | None = None):
+        self.executor = Executor(engine_dir, executor_config)
+        # Seconds a request may take from arrival to its last token; then it ends ("abort").
+        self.request_timeout = request_timeout
+        self.draining = False  # set by drain(): new requests get 503, those in flight finish
+        # Called once when another rank of the engine's world died: the executor cannot run
+        # again, so the CLI's server exits instead of answering errors forever.
+        self.on_world_error = on_world_error
+        try:
+            engine = self.executor.engine
+            tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else engine.tokenizer_dir
+            if tokenizer_dir is None:
+                raise ConfigError(f"{engine_dir}: the engine carries no tokenizer; pass a tokenizer dir")
+            self.tokenizer = load_tokenizer(tokenizer_dir)
+            ids = end_ids(tokenizer_dir, self.tokenizer)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.end_id = ids[0] if ids else None
+        self.extra_stop_ids = ids[1:]
+        self.build = engine.build_config
+        self.vocab_size = engine.config.vocab_size
+        self.model_name = served_model_name or Path(engine_dir).name
+        self.lora_task_ids: dict[str, int] = {}  # served adapter name -> its LoRA task id
+        self.metrics = Metrics()
+        self._queues: dict[int, asyncio.Queue] = {}
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = threading.Event()
+        self._router: threading.Thread | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop serving the app (once started)."""
+        return self._loop
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._router = threading.Thread(target=self._route, name="kiln-serve-router", daemon=True)
+        self._router.start()
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        if self._router is not None:
+            self._router.join()
+        self.executor.shutdown()
+
+    def _route(self) -> None:
+        """Move executor responses to the asyncio queue of whoever waits for them."""
+        while not self._stopping.is_set():
+            try:
+                responses = self.executor.await_responses(None, timeout=0.1)
+            except KilnError as e:  # the executor stopped: fail everyone waiting
+                with self._lock:
+                    waiting = list(self._queues.items())
+                for rid, queue in waiting:
+                    self._loop.call_soon_threadsafe(queue.put_nowait,
+                                                    Response(rid, error_msg=str(e), internal_error=True))
+                if isinstance(self.executor.failure, WorldError) and self.on_world_error is not None:
+                    on_world_error, self.on_world_error = self.on_world_error, None
+                    on_world_error(self.executor.failure)
+                self._stopping.wait(0.1)
+                continue
+            for response in responses:
+                with self._lock:
+                    queue = self._queues.get(response.request_id)
+                if queue is not None:
+                    self._loop.call_soon_threadsafe(queue.put_nowait, response)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt)["input_ids"]
+        return list(prompt)
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param)
+        if len(ids) > self.build.max_input_len or len(ids) >= self.build.max_seq_len:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens, more than this model's limit "
+                                f"(max_input_len {self.build.max_input_len}, max_seq_len {self.build.max_seq_len})",
+                           param, code="context_length_exceeded")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ApiError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                           param)
+
+    def sampling_params(self, **kwargs) -> SamplingParams:
+        """SamplingParams from request fields, validated against the engine; errors become 400s."""
+        try:
+            params = SamplingParams(**kwargs)
+            params.validate(vocab_size=self.vocab_size)
+        except RequestError as e:
+            raise ApiError(400, str(e), request_error_param(str(e))) from None
+        if params.n > self.executor.core.max_num_seqs:  # the choices of a prompt are generated together
+            raise ApiError(400, f"n must be at most {self.executor.core.max_num_seqs} (the most sequences this "
+                                f"server generates at once), got {params.n}", "n")
+        return params
+
+    # -- health and shutdown ----------------------------------------------------------------
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What stopped the engine (it cannot serve again), or None while it can."""
+        return self.executor.failure
+
+    async def drain(self, timeout: float) -> None:
+        """Stop taking requests (they get 503), let those in flight finish for up to ``timeout``
+        seconds, then cancel what still runs (finish reason "abort") and wait for it to end."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.metrics.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.metrics.in_flight:
+            with self._lock:
+                running = list(self._queues)
+            logger.warning("cancelling %d requests still running after %.0f s of draining", len(running), timeout)
+            for rid in running:
+                self.executor.cancel_request(rid)
+            deadline = loop.time() + 10
+            while self.metrics.in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+
+    def _engine_params(self, params: SamplingParams, i: int) -> SamplingParams:
+        """Choice ``i``'s executor params: one sample, its own seed, the model's extra end ids;
+        stop strings are applied here on the text, not by the executor."""
+        stop_ids = list(params.stop_token_ids)
+        if self.extra_stop_ids and not params.ignore_eos:
+            stop_ids += self.extra_stop_ids
+        return dataclasses.replace(params, n=1, best_of=None, seed=params.seed_for(i), stop=[], stop_token_ids=stop_ids)
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Serve the LoRA adapter in ``path`` (a PEFT adapter or a ``kiln lora convert``
+        directory) as model ``name``; errors are 400s naming what is wrong."""
+        if not name or name == self.model_name or name in self.lora_task_ids:
+            raise ApiError(400, f"the model name {name!r} is already served (or empty)", "lora_name")
+        try:
+            weights, config = read_adapter(path)
+            task_id = len(self.lora_task_ids) + 1
+            self.executor.register_lora(task_id, weights, config)
+        except KilnError as e:
+            raise ApiError(400, str(e), "lora_path") from None
+        self.lora_task_ids[name] = task_id
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams, *, model: str | None = None,
+                       http_request: HttpRequest | None = None) -> AsyncIterator[Event]:
+        """Run ``params.n`` choices per prompt (index ``prompt * n + i``); yield their new output.
+
+        Stop strings are matched on the detokenized text; the executor request of a choice that
+        hit one is cancelled. ``http_request``: poll it and stop if the client went away (the
+        streaming path is cancelled by the server instead). Leaving early cancels what still runs.
+        """
+        want_logprobs = params.logprobs is not None
+        timeout_ms = None if self.request_timeout is None else max(1, round(self.request_timeout * 1000))
+        lora_task = self.lora_task_ids.get(model)
+        lora = LoraConfig(lora_task) if lora_task is not None else None
+        requests, choices = [], []
+        for p, ids in enumerate(prompts):
+            for i in range(params.n):
+                requests.append(Request(input_token_ids=ids, max_tokens=params.max_tokens, streaming=True,
+                                        sampling_config=self._engine_params(params, i), end_id=self.end_id,
+                                        output_config=OutputConfig(return_log_probs=want_logprobs),
+                                        lora_config=lora, allotted_time_ms=timeout_ms))
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            try:
+                rids = self.executor.enqueue_requests(requests)
+            except KilnError as e:
+                if self.failure is not None or self.draining:
+                    raise ApiError(503, str(e), None, "server_error") from None
+                # The queue is full: worth trying again shortly.
+                raise ApiError(503, str(e), None, "overloaded_error", headers={"Retry-After": "1"}) from None
+            for rid in rids:
+                self._queues[rid] = queue
+        started = time.perf_counter()
+        for ids in prompts:
+            self.metrics.add_prompt_tokens(len(ids) * params.n)
+        for index, rid in enumerate(rids):
+            choices.append(_Choice(index, rid, TextTracker(self.tokenizer, params.stop,
+                                                           params.include_stop_str_in_output)))
+        by_rid = {c.request_id: c for c in choices}
+        self.metrics.in_flight += 1
+        try:
+            remaining = len(choices)
+            next_check = time.monotonic() + DISCONNECT_CHECK_S
+            while remaining:
+                try:
+                    response = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_CHECK_S)
+                except asyncio.TimeoutError:
+                    response = None
+                # Checked on a clock, not only when idle: a non-streaming answer keeps the
+                # queue busy and would otherwise be generated to the end for nobody.
+                if http_request is not None and time.monotonic() >= next_check:
+                    next_check = time.monotonic() + DISCONNECT_CHECK_S
+                    if await http_request.is_disconnected():
+                        return
+                if response is None:
+                    continue
+                choice = by_rid[response.request_id]
+                if choice.finished:
+                    continue
+                if response.has_error():
+                    if response.internal_error:
+                        raise ApiError(500, response.error_msg, None, "server_error")
+                    raise ApiError(400, response.error_msg, request_error_param(response.error_msg))
+                event = self._advance(choice, response.result, started)
+                if choice.finished:
+                    remaining -= 1
+                if event.text or event.token_ids or event.finish_reason:
+                    yield event
+        finally:
+            self.metrics.in_flight -= 1
+            for choice in choices:
+                if not choice.finished:
+                    self.executor.cancel_request(choice.request_id)
+            with self._lock:
+                for rid in rids:
+                    self._queues.pop(rid, None)
+
+    def _advance(self, choice: _Choice, result, started: float) -> Event:
+        new = list(result.output_token_ids[0])
+        start = len(choice.tokens)
+        choice.tokens += new
+        now = time.perf_counter()
+        if new:
+            ttft = None if choice.first_at is not None else now - started
+            itl = None if choice.last_at is None else now - choice.last_at
+            choice.first_at = choice.first_at or now
+            choice.last_at = now
+            self.metrics.add_generated(len(new), ttft, itl)
+        tracker = choice.tracker
+        reason = None
+        if new or result.is_final:
+            if tracker.update(choice.tokens, final=result.is_final):
+                reason = "stop"
+                self.executor.cancel_request(choice.request_id)
+        if reason is None and result.is_final:
+            reason = FINISH_NAMES.get(FinishReason(result.finish_reasons[0]), "stop")
+        if reason is not None:
+            choice.finished = True
+            self.metrics.finished(reason)
+            text = tracker.text[tracker.emitted:]  # nothing held back any more
+            tracker.emitted = len(tracker.text)
+        else:
+            text = tracker.delta()
+        event = Event(choice.index, text, new, finish_reason=reason)
+        if result.log_probs is not None:
+            event.logprobs = list(result.log_probs[0][start:len(choice.tokens)])
+            top = result.top_log_probs
+            if top is not None:
+                event.top_logprobs = list(top[0][start:len(choice.tokens)])
+        return event
+
+    def gauges(self) -> dict[str, tuple[str, float]]:
+        stats = self.executor.get_latest_iteration_stats()
+        if stats:
+            self._last_stats = stats[-1]
+        last = getattr(self, "_last_stats", None)
+        idle = self.metrics.in_flight == 0
+        pool = self.executor.core.pool
+        return {
+            "kiln_num_requests_running": ("Sequences being generated.",
+                                          0 if idle or last is None else last.num_active_requests),
+            "kiln_num_requests_waiting": ("Sequences waiting to be scheduled.",
+                                          0 if idle or last is None else last.num_queued_requests),
+            "kiln_kv_cache_blocks_used": ("KV cache blocks in use.", pool.num_blocks - pool.num_free),
+            "kiln_kv_cache_blocks_total": ("KV cache blocks in all.", pool.num_blocks),
+            "kiln_kv_cache_usage_ratio": ("Fraction of KV cache blocks in use.",
+                                          (pool.num_blocks - pool.num_free) / pool.num_blocks),
+            "kiln_prefix_cache_hit_rate": ("Prefix-cache hit blocks / looked-up blocks since start.", pool.hit_rate),
+            **self._lora_gauges(last),
+        }
+
+    def _lora_gauges(self, last) -> dict[str, tuple[str, float]]:
+        lora = None if last is None else last.lora_cache
+        if lora is None:
+            return {}
+        return {
+            "kiln_lora_host_adapters": ("LoRA adapters in the host cache.", lora.host_adapters),
+            "kiln_lora_host_bytes": ("Bytes of LoRA adapters in the host cache.", lora.host_bytes),
+            "kiln_lora_device_adapters": ("LoRA adapters holding device slots.", lora.device_adapters),
+            "kiln_lora_device_slots": ("LoRA device slots in all.", lora.device_slots),
+            "kiln_lora_cache_hits": ("LoRA task ids found in the host cache since start.", lora.hits),
+            "kiln_lora_cache_misses": ("LoRA task ids loaded or unknown since start.", lora.misses),
+            "kiln_lora_cache_evictions": ("LoRA adapters evicted since start.", lora.evictions),
+        }
