@@ -30,7 +30,8 @@ def add_parser(sub) -> None:
                         "NAME; repeat for more (more can be loaded at run time: POST /v1/load_lora_adapter)")
     g = p.add_argument_group("scheduling")
     g.add_argument("--max_batch_size", type=int,
-                   help="most sequences generated at once (default: the engine's build limit)")
+                   help="most sequences generated at once (default: the engine's build limit; building from a "
+                        "source, a value above kiln build's default 64 builds an engine that large)")
     g.add_argument("--max_num_tokens", type=int,
                    help="most tokens computed per step, prompt chunks included (default: 1024, or the "
                         "engine's limit if lower; smaller keeps streams smoother while prompts prefill)")
@@ -96,10 +97,14 @@ def serve(args) -> int:
 
 def engine_dir_for(args) -> Path:
     """The engine MODEL names, built into the cache from any other source as ``LLM(source)`` and
-    ``kiln run`` build it (a --max_batch_size or --max_num_tokens above the default limits
-    builds a larger engine)."""
+    ``kiln run`` build it. --max_batch_size and --max_num_tokens are run-time limits; only a
+    value above what that engine is built for (kiln build's defaults) builds a larger one."""
+    from kiln.config import BuildConfig
     from kiln.engine_cache import resolve_engine
 
-    return resolve_engine(args.model, cache_dir=args.cache_dir,
-                          build_options=dict(max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens),
-                          tp_size=args.tp_size, pp_size=args.pp_size)
+    defaults = BuildConfig()
+    larger = {name: value for name, value in (("max_batch_size", args.max_batch_size),
+                                              ("max_num_tokens", args.max_num_tokens))
+              if value is not None and value > getattr(defaults, name)}
+    return resolve_engine(args.model, cache_dir=args.cache_dir, build_options=larger, tp_size=args.tp_size,
+                          pp_size=args.pp_size)

@@ -56,3 +56,15 @@ def test_a_dtype_chosen_at_convert_carries_through_kiln_build(tmp_path):
     assert main(["build", "--checkpoint_dir", str(tmp_path / "ckpt"), "--output_dir", str(tmp_path / "eng16"),
                  "--dtype", "bfloat16"]) == 0
     assert _engine_config(tmp_path / "eng16")["dtype"] == "bfloat16"
+
+
+def test_serve_limits_within_the_engine_are_run_time_settings(tmp_path):
+    """kiln serve's --max_batch_size / --max_num_tokens do not key another engine unless they
+    exceed what the cached engine is built for."""
+    make_tiny_llama_with_tokenizer(tmp_path / "hf")
+    cache, parse = tmp_path / "cache", build_parser().parse_args
+    serve = ["serve", str(tmp_path / "hf"), "--cache_dir", str(cache)]
+    engine = serve_cli.engine_dir_for(parse(serve))
+    assert serve_cli.engine_dir_for(parse([*serve, "--max_batch_size", "8", "--max_num_tokens", "256"])) == engine
+    larger = serve_cli.engine_dir_for(parse([*serve, "--max_batch_size", "128"]))
+    assert larger != engine and _engine_config(larger)["build_config"]["max_batch_size"] == 128
