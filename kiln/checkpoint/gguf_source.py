@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
-from kiln.checkpoint.sources import Index
+from kiln.checkpoint.tensor_source import Index
 from kiln.errors import CheckpointError
 
 # GGUF architecture -> (HF class, HF model_type). mistral and qwen2 name tensors like llama.

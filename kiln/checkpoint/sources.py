@@ -8,29 +8,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Iterable
 
 import torch
 
+from kiln.checkpoint.gguf_source import GGUFSource
+from kiln.checkpoint.tensor_source import Index, TensorSource
 from kiln.errors import CheckpointError
 
-Index = tuple[slice, ...]
-
-
-class TensorSource(Protocol):
-    """What the weights loader needs from a weights format."""
-
-    path: Path
-
-    def keys(self) -> Iterable[str]: ...
-
-    def shape(self, key: str) -> tuple[int, ...]: ...
-
-    def read(self, key: str, index: Index | None = None) -> torch.Tensor: ...
-
-    def hf_config(self) -> dict | None:
-        """The Hugging Face style config the weights come with, if the format carries one."""
-        ...
+__all__ = ["Index", "TensorSource", "SafetensorsSource", "TorchFileSource", "GGUFSource", "open_source"]
 
 
 def _hf_config_next_to(path: Path) -> dict | None:
@@ -148,8 +134,6 @@ def open_source(path: str | Path) -> TensorSource:
         if suffix in (".bin", ".pth", ".pt"):
             return TorchFileSource(path, [path])
         if suffix == ".gguf":
-            from kiln.checkpoint.gguf_source import GGUFSource
-
             return GGUFSource(path)
         raise CheckpointError(f"{path}: unknown weights format (expected .safetensors, .bin, .pth or .gguf)")
 
@@ -166,8 +150,6 @@ def open_source(path: str | Path) -> TensorSource:
             return cls(path, files)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
-        from kiln.checkpoint.gguf_source import GGUFSource
-
         return GGUFSource(ggufs[0])
     if len(ggufs) > 1:
         raise CheckpointError(f"{path}: holds several .gguf files {[g.name for g in ggufs]}; name one")

@@ -20,13 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.distributed import world, world_min
+from kiln.distributed import world
 from kiln.errors import CapacityError, ConfigError, KilnError, RequestError, WorldError
-from kiln.models.base import layer_window
 from kiln.runtime.beam_search import BeamHypothesis, BeamSearch, BeamSearchParams
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.engine import Engine
-from kiln.runtime.kv_cache import available_memory_bytes, kv_bytes_per_token, kv_cache_dtype
+from kiln.runtime.kv_blocks import KV_CACHE_MEMORY_FRACTION, agreed_num_blocks, common_window
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.prompt_tuning import PromptTable, check_prompt_ids, check_table_size
 from kiln.runtime.sampling_params import SamplingParams
@@ -34,45 +33,10 @@ from kiln.runtime.scheduler import RunnerOutput, Scheduler
 from kiln.runtime.sequence import FinishReason, Sequence
 from kiln.runtime.worker import CacheSettings, Leader
 
-KV_CACHE_MEMORY_FRACTION = 0.3  # of the memory available at start-up, when no size is given
 # Steps in a row whose every request failed with an internal error: past this, the engine
 # itself is taken to be broken and ``step`` raises (an engine that fails everything must say
 # so, not answer each request with an error forever).
 MAX_FAILED_STEPS = 8
-
-
-def common_window(model) -> int | None:
-    """The sliding window every layer keeps to (the widest), or None if a layer attends to all
-    positions: only then can blocks behind the window be released. (Every layer of the model:
-    a pipeline stage holds only some, and all stages share the block tables.)"""
-    config = model.config
-    windows = [layer_window(config, i) for i in range(config.num_hidden_layers)]
-    return None if not windows or None in windows else max(windows)
-
-
-def default_num_blocks(engine: Engine, max_num_seqs: int, memory_fraction: float = KV_CACHE_MEMORY_FRACTION) -> int:
-    """Blocks for every sequence at full length (with a sliding window on every layer, the
-    window and one step), capped at a share of available memory."""
-    build, config = engine.build_config, engine.config
-    tokens = build.max_seq_len
-    window = common_window(engine.model)
-    if window is not None:  # as Scheduler.peak_blocks
-        tokens = min(tokens, window + build.max_num_tokens + build.tokens_per_block)
-    wanted = max_num_seqs * -(-tokens // build.tokens_per_block)
-    attention = next(iter(engine.model.transformer.layers.values())).attention
-    per_block = build.tokens_per_block * kv_bytes_per_token(
-        len(engine.model.transformer.layers), attention.num_kv_heads, attention.head_size, kv_cache_dtype(config))
-    affordable = int(available_memory_bytes() * memory_fraction) // per_block
-    return max(1, min(wanted, affordable))
-
-
-def agreed_num_blocks(engine: Engine, settings: CacheSettings) -> int:
-    """The KV blocks of ``settings`` (given, or what memory affords: ``default_num_blocks``),
-    the smallest over the ranks of a world, so every rank holds the same blocks."""
-    num_blocks = settings.num_blocks
-    if num_blocks is None:
-        num_blocks = default_num_blocks(engine, settings.max_num_seqs, settings.memory_fraction)
-    return world_min(num_blocks)
 
 
 @dataclass
@@ -123,7 +87,7 @@ class EngineCore:
                 raise ConfigError("the engine core runs on rank 0 of a world; other ranks call "
                                   "kiln.runtime.worker.follow(engine)")
             leader = Leader(settings)
-        num_blocks = agreed_num_blocks(engine, settings)
+        num_blocks = agreed_num_blocks(engine, num_blocks, self.max_num_seqs, memory_fraction)
         self.runner = ModelRunner(engine, num_blocks, attention_backend)
         self.runner.leader = leader
         # Micro-batches in flight: one per pipeline stage (see ``step``).

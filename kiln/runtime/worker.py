@@ -24,6 +24,7 @@ from kiln.distributed import world
 from kiln.distributed.comm import recv_object, send_object, wait_sends
 from kiln.errors import KilnError, WorldError
 from kiln.runtime.engine import Engine
+from kiln.runtime.kv_blocks import agreed_num_blocks
 from kiln.runtime.lora_cache import parse_adapter
 from kiln.runtime.model_runner import ModelRunner, StepInputs
 from kiln.runtime.scheduler import RunnerOutput
@@ -168,13 +169,12 @@ class Sampler:
 def follow(engine: Engine) -> None:
     """Compute this rank's part of every step rank 0 schedules, until rank 0 stops (every
     rank but 0 of a world calls this with its ``Engine``)."""
-    from kiln.runtime.engine_core import agreed_num_blocks
-
     group = _control_group()
     kind, settings = recv_object(0, CONTROL_TAG, group)
     if kind != "init":
         raise KilnError(f"rank 0 sent {kind!r} before the cache settings")
-    runner = ModelRunner(engine, agreed_num_blocks(engine, settings), settings.attention_backend)
+    num_blocks = agreed_num_blocks(engine, settings.num_blocks, settings.max_num_seqs, settings.memory_fraction)
+    runner = ModelRunner(engine, num_blocks, settings.attention_backend)
     mapping = engine.config.mapping
     sampler = Sampler(runner) if mapping.pp_size > 1 and mapping.rank == sampler_rank(mapping) else None
     adapters: dict = {}

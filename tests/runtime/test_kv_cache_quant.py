@@ -11,7 +11,6 @@ import math
 import pytest
 import torch
 
-import kiln.runtime.engine_core as engine_core
 import kiln.runtime.model_runner as model_runner
 from kiln.build import build_engine
 from kiln.checkpoint.format import read_config, read_rank_weights
@@ -24,7 +23,9 @@ from kiln.models.native_decode import NativeDecodeStep, supports_native_decode
 from kiln.quantization.calibration import calibration_texts, calibration_token_ids
 from kiln.runtime.attention import dequantize_kv, quantize_kv, select_backend
 from kiln.runtime.engine import Engine
-from kiln.runtime.engine_core import EngineCore, default_num_blocks
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime import kv_blocks
+from kiln.runtime.kv_blocks import default_num_blocks
 from kiln.runtime.kv_cache import kv_bytes_per_token, kv_cache_dtype
 from kiln.runtime.metadata import AttentionMetadata
 from kiln.runtime.model_runner import ModelRunner
@@ -206,7 +207,7 @@ def test_cache_is_one_byte_and_holds_twice_the_tokens(models, monkeypatch, algo:
     assert all(k.dtype == v.dtype == dtype and k.element_size() == 1 for k, v in runner.kv_caches)
     quant_bytes, bf16_bytes = (kv_bytes_per_token(2, 2, 16, t) for t in (dtype, torch.bfloat16))
     assert quant_bytes == 2 * 2 * 2 * 16 and bf16_bytes == 2 * quant_bytes
-    monkeypatch.setattr(engine_core, "available_memory_bytes", lambda: 64 << 20)  # memory binds, not max_seq_len
+    monkeypatch.setattr(kv_blocks, "available_memory_bytes", lambda: 64 << 20)  # memory binds, not max_seq_len
     blocks = {key: default_num_blocks(Engine(path), 10 ** 6) for key, path in models["engines"].items()}
     assert blocks[algo, "bfloat16"] >= 1.9 * blocks["float", "bfloat16"]
     assert blocks[algo, "float32"] >= 3.9 * blocks["float", "float32"]

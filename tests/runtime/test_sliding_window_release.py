@@ -8,7 +8,8 @@ import pytest
 from kiln.errors import CapacityError
 from kiln.runtime.block_pool import RELEASED, BlockPool
 from kiln.runtime.engine import Engine
-from kiln.runtime.engine_core import EngineCore, common_window
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.kv_blocks import common_window
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.sequence import Sequence
