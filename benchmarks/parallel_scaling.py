@@ -114,7 +114,7 @@ def wire_cost(engine, batch: int, rounds: int = 200) -> dict:
     """Seconds of one all-reduce of a decode step's hidden states (tensor parallelism) and one
     stage-to-stage hand-over (pipeline), back to back, every rank ready."""
     from kiln.distributed import all_reduce, world
-    from kiln.models.base import torch_dtype
+    from kiln.dtypes import torch_dtype
 
     mapping, config = world().mapping, engine.config
     x = torch.zeros(batch, config.hidden_size, dtype=torch_dtype(config.dtype))

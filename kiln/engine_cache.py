@@ -10,18 +10,16 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 from pathlib import Path
 
+from kiln import env
+from kiln.checkpoint.format import ENGINE_FORMAT_VERSION
 from kiln.errors import CheckpointError
 
-# The layout of the tensors ``kiln build`` writes (an engine records it as ``engine_format``;
-# Engine refuses others). 2: 4-bit codes in panels of two blocks (kiln/kernels/quant_linear.c).
-ENGINE_FORMAT_VERSION = 2
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln"))
+    return env.cache_dir()
 
 
 def classify(path: Path) -> str:

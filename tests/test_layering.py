@@ -1,10 +1,5 @@
-"""Import circles in kiln/, counting function-level and TYPE_CHECKING imports (parsed with ast).
-
-The goal is none. One circle is left from before the layering work (kernels -> engine cache ->
-convert/build -> models/quantization -> layers -> back), listed in ``KNOWN_CIRCLE``: this test
-fails when a new circle appears or a module joins that one, and when a module leaves it
-(then drop it from the list, so the circle can only shrink).
-"""
+"""No import circle in kiln/, counting function-level and TYPE_CHECKING imports (parsed with ast):
+every module can be read knowing only what it imports."""
 from __future__ import annotations
 
 import ast
@@ -12,19 +7,6 @@ import sys
 from pathlib import Path
 
 KILN = Path(__file__).resolve().parents[1] / "kiln"
-
-KNOWN_CIRCLE = {
-    "kiln.build", "kiln.build.builder", "kiln.checkpoint.loader", "kiln.convert", "kiln.engine_cache",
-    "kiln.kernels", "kiln.layers.attention", "kiln.layers.embedding", "kiln.layers.linear", "kiln.layers.mlp",
-    "kiln.layers.moe", "kiln.layers.normalization", "kiln.models", "kiln.models.base", "kiln.models.bloom",
-    "kiln.models.falcon", "kiln.models.gemma", "kiln.models.gemma2", "kiln.models.gpt2", "kiln.models.gpt_neox",
-    "kiln.models.gptj", "kiln.models.llama", "kiln.models.llava", "kiln.models.mixtral",
-    "kiln.models.native_decode", "kiln.models.opt", "kiln.models.phi", "kiln.models.phi3", "kiln.models.qwen",
-    "kiln.models.qwen2_moe", "kiln.quantization", "kiln.quantization.awq", "kiln.quantization.calibration",
-    "kiln.quantization.fp8", "kiln.quantization.gptq", "kiln.quantization.gptq_quantize",
-    "kiln.quantization.kv_cache", "kiln.quantization.smoothquant", "kiln.quantization.weight_only",
-    "kiln.runtime.attention", "kiln.runtime.kv_cache",
-}
 
 
 def module_graph() -> dict[str, set[str]]:
@@ -91,9 +73,6 @@ def circles(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-def test_no_import_circle_but_the_known_one_and_it_only_shrinks():
-    found = circles(module_graph())
-    new = [sorted(c) for c in found if not c <= KNOWN_CIRCLE]
-    assert not new, f"new import circle(s): {new}"
-    remaining = set().union(*found) if found else set()
-    assert remaining == KNOWN_CIRCLE, f"left the circle (drop them from KNOWN_CIRCLE): {sorted(KNOWN_CIRCLE - remaining)}"
+def test_no_import_circle():
+    found = [sorted(c) for c in circles(module_graph())]
+    assert not found, f"import circle(s): {found}"

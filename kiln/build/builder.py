@@ -10,7 +10,8 @@ from kiln.checkpoint.format import (atomic_output_dir, copy_tokenizer_files, rea
                                     write_config, write_rank_weights)
 from kiln.build.lora import lora_build, write_adapters
 from kiln.config import BuildConfig, PretrainedConfig
-from kiln.engine_cache import ENGINE_FORMAT_VERSION
+from kiln.dtypes import DTYPES
+from kiln.checkpoint.format import ENGINE_FORMAT_VERSION
 from kiln.errors import BuildError, preview
 from kiln.models import get_model_class
 from kiln.quantization import use_weight_only_layout
@@ -47,7 +48,7 @@ def resolve_build_config(config: PretrainedConfig, **options: int | None) -> Bui
     return BuildConfig(**given)
 
 
-ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+ENGINE_DTYPES = tuple(DTYPES)
 QUANT_FLOAT32 = (".weights_scaling_factor", ".zero", ".prequant_scaling_factor", ".activation_scaling_factor",
                  ".kv_cache_scaling_factor")
 

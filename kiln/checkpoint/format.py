@@ -19,6 +19,10 @@ from safetensors.torch import save_file
 from kiln.config import PretrainedConfig
 from kiln.errors import CheckpointError, ConfigError
 
+# The layout of the tensors ``kiln build`` writes (an engine records it as ``engine_format``;
+# Engine refuses others). 2: 4-bit codes in panels of two blocks (kiln/kernels/quant_linear.c).
+ENGINE_FORMAT_VERSION = 2
+
 CONFIG_NAME = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from kiln.checkpoint.sources import TensorSource, open_source
 from kiln.errors import CheckpointError, preview
-from kiln.layers.linear import ShardSpec, rank_range
+from kiln.checkpoint.shard_spec import ShardSpec, rank_range
 
 KeyMap = dict[str, "str | list[str]"]
 

@@ -1,10 +1,10 @@
 """``kiln serve``: an OpenAI-compatible HTTP server (completions, chat, models, health, metrics)."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
+from kiln import env
 from kiln.cli.world import add_world_flags, rank_zero
 
 
@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
     p.add_argument("--tokenizer_dir", help="tokenizer to use (default: the one stored in the engine)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument("--api_key", default=os.environ.get("KILN_API_KEY"),
+    p.add_argument("--api_key", default=env.api_key(),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $KILN_API_KEY, else no key)")
     p.add_argument("--served_model_name", help="the model name clients send and /v1/models lists "
                                                "(default: the engine directory's name)")

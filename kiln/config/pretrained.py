@@ -11,12 +11,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from kiln.dtypes import DTYPES
 from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 
 QUANT_ALGOS = ("W8A16", "W4A16", "W4A16_AWQ", "W4A8_AWQ", "W4A16_GPTQ", "FP8", "W8A8_SQ_PER_CHANNEL")
 KV_CACHE_QUANT_ALGOS = ("FP8", "INT8")
-DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class PretrainedConfig:
                 raise ConfigError(f"config field {name!r} must be a positive integer, got {value!r}")
         for name in ("dtype", "logits_dtype"):
             if getattr(self, name) not in DTYPES:
-                raise ConfigError(f"config field {name!r} must be one of {DTYPES}, got {getattr(self, name)!r}")
+                raise ConfigError(f"config field {name!r} must be one of {tuple(DTYPES)}, got {getattr(self, name)!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.engine_cache import default_cache_dir
+from kiln import env
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def _build(compiler: str, out: Path) -> None:
 @lru_cache(maxsize=1)
 def native_library() -> ctypes.CDLL | None:
     """The compiled kernel library, built if needed; None if native kernels are unavailable."""
-    if os.environ.get("KILN_NATIVE_KERNELS", "1") == "0" or sys.platform != "linux":
+    if not env.native_kernels_enabled() or sys.platform != "linux":
         return None
     compiler = _compiler()
     if compiler is None:
@@ -102,7 +102,7 @@ def native_library() -> ctypes.CDLL | None:
     for part in (*sources, compiler.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
                  _cpu_flags().encode(), torch.__version__.encode()):
         key.update(part)
-    lib_path = default_cache_dir() / "kernels" / key.hexdigest()[:16] / "libkiln_kernels.so"
+    lib_path = env.cache_dir() / "kernels" / key.hexdigest()[:16] / "libkiln_kernels.so"
     try:
         if not lib_path.exists():
             _build(compiler, lib_path)
@@ -143,7 +143,7 @@ def native_library() -> ctypes.CDLL | None:
     lib.kiln_amx_pack_bf16.restype = None
     lib.kiln_set_amx.argtypes = [ctypes.c_int]
     lib.kiln_set_amx.restype = None
-    lib.kiln_set_amx(int(os.environ.get("KILN_AMX", "1") != "0"))
+    lib.kiln_set_amx(int(env.amx_enabled()))
     lib.kiln_dot_bf16_available.argtypes = []
     lib.kiln_dot_bf16_available.restype = ctypes.c_int
     for name in ("kiln_packed_linear_bf16", "kiln_portable_linear_bf16"):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln import distributed
-from kiln.layers.linear import ShardSpec
+from kiln.checkpoint.shard_spec import ShardSpec
 from kiln.layers.step_context import StepContext
 
 

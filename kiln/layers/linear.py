@@ -11,15 +11,14 @@ weights, **kwargs)`` turning the loaded tensors into ``{key: tensor}``.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kiln import distributed, kernels
+from kiln.checkpoint.shard_spec import ShardSpec, rank_range
 from kiln.layers import lora
+from kiln.layers.quantized_matmul import dequantize, fp8_linear, fp8_round_input, w8a8_linear
 
 # bf16 weights: one row through the native skinny GEMM (at the memory bandwidth); more rows,
 # where the CPU has AMX or AVX512-BF16, through kiln's own kernel on a copy packed once into
@@ -29,39 +28,6 @@ from kiln.layers import lora
 # its blocked format (1.4-2x faster than F.linear). fp32: the native skinny GEMM up to 16
 # rows (faster than MKL), F.linear beyond.
 _PACK_BF16 = torch.backends.mkldnn.is_available()
-
-
-def rank_range(size: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
-    """The ``[start, stop)`` of ``size`` entries that rank ``tp_rank`` of ``tp_size`` holds
-    (chunks of ceil(size / tp_size); the last may be short)."""
-    chunk = math.ceil(size / tp_size)
-    start = min(tp_rank * chunk, size)
-    return start, min(start + chunk, size)
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """How one rank takes its part of one external tensor.
-
-    ``dim`` is the dimension split over ranks (``None``: the whole tensor). When that
-    dimension is a concatenation of parts (a fused qkv, say), ``parts`` lists them as
-    ``(size, tp_size, tp_rank)``: each part is split on its own and the rank's pieces are
-    concatenated; a part with ``tp_size`` 0 is skipped (another parameter takes it). ``size``
-    may be ``None`` for a single part spanning the dimension.
-    """
-
-    dim: int | None = None
-    parts: tuple[tuple[int | None, int, int], ...] = ((None, 1, 0),)
-
-    @staticmethod
-    def even(dim: int | None, tp_size: int, tp_rank: int) -> "ShardSpec":
-        if dim is None or tp_size == 1:
-            return ShardSpec()
-        return ShardSpec(dim, ((None, tp_size, tp_rank),))
-
-    def transposed(self) -> "ShardSpec":
-        """The same split for a 2-D tensor stored the other way round."""
-        return self if self.dim is None else ShardSpec(1 - self.dim, self.parts)
 
 
 class Linear(nn.Module):
@@ -174,8 +140,6 @@ class Linear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight a quantized layer stands for (row-major codes only)."""
-        from kiln.quantization.weight_only import dequantize
-
         tensors = {"weight": self.weight, "weights_scaling_factor": self.weights_scaling_factor}
         if hasattr(self, "zero"):
             tensors["zero"] = self.zero
@@ -185,8 +149,6 @@ class Linear(nn.Module):
         prequant = getattr(self, "prequant_scaling_factor", None)
         act_scale = getattr(self, "activation_scaling_factor", None)
         if act_scale is not None:  # W4A8_AWQ: the input on the e4m3 grid of its static scale, then the 4-bit matmul
-            from kiln.quantization.fp8 import fp8_round_input
-
             x = fp8_round_input(x, act_scale, prequant, fast=self.tile_order) * act_scale
             x = x.to(torch.bfloat16 if self.tile_order else x.dtype)
         elif prequant is not None:  # AWQ: the codes hold W diag(s), so the input is divided by s (one multiply)
@@ -206,12 +168,8 @@ class Linear(nn.Module):
         if self.quant_bits is not None:
             return self._quantized_matmul(x, bias)
         if self.fp8:
-            from kiln.quantization.fp8 import fp8_linear
-
             return fp8_linear(self, x, bias)
         if self.act_quant:
-            from kiln.quantization.smoothquant import w8a8_linear
-
             return w8a8_linear(x, self.weight, self.weights_scaling_factor, self.prequant_scaling_factor, bias)
         w = self.weight
         if (x.dim() == 2 and x.shape[0] <= (kernels.SKINNY_MAX_ROWS if x.dtype == torch.float32 else 1)

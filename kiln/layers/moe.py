@@ -40,7 +40,8 @@ from torch import nn
 from kiln import distributed, kernels
 from kiln.errors import ConfigError
 from kiln.layers.activation import get_activation
-from kiln.layers.linear import Linear, ShardSpec
+from kiln.checkpoint.shard_spec import ShardSpec
+from kiln.layers.linear import Linear
 from kiln.layers.mlp import GatedMLP
 
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from kiln import kernels
 from kiln.config import PretrainedConfig
+from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
 from kiln.layers.attention import Attention
 from kiln.layers.embedding import Embedding, PromptTuningEmbedding, active_prompt_step
@@ -32,16 +33,6 @@ from kiln.layers.mlp import MLP, GatedMLP
 from kiln.layers.normalization import LayerNorm, RmsNorm
 from kiln.layers.rotary import RotaryEmbedding
 from kiln.models.native_decode import native_decode_for
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"dtype {name!r} is not one of {sorted(DTYPES)}") from None
-
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -95,6 +86,8 @@ class DecoderLayer(nn.Module):
       ``h + attn(ln1(h)) + mlp(ln1(h))``, no ``post_layernorm`` (GPT-J, Phi-2, Falcon-7B);
     * ``norm_after_residual``: post-norm — ``h = ln1(h + attn(h)); h = ln2(h + mlp(h))`` (OPT-350m).
     """
+
+    native_decode_shape = True  # kiln.models.native_decode computes exactly this class (not subclasses)
 
     def __init__(self, model_cls: type["DecoderModelForCausalLM"], config: PretrainedConfig, layer_idx: int,
                  rotary: RotaryEmbedding | None, engine_layout: bool):

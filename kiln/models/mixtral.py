@@ -8,7 +8,8 @@ from __future__ import annotations
 from kiln.config import PretrainedConfig
 from kiln.layers.moe import ExpertNames, MixtureOfExperts, check_expert_config
 from kiln.mapping import Mapping
-from kiln.models.base import DecoderModelForCausalLM, torch_dtype
+from kiln.dtypes import torch_dtype
+from kiln.models.base import DecoderModelForCausalLM
 from kiln.models.hf_config import hf_get, rope_decoder_config
 from kiln.models.registry import register_model
 

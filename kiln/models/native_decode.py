@@ -44,8 +44,6 @@ QUANTIZED_PARAMETERS = ("weight", "weights_scaling_factor", "zero", "prequant_sc
 
 def supports_native_decode(model) -> bool:
     """Whether ``model``'s layers are all of the shape ``decode_step`` computes."""
-    from kiln.models.base import DecoderLayer
-
     t = model.transformer
     dtype = t.vocab_embedding.weight.dtype if hasattr(t, "vocab_embedding") else None
     if (dtype not in (torch.float32, torch.bfloat16) or model.config.mapping.world_size != 1
@@ -54,7 +52,9 @@ def supports_native_decode(model) -> bool:
     scale = next(iter(t.layers.values())).attention.scale
     for layer in t.layers.values():
         attn, mlp = layer.attention, layer.mlp
-        if not (type(layer) is DecoderLayer and type(layer.input_layernorm) is RmsNorm
+        # The shared decoder layer declares itself fit (a family's own layer class, a subclass,
+        # computes something else and does not inherit the declaration).
+        if not (type(layer).__dict__.get("native_decode_shape", False) and type(layer.input_layernorm) is RmsNorm
                 and type(layer.post_layernorm) is RmsNorm and type(attn) is Attention
                 and type(mlp) is GatedMLP and mlp.fused and mlp.act is F.silu and attn.rotary is t.rotary
                 and attn.q_norm is None and not layer.parallel_residual and not layer.norm_after_residual):

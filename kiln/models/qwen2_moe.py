@@ -12,7 +12,8 @@ from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
 from kiln.layers.moe import ExpertNames, MixtureOfExperts, check_expert_config
 from kiln.mapping import Mapping
-from kiln.models.base import DecoderModelForCausalLM, torch_dtype
+from kiln.dtypes import torch_dtype
+from kiln.models.base import DecoderModelForCausalLM
 from kiln.models.hf_config import hf_get, rope_decoder_config
 from kiln.models.registry import register_model
 

@@ -143,7 +143,7 @@ def prompt_steps(token_lists: list[list[int]], backend=None,
 
 def step_kv_caches(model: nn.Module, steps: list[PromptStep]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One zeroed (K, V) cache per layer of ``model``, as large as the largest of ``steps`` needs."""
-    from kiln.models.base import torch_dtype
+    from kiln.dtypes import torch_dtype
 
     attention = next(iter(model.transformer.layers.values())).attention
     dtype = torch_dtype(model.config.dtype)

@@ -25,20 +25,14 @@ import logging
 import torch
 from torch import nn
 
-from kiln import kernels
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
+from kiln.layers.quantized_matmul import E4M3_MAX, fp8_linear, fp8_round_input, round_to_e4m3  # noqa: F401
 from kiln.quantization.weight_only import FP8_ALGO
 
 log = logging.getLogger(__name__)
 
-E4M3_MAX = 448.0  # the largest finite e4m3 value
 _TINY = 1e-12  # floor of a scale: an all-zero tensor still gets a finite one
-
-
-def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """float32 ``x`` rounded to the nearest e4m3 value (ties to even), saturated at +-448."""
-    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
 
 
 def quantize_fp8_weight(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -60,34 +54,6 @@ def activation_scale(absmax: torch.Tensor) -> torch.Tensor:
     """The static per-tensor activation scale (float32 ``[1]``) of inputs whose per-channel
     maxima are ``absmax``: ``ACTIVATION_HEADROOM * max|x| / 448``."""
     return (ACTIVATION_HEADROOM * absmax.float().max() / E4M3_MAX).clamp(min=_TINY).reshape(1)
-
-
-def fp8_round_input(x: torch.Tensor, act_scale: torch.Tensor, prequant: torch.Tensor | None = None, *,
-                    fast: bool = False) -> torch.Tensor:
-    """``x`` (times ``prequant``, rounded to ``x``'s dtype) divided by ``act_scale`` and rounded to
-    e4m3: float32 ``[..., in]``; ``fast`` takes the native kernel (bf16 in, same values)."""
-    if fast:
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        return kernels.fp8_quantize_rows(rows, float(act_scale), prequant).float().view(x.shape)
-    if prequant is not None:
-        x = (x * prequant).to(x.dtype)
-    return round_to_e4m3(x.float() / act_scale)
-
-
-def fp8_linear(linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """An FP8 ``Linear``'s ``x W^T (+ bias)`` (output in ``x``'s dtype): the native kernel on an
-    engine's tile-ordered codes, the same arithmetic in PyTorch on a checkpoint's."""
-    a = linear.activation_scaling_factor
-    if linear.tile_order:
-        rows = x.reshape(-1, linear.in_features).to(torch.bfloat16)
-        y = kernels.fp8_linear(rows, linear.weight, linear.weights_scaling_factor, float(a), None,
-                               None if bias is None else bias.to(torch.bfloat16))
-        return y.view(*x.shape[:-1], linear.out_features).to(x.dtype)
-    xq = fp8_round_input(x, a)
-    y = (xq @ linear.weight.float().t()) * (a * linear.weights_scaling_factor)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
 
 
 @torch.inference_mode()

@@ -36,6 +36,8 @@ from torch import nn
 
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
+from kiln.layers.quantized_matmul import (int8_matmul, int8_matmul_reference,  # noqa: F401
+                                          quantize_activations, w8a8_linear)
 from kiln.quantization.weight_only import SMOOTHQUANT_ALGO
 
 log = logging.getLogger(__name__)
@@ -67,51 +69,6 @@ def quantize_w8a8_weight(weight: torch.Tensor, smoother: torch.Tensor) -> dict[s
     codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return {"weight": codes, "weights_scaling_factor": scale,
             "prequant_scaling_factor": (1.0 / smoother.float()).contiguous()}
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token int8 codes ``[m, in]`` of float ``x`` ``[m, in]`` and their float32 scales ``[m, 1]``."""
-    x = x.float()
-    scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
-    return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
-
-
-def int8_matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b^T`` of int8 ``a`` ``[m, k]`` and ``b`` ``[n, k]`` as int32, computed in float64
-    (exact: every partial sum is an integer below 2^53 for any k under 5e11)."""
-    return (a.double() @ b.double().t()).to(torch.int32)
-
-
-_HAS_INT_MM = hasattr(torch, "_int_mm")
-
-
-def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b^T`` (int8 ``[m, k]`` by int8 ``[n, k]``) in int32: ``torch._int_mm`` on CPU, which
-    in torch 2.13 takes every shape (1 row, odd k and n included, checked by the tests);
-    the exact float64 emulation on other devices (CUDA's kernel wants m > 16 and multiples
-    of 8) or a torch without it."""
-    if _HAS_INT_MM and a.device.type == "cpu":
-        return torch._int_mm(a.contiguous(), b.t())
-    return int8_matmul_reference(a, b)
-
-
-def w8a8_linear(x: torch.Tensor, codes: torch.Tensor, weights_scale: torch.Tensor, prequant: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T (+ bias)`` for a SmoothQuant linear (``x`` ``[..., in]``; output in ``x``'s dtype).
-    bf16 inputs go through the native kernel where it runs (``kernels.w8a8_linear``: the same
-    numbers, bit for bit, without torch's per-op overhead)."""
-    from kiln import kernels
-
-    rows = x.reshape(-1, x.shape[-1])
-    if (kernels.w8a8_supported(rows.dtype, codes) and rows.device.type == "cpu"
-            and (bias is None or bias.dtype == torch.bfloat16)):
-        return kernels.w8a8_linear(rows, codes, weights_scale, prequant, bias).view(*x.shape[:-1], codes.shape[0])
-    rows = rows.float() * prequant
-    q, a = quantize_activations(rows)
-    y = int8_matmul(q, codes).float() * a * weights_scale
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).view(*x.shape[:-1], codes.shape[0])
 
 
 def search_alpha(weights: list[torch.Tensor], rows: torch.Tensor, act_absmax: torch.Tensor,

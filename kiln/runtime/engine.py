@@ -14,7 +14,7 @@ import torch
 
 from kiln.checkpoint.format import read_config_dict
 from kiln.config import BuildConfig, PretrainedConfig
-from kiln.engine_cache import ENGINE_FORMAT_VERSION
+from kiln.checkpoint.format import ENGINE_FORMAT_VERSION
 from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 from kiln.models import get_model_class

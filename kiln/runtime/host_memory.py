@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 import sys
 from functools import lru_cache
 
 import torch
 from torch import nn
+
+from kiln import env
 
 HUGE_PAGE_BYTES = 2 << 20
 _ALIGN = 64  # a cache line: every tensor starts on its own line
@@ -26,7 +27,7 @@ _ALIGN = 64  # a cache line: every tensor starts on its own line
 @lru_cache(maxsize=1)
 def huge_pages_available() -> bool:
     """Whether this process can ask for transparent huge pages (Linux, THP not ``never``)."""
-    if os.environ.get("KILN_HUGE_PAGES", "1") == "0" or sys.platform != "linux" or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not env.huge_pages_enabled() or sys.platform != "linux" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:

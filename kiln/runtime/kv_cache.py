@@ -14,7 +14,7 @@ def kv_cache_dtype(config) -> torch.dtype:
     """The paged cache's element type for a model config: the compute dtype, int8 for an INT8
     KV cache or float8 e4m3 for an FP8 one (K and V stored as ``x / scale`` rounded to the
     cache type, with the layer's static scales)."""
-    from kiln.models.base import torch_dtype
+    from kiln.dtypes import torch_dtype
 
     algo = config.quantization.kv_cache_quant_algo
     if algo is None:

@@ -22,7 +22,7 @@ from kiln.distributed.comm import recv_tensor, send_tensor
 from kiln.errors import KilnError, WorldError
 from kiln.layers.embedding import prompt_tuning_step
 from kiln.layers.lora import LoraStep, lora_step
-from kiln.models.base import torch_dtype
+from kiln.dtypes import torch_dtype
 from kiln.runtime.attention import BACKENDS, select_backend
 from kiln.runtime.engine import Engine
 from kiln.runtime.kv_cache import allocate_kv_cache, indexable, kv_cache_dtype

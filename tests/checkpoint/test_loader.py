@@ -15,7 +15,8 @@ from torch import nn
 from kiln.checkpoint.loader import DEFAULT_KEY_MAP, ModelWeightsLoader, fill_parameters, translate_key
 from kiln.checkpoint.sources import open_source
 from kiln.errors import CheckpointError
-from kiln.layers.linear import QKVColumnLinear, ShardSpec
+from kiln.checkpoint.shard_spec import ShardSpec
+from kiln.layers.linear import QKVColumnLinear
 from kiln.models.llama import LlamaForCausalLM
 from tests.utils.compare import resave_as_torch_bin
 from tests.utils.tiny_models import make_llama

@@ -1,0 +1,98 @@
+"""The matmuls of quantized linears, as the layers run them: weight-only codes dequantized
+(the reference path), FP8 e4m3 inputs and weights, SmoothQuant int8 x int8. The quantization
+algorithms (``kiln.quantization``) write the codes these read."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln import kernels
+
+E4M3_MAX = 448.0  # the largest finite e4m3 value
+
+
+def dequantize(tensors: dict[str, torch.Tensor], bits: int, group_size: int = 64) -> torch.Tensor:
+    """The float32 weight ``[out, in]`` that row-major ``tensors`` (``quantize_weight``'s) stand for."""
+    codes, scale = tensors["weight"], tensors["weights_scaling_factor"]
+    if bits == 8:
+        return codes.float() * scale[:, None]
+    unpacked = torch.stack([codes & 0x0F, codes >> 4], dim=-1).view(codes.shape[0], -1).float()
+    zero = tensors.get("zero")
+    zero = torch.full_like(scale, 8.0) if zero is None else zero
+    return (unpacked - zero.repeat_interleave(group_size, dim=1)) * scale.repeat_interleave(group_size, dim=1)
+
+
+def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` rounded to the nearest e4m3 value (ties to even), saturated at +-448."""
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+
+
+def fp8_round_input(x: torch.Tensor, act_scale: torch.Tensor, prequant: torch.Tensor | None = None, *,
+                    fast: bool = False) -> torch.Tensor:
+    """``x`` (times ``prequant``, rounded to ``x``'s dtype) divided by ``act_scale`` and rounded to
+    e4m3: float32 ``[..., in]``; ``fast`` takes the native kernel (bf16 in, same values)."""
+    if fast:
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        return kernels.fp8_quantize_rows(rows, float(act_scale), prequant).float().view(x.shape)
+    if prequant is not None:
+        x = (x * prequant).to(x.dtype)
+    return round_to_e4m3(x.float() / act_scale)
+
+
+def fp8_linear(linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """An FP8 ``Linear``'s ``x W^T (+ bias)`` (output in ``x``'s dtype): the native kernel on an
+    engine's tile-ordered codes, the same arithmetic in PyTorch on a checkpoint's."""
+    a = linear.activation_scaling_factor
+    if linear.tile_order:
+        rows = x.reshape(-1, linear.in_features).to(torch.bfloat16)
+        y = kernels.fp8_linear(rows, linear.weight, linear.weights_scaling_factor, float(a), None,
+                               None if bias is None else bias.to(torch.bfloat16))
+        return y.view(*x.shape[:-1], linear.out_features).to(x.dtype)
+    xq = fp8_round_input(x, a)
+    y = (xq @ linear.weight.float().t()) * (a * linear.weights_scaling_factor)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token int8 codes ``[m, in]`` of float ``x`` ``[m, in]`` and their float32 scales ``[m, 1]``."""
+    x = x.float()
+    scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+    return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+def int8_matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b^T`` of int8 ``a`` ``[m, k]`` and ``b`` ``[n, k]`` as int32, computed in float64
+    (exact: every partial sum is an integer below 2^53 for any k under 5e11)."""
+    return (a.double() @ b.double().t()).to(torch.int32)
+
+
+_HAS_INT_MM = hasattr(torch, "_int_mm")
+
+
+def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b^T`` (int8 ``[m, k]`` by int8 ``[n, k]``) in int32: ``torch._int_mm`` on CPU, which
+    in torch 2.13 takes every shape (1 row, odd k and n included, checked by the tests);
+    the exact float64 emulation on other devices (CUDA's kernel wants m > 16 and multiples
+    of 8) or a torch without it."""
+    if _HAS_INT_MM and a.device.type == "cpu":
+        return torch._int_mm(a.contiguous(), b.t())
+    return int8_matmul_reference(a, b)
+
+
+def w8a8_linear(x: torch.Tensor, codes: torch.Tensor, weights_scale: torch.Tensor, prequant: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T (+ bias)`` for a SmoothQuant linear (``x`` ``[..., in]``; output in ``x``'s dtype).
+    bf16 inputs go through the native kernel where it runs (``kernels.w8a8_linear``: the same
+    numbers, bit for bit, without torch's per-op overhead)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if (kernels.w8a8_supported(rows.dtype, codes) and rows.device.type == "cpu"
+            and (bias is None or bias.dtype == torch.bfloat16)):
+        return kernels.w8a8_linear(rows, codes, weights_scale, prequant, bias).view(*x.shape[:-1], codes.shape[0])
+    rows = rows.float() * prequant
+    q, a = quantize_activations(rows)
+    y = int8_matmul(q, codes).float() * a * weights_scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], codes.shape[0])
