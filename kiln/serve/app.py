@@ -41,6 +41,19 @@ def _validation_message(err: dict) -> str:
     return f"{where}: {err.get('msg')}"
 
 
+# Documented in the OpenAPI schema, so clients (and schema fuzzers) know every answer.
+ERRORS = {code: {"model": ErrorResponse, "description": text} for code, text in (
+    (400, "invalid request (the error names the field)"), (401, "invalid or missing API key"),
+    (404, "unknown model"), (500, "kiln failed while serving this request (the engine goes on)"),
+    (503, "the request queue is full (Retry-After), the server is shutting down, or its engine failed"))}
+_HEALTH = {"content": {"application/json": {"schema": {"type": "object"}}}}
+# Each server-sent event: a JSON chunk (or an error) in ``data``, the last one "[DONE]".
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+              "required": ["data"]}
+EVENT_STREAM = {"content": {"text/event-stream": {"schema": _SSE_EVENT}},
+                "description": "the response, or with stream=true server-sent events ending in [DONE]"}
+
+
 def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, api_key: str | None = None,
                executor_config: ExecutorConfig | None = None, served_model_name: str | None = None,
                lora_adapters: dict[str, str | Path] | None = None,
@@ -50,7 +63,6 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
     app), and each LoRA adapter of ``lora_adapters`` (name -> directory) as a model of that name.
     ``on_world_error``: called once if another rank of the engine's world dies;
     ``request_timeout``: seconds a request may run (queueing included) before it is ended."""
-    holder: dict[str, ServingEngine] = {}
     name = served_model_name or Path(engine_dir).name
 
     @contextlib.asynccontextmanager
@@ -65,14 +77,54 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
             await asyncio.to_thread(engine.shutdown)
             raise ConfigError(f"--lora {lora_name}={path}: {e.message}") from None
         engine.start(asyncio.get_running_loop())
-        holder["engine"] = app.state.engine = engine
+        app.state.engine = engine
         try:
             yield
         finally:
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="kiln", lifespan=lifespan, max_body_size=MAX_BODY_BYTES)  # larger bodies: 413
+    _install_error_handlers(app)
+    _add_health_routes(app)
+    _add_api_routes(app, _key_check(api_key))
+    return app
 
+
+def _engine(request: HttpRequest) -> ServingEngine:
+    return request.app.state.engine
+
+
+def _key_check(api_key: str | None) -> Callable:
+    """The dependency that checks ``Authorization: Bearer KEY`` (nothing without a key)."""
+    async def check_key(request: HttpRequest) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        if not secrets.compare_digest(given.encode(), api_key.encode()):
+            raise ApiError(401, "invalid or missing API key", None, "authentication_error", "invalid_api_key")
+
+    return check_key
+
+
+async def _accepting(request: HttpRequest) -> None:
+    """Requests are refused while the server drains or after its engine failed."""
+    e = _engine(request)
+    if e.failure is not None:
+        raise ApiError(503, f"the engine stopped after an internal error: {e.failure!r}", None, "server_error")
+    if e.draining:
+        raise ApiError(503, "the server is shutting down", None, "server_error", headers={"Connection": "close"})
+
+
+def _check_model(engine: ServingEngine, model: str) -> None:
+    if model != engine.model_name and model not in engine.lora_task_ids:
+        served = [engine.model_name, *engine.lora_task_ids]
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}", "model",
+                       code="model_not_found")
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error answers OpenAI error JSON."""
     @app.exception_handler(ApiError)
     async def on_api_error(_, e: ApiError):
         return _error(e)
@@ -87,7 +139,7 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
         return _error(ApiError(400, message, param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_, e: StarletteHTTPException):  # unknown routes, wrong methods: OpenAI error JSON
+    async def on_http_error(_, e: StarletteHTTPException):  # unknown routes, wrong methods
         return _error(ApiError(e.status_code, str(e.detail), None, headers=e.headers))
 
     @app.exception_handler(Exception)
@@ -95,57 +147,22 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
         logger.error("request failed", exc_info=e)
         return _error(ApiError(500, f"internal error while serving this request: {e!r}", None, "server_error"))
 
-    def engine() -> ServingEngine:
-        return holder["engine"]
 
-    async def accepting() -> None:
-        """Requests are refused while the server drains or after its engine failed."""
-        e = engine()
-        if e.failure is not None:
-            raise ApiError(503, f"the engine stopped after an internal error: {e.failure!r}", None, "server_error")
-        if e.draining:
-            raise ApiError(503, "the server is shutting down", None, "server_error", headers={"Connection": "close"})
-
-    async def check_key(request: HttpRequest) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        given = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        if not secrets.compare_digest(given.encode(), api_key.encode()):
-            raise ApiError(401, "invalid or missing API key", None, "authentication_error", "invalid_api_key")
-
-    def check_model(model: str) -> None:
-        if model != name and model not in engine().lora_task_ids:
-            served = [name, *engine().lora_task_ids]
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}", "model",
-                           code="model_not_found")
-
-    # Documented in the OpenAPI schema, so clients (and schema fuzzers) know every answer.
-    errors = {code: {"model": ErrorResponse, "description": text} for code, text in (
-        (400, "invalid request (the error names the field)"), (401, "invalid or missing API key"),
-        (404, "unknown model"), (500, "kiln failed while serving this request (the engine goes on)"),
-        (503, "the request queue is full (Retry-After), the server is shutting down, or its engine failed"))}
-    health = {"content": {"application/json": {"schema": {"type": "object"}}}}
-    # Each server-sent event: a JSON chunk (or an error) in ``data``, the last one "[DONE]".
-    sse_event = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
-                 "required": ["data"]}
-    event_stream = {"content": {"text/event-stream": {"schema": sse_event}},
-                    "description": "the response, or with stream=true server-sent events ending in [DONE]"}
-
-    @app.get("/health", responses={200: {**health, "description": "alive (status ok, or draining)"},
-                                   503: {**health, "description": "the engine failed: restart the server"}})
-    async def liveness():
+def _add_health_routes(app: FastAPI) -> None:
+    @app.get("/health", responses={200: {**_HEALTH, "description": "alive (status ok, or draining)"},
+                                   503: {**_HEALTH, "description": "the engine failed: restart the server"}})
+    async def liveness(request: HttpRequest):
         """Liveness: 503 once the engine failed (it cannot serve again), else 200."""
-        e = engine()
+        e = _engine(request)
         if e.failure is not None:
             return JSONResponse({"status": "failed", "error": repr(e.failure)}, status_code=503)
         return {"status": "draining" if e.draining else "ok"}
 
-    @app.get("/health/ready", responses={200: {**health, "description": "taking requests"},
-                                         503: {**health, "description": "draining, or the engine failed"}})
-    async def readiness():
+    @app.get("/health/ready", responses={200: {**_HEALTH, "description": "taking requests"},
+                                         503: {**_HEALTH, "description": "draining, or the engine failed"}})
+    async def readiness(request: HttpRequest):
         """Readiness: 200 while new requests are taken, 503 while draining or once the engine failed."""
-        e = engine()
+        e = _engine(request)
         if e.failure is not None or e.draining:
             return JSONResponse({"status": "failed" if e.failure is not None else "draining"}, status_code=503)
         return {"status": "ready"}
@@ -153,35 +170,35 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                               "description": "Prometheus text format"}})
-    async def metrics():
-        e = engine()
+    async def metrics(request: HttpRequest):
+        e = _engine(request)
         return PlainTextResponse(e.metrics.render(e.gauges()), media_type="text/plain; version=0.0.4")
 
+
+def _add_api_routes(app: FastAPI, check_key: Callable) -> None:
     @app.get("/v1/models", dependencies=[Depends(check_key)], response_model=ModelList,
-             responses={401: errors[401]})
-    async def models():
-        adapters = [ModelCard(id=lora, parent=name) for lora in engine().lora_task_ids]
-        return ModelList(data=[ModelCard(id=name), *adapters])
+             responses={401: ERRORS[401]})
+    async def models(request: HttpRequest):
+        e = _engine(request)
+        adapters = [ModelCard(id=lora, parent=e.model_name) for lora in e.lora_task_ids]
+        return ModelList(data=[ModelCard(id=e.model_name), *adapters])
 
     @app.post("/v1/load_lora_adapter", dependencies=[Depends(check_key)], response_model=ModelCard,
-              responses={400: errors[400], 401: errors[401]})
-    async def load_lora_adapter(body: LoadLoraAdapterRequest):
+              responses={400: ERRORS[400], 401: ERRORS[401]})
+    async def load_lora_adapter(body: LoadLoraAdapterRequest, request: HttpRequest):
         """Serve a LoRA adapter found on the server under a new model name; answers its model card."""
-        await asyncio.to_thread(engine().load_lora, body.lora_name, body.lora_path)
-        return ModelCard(id=body.lora_name, parent=name)
+        e = _engine(request)
+        await asyncio.to_thread(e.load_lora, body.lora_name, body.lora_path)
+        return ModelCard(id=body.lora_name, parent=e.model_name)
 
-    @app.post("/v1/completions", dependencies=[Depends(check_key), Depends(accepting)],
-              response_model=CompletionResponse,
-              responses={200: event_stream, **errors})
+    @app.post("/v1/completions", dependencies=[Depends(check_key), Depends(_accepting)],
+              response_model=CompletionResponse, responses={200: EVENT_STREAM, **ERRORS})
     async def create_completion(body: CompletionRequest, request: HttpRequest):
-        check_model(body.model)
-        return await completions.serve(engine(), body, request)
+        _check_model(_engine(request), body.model)
+        return await completions.serve(_engine(request), body, request)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_key), Depends(accepting)],
-              response_model=ChatCompletionResponse,
-              responses={200: event_stream, **errors})
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key), Depends(_accepting)],
+              response_model=ChatCompletionResponse, responses={200: EVENT_STREAM, **ERRORS})
     async def create_chat_completion(body: ChatCompletionRequest, request: HttpRequest):
-        check_model(body.model)
-        return await chat.serve(engine(), body, request)
-
-    return app
+        _check_model(_engine(request), body.model)
+        return await chat.serve(_engine(request), body, request)
