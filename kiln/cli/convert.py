@@ -37,6 +37,17 @@ def add_parser(sub) -> None:
                    help="split the embedding table over the tp ranks too (default: whole on every rank)")
     p.add_argument("--embedding_sharding_dim", type=int, choices=[0, 1], default=0,
                    help="with --use_parallel_embedding: 0 splits the vocabulary, 1 the hidden size (default 0)")
+    p.add_argument("--key_map", default=None, metavar="JSON",
+                   help="a customised key map for the weights loader, as a JSON object or a .json file: kiln name "
+                        "sections to the checkpoint's, e.g. '{\"transformer\": \"language_model.model\", "
+                        "\"lm_head\": \"language_model.lm_head\"}' for a model nested in a larger checkpoint; "
+                        "it overrides the family's own map (default: none)")
+    _add_quantization_flags(p)
+    p.set_defaults(handler=run)
+
+
+def _add_quantization_flags(p) -> None:
+    """--quant_algo and what it takes: group size, zero points, exclusions, calibration."""
     p.add_argument("--quant_algo", choices=sorted((*ROUND_TO_NEAREST_ALGOS, *AWQ_ALGOS, GPTQ_ALGO, SMOOTHQUANT_ALGO,
                                                    FP8_ALGO)),
                    default=None,
@@ -99,12 +110,6 @@ def add_parser(sub) -> None:
                    help=f"calibration texts to run (default {DEFAULT_CALIB_SIZE})")
     p.add_argument("--calib_max_len", type=int, default=DEFAULT_CALIB_LEN,
                    help=f"tokens kept of each calibration text (default {DEFAULT_CALIB_LEN})")
-    p.add_argument("--key_map", default=None, metavar="JSON",
-                   help="a customised key map for the weights loader, as a JSON object or a .json file: kiln name "
-                        "sections to the checkpoint's, e.g. '{\"transformer\": \"language_model.model\", "
-                        "\"lm_head\": \"language_model.lm_head\"}' for a model nested in a larger checkpoint; "
-                        "it overrides the family's own map (default: none)")
-    p.set_defaults(handler=run)
 
 
 def parse_key_map(text: str) -> dict:

@@ -66,7 +66,7 @@ def add_parser(sub) -> None:
                           "size of the layer's own update "
                           "(default: 1e-3 for a float32 engine, which agrees to ~1e-5; 0.1 for bfloat16 or "
                           "float16, whose rounding alone moves logits by a few 1e-2)")
-    for q, name in ((summ, "summarize"), (ppl, "perplexity"), (par, "parity")):
+    for q, name in ((summ, "summarize"), (ppl, "perplexity"), (par, "parity_report")):
         q.set_defaults(handler=run, eval_module=name)
 
 

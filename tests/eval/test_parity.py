@@ -124,7 +124,7 @@ def test_bad_inputs_exit_2_naming_the_flag(tiny_eval_model, prompts_file, tmp_pa
 def test_long_layer_tables_keep_to_one_screen():
     """30 layers: the table shows the first two rows, two either side of the first drifting
     layer and the last, with gaps marked; a short table is shown whole."""
-    from kiln.eval.parity import _layer_rows_to_show
+    from kiln.eval.parity_report import _layer_rows_to_show
 
     rows = [{"label": str(i), "drifts": i >= 12} for i in range(31)]
     shown = [None if r is None else r["label"] for r in _layer_rows_to_show(rows)]
