@@ -26,163 +26,11 @@ from kiln import kernels
 from kiln.config import PretrainedConfig
 from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
-from kiln.layers.attention import Attention
-from kiln.layers.embedding import Embedding, PromptTuningEmbedding, active_prompt_step
-from kiln.layers.linear import ColumnLinear, Linear
+from kiln.layers.linear import ColumnLinear
 from kiln.layers.mlp import MLP, GatedMLP
-from kiln.layers.normalization import LayerNorm, RmsNorm
-from kiln.layers.rotary import RotaryEmbedding
+from kiln.layers.normalization import RmsNorm
+from kiln.models.decoder import DecoderLayer, Transformer, positive_field
 from kiln.models.native_decode import native_decode_for
-
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def _positive(config: PretrainedConfig, name: str) -> float | None:
-    """Config field ``name``: None, or a positive number (else a ConfigError naming it)."""
-    value = config.get(name)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-        raise ConfigError(f"config field {name!r} must be a positive number or null, got {value!r}")
-    return value
-
-
-def layer_window(config: PretrainedConfig, layer_idx: int) -> int | None:
-    """Layer ``layer_idx``'s sliding attention window in tokens (None: full attention).
-
-    ``sliding_window`` sets the window; ``layer_types`` (one of ``LAYER_TYPES`` per layer, as
-    transformers 5 writes it) says which layers use it; without it, every layer does.
-    """
-    window = _positive(config, "sliding_window")
-    if window is not None and int(window) != window:
-        raise ConfigError(f"config field 'sliding_window' must be a whole number of tokens, got {window!r}")
-    types = config.get("layer_types")
-    if types is not None:
-        if not isinstance(types, list) or len(types) != config.num_hidden_layers \
-                or any(t not in LAYER_TYPES for t in types):
-            raise ConfigError(f"config field 'layer_types' must list one of {LAYER_TYPES} for each of the "
-                              f"{config.num_hidden_layers} layers, got {types!r}")
-        if types[layer_idx] == "full_attention":
-            return None
-        if window is None:
-            raise ConfigError(f"config field 'layer_types' marks layer {layer_idx} sliding_attention but "
-                              "'sliding_window' is not set")
-    return None if window is None else int(window)
-
-
-def attention_settings(config: PretrainedConfig, layer_idx: int) -> dict:
-    """The per-layer attention keywords the config asks for: scale (``query_pre_attn_scalar``),
-    sliding window, attention logit soft-cap (``attn_logit_softcapping``), ALiBi."""
-    scalar = _positive(config, "query_pre_attn_scalar")
-    return dict(scale=None if scalar is None else float(scalar) ** -0.5, window=layer_window(config, layer_idx),
-                softcap=_positive(config, "attn_logit_softcapping"), alibi=config.position_embedding_type == "alibi")
-
-
-class DecoderLayer(nn.Module):
-    """One decoder layer. Its shape comes from checkpoint config fields:
-
-    * default: pre-norm, sequential — ``h += attn(ln1(h)); h += mlp(ln2(h))`` (LLaMA, GPT-2);
-    * ``parallel_residual``: attention and MLP both read the layer's input —
-      ``h + attn(ln1(h)) + mlp(ln2(h))`` (GPT-NeoX, Falcon-40B's ``ln_attn``/``ln_mlp``);
-    * ``parallel_residual`` + ``shared_layernorm``: one norm feeds both —
-      ``h + attn(ln1(h)) + mlp(ln1(h))``, no ``post_layernorm`` (GPT-J, Phi-2, Falcon-7B);
-    * ``norm_after_residual``: post-norm — ``h = ln1(h + attn(h)); h = ln2(h + mlp(h))`` (OPT-350m).
-    """
-
-    native_decode_shape = True  # kiln.models.native_decode computes exactly this class (not subclasses)
-
-    def __init__(self, model_cls: type["DecoderModelForCausalLM"], config: PretrainedConfig, layer_idx: int,
-                 rotary: RotaryEmbedding | None, engine_layout: bool):
-        super().__init__()
-        dtype, tp = torch_dtype(config.dtype), config.mapping
-        shard = dict(dtype=dtype, tp_size=tp.tp_size, tp_rank=tp.tp_rank)
-        self.parallel_residual = bool(config.get("parallel_residual", False))
-        self.norm_after_residual = bool(config.get("norm_after_residual", False))
-        shared_norm = bool(config.get("shared_layernorm", False))
-        if shared_norm and not self.parallel_residual:
-            raise ConfigError("shared_layernorm (one norm for attention and MLP) needs parallel_residual")
-        if self.norm_after_residual and self.parallel_residual:
-            raise ConfigError("norm_after_residual (post-norm) cannot be combined with parallel_residual")
-        self.input_layernorm = model_cls.make_norm(config, dtype)
-        self.attention = Attention(
-            layer_idx, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-            config.head_size, qkv_bias=config.get("attn_bias", False),
-            dense_bias=config.get("dense_bias", config.get("attn_bias", False)), rotary=rotary,
-            source_transposed=model_cls.source_transposed,
-            qk_norm_eps=config.norm_epsilon if config.get("qk_norm", False) else None,
-            qk_layernorm=bool(config.get("qk_layernorm", False)), **attention_settings(config, layer_idx), **shard)
-        self.post_layernorm = None if shared_norm else model_cls.make_norm(config, dtype)
-        self.mlp = model_cls.make_mlp(config, layer_idx, engine_layout)
-
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:
-        if self.norm_after_residual:  # OPT-350m: each norm is applied to the residual sum
-            hidden = self.input_layernorm(hidden + self.attention(hidden, positions, metadata, kv_cache))
-            return self.post_layernorm(hidden + self.mlp(hidden))
-        normed = self.input_layernorm(hidden)
-        attended = self.attention(normed, positions, metadata, kv_cache)
-        if self.parallel_residual:  # attention and MLP both read the layer's input
-            mlp_in = normed if self.post_layernorm is None else self.post_layernorm(hidden)
-            return hidden + attended + self.mlp(mlp_in)
-        hidden = hidden + attended
-        return hidden + self.mlp(self.post_layernorm(hidden))
-
-
-class Transformer(nn.Module):
-    def __init__(self, model_cls: type["DecoderModelForCausalLM"], config: PretrainedConfig, engine_layout: bool):
-        super().__init__()
-        mapping, dtype = config.mapping, torch_dtype(config.dtype)
-        self.layer_ids = list(mapping.pp_layers(config.num_hidden_layers))
-        # OPT-350m: token embeddings narrower than the layers, projected in and out (replicated).
-        embedding_dim = config.get("embedding_dim") or config.hidden_size
-        projected = embedding_dim != config.hidden_size
-        if mapping.is_first_pp_rank:
-            parallel = config.use_parallel_embedding
-            if projected:
-                self.project_in = Linear(embedding_dim, config.hidden_size, bias=False, dtype=dtype)
-            self.vocab_embedding = PromptTuningEmbedding(
-                config.vocab_size, embedding_dim, dtype=dtype,
-                tp_size=mapping.tp_size if parallel else 1, tp_rank=mapping.tp_rank if parallel else 0,
-                sharding_dim=config.embedding_sharding_dim)
-            if config.get("embedding_layernorm", False):  # BLOOM: normalise the embeddings first
-                self.ln_embed = LayerNorm(config.hidden_size, config.norm_epsilon, dtype=dtype)
-            if config.position_embedding_type == "learned_absolute":
-                if not config.max_position_embeddings:
-                    raise ConfigError("learned_absolute positions need max_position_embeddings")
-                self.position_embedding = Embedding(config.max_position_embeddings, config.hidden_size, dtype=dtype)
-        rotary = None
-        if config.position_embedding_type in ("rope_gpt_neox", "rope"):
-            # rotary_dim (GPT-J) exactly, or a fraction of the head (rotary_pct)
-            rotary_dim = config.get("rotary_dim") or int(config.head_size * config.get("rotary_pct", 1.0))
-            rotary = RotaryEmbedding(rotary_dim, config.get("rotary_base", 10000.0),
-                                     config.max_position_embeddings, config.get("rotary_scaling"))
-        elif config.position_embedding_type not in ("learned_absolute", "alibi"):
-            raise ConfigError(
-                f"position_embedding_type {config.position_embedding_type!r} is not one of "
-                "['learned_absolute', 'rope_gpt_neox', 'alibi']")
-        self.rotary = rotary
-        # Keyed by the global layer index, so a pipeline stage's names match the checkpoint's.
-        self.layers = nn.ModuleDict({
-            str(i): model_cls.decoder_layer(model_cls, config, i, rotary, engine_layout) for i in self.layer_ids})
-        if mapping.is_last_pp_rank:
-            if config.get("final_norm", True):  # OPT-350m (post-norm layers) has none
-                self.ln_f = model_cls.make_norm(config, dtype)
-            if projected:
-                self.project_out = Linear(config.hidden_size, embedding_dim, bias=False, dtype=dtype)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings at the layers' width (through ``project_in`` where narrower); virtual
-        tokens from the active prompt-tuning step's table (``prompt_tuning_step``)."""
-        prompts = active_prompt_step()
-        if prompts is None:
-            hidden = self.vocab_embedding(input_ids)
-        else:
-            hidden = self.vocab_embedding(input_ids, prompts.table, prompts.tasks, prompts.task_vocab_size)
-        return self.project_in(hidden) if hasattr(self, "project_in") else hidden
-
-    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The last layer's output to the lm_head's input: ``ln_f`` and ``project_out``, where present."""
-        if hasattr(self, "ln_f"):
-            hidden = self.ln_f(hidden)
-        return self.project_out(hidden) if hasattr(self, "project_out") else hidden
-
 
 class DecoderModelForCausalLM(nn.Module):
     """A decoder-only causal LM in kiln's layout. Subclasses declare a family."""
@@ -233,7 +81,7 @@ class DecoderModelForCausalLM(nn.Module):
         if config.get("qkv_per_head"):  # the source's fused qkv rows come per head or KV group (GPT-NeoX, BLOOM)
             for layer in self.transformer.layers.values():
                 layer.attention.qkv.interleaved_heads = True
-        self.final_logit_softcap = _positive(config, "final_logit_softcapping")  # Gemma 2
+        self.final_logit_softcap = positive_field(config, "final_logit_softcapping")  # Gemma 2
         self.vocab_size_padded = math.ceil(config.vocab_size / mapping.tp_size) * mapping.tp_size
         if mapping.is_last_pp_rank:
             self.lm_head = ColumnLinear(config.get("embedding_dim") or config.hidden_size, self.vocab_size_padded,

@@ -10,7 +10,8 @@ from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
 from kiln.layers.rotary import RotaryEmbedding
 from kiln.mapping import Mapping
-from kiln.models.base import DecoderLayer, DecoderModelForCausalLM
+from kiln.models.base import DecoderModelForCausalLM
+from kiln.models.decoder import DecoderLayer
 from kiln.models.gemma import GemmaForCausalLM
 from kiln.models.hf_config import hf_get, hf_sliding_window, rope_decoder_config
 from kiln.models.registry import register_model

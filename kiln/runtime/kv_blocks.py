@@ -3,7 +3,7 @@ sliding window), capped at a share of the memory available, the same on every ra
 from __future__ import annotations
 
 from kiln.distributed import world_min
-from kiln.models.base import layer_window
+from kiln.models.decoder import layer_window
 from kiln.runtime.engine import Engine
 from kiln.runtime.kv_cache import available_memory_bytes, kv_bytes_per_token, kv_cache_dtype
 

@@ -20,7 +20,8 @@ from kiln.errors import ConfigError
 from kiln.kernels import paged_decode_attention
 from kiln.layers.attention import Attention, alibi_slopes
 from kiln.mapping import Mapping
-from kiln.models.base import DecoderModelForCausalLM, layer_window
+from kiln.models.base import DecoderModelForCausalLM
+from kiln.models.decoder import layer_window
 from kiln.models.gemma2 import Gemma2ForCausalLM
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.native_decode import NativeDecodeStep, supports_native_decode
