@@ -1,5 +1,5 @@
-"""No import circle in kiln/, counting function-level and TYPE_CHECKING imports (parsed with ast):
-every module can be read knowing only what it imports."""
+"""kiln/ stays readable: no import circle (counting function-level and TYPE_CHECKING imports,
+parsed with ast), no module over 400 lines, no function over 80."""
 from __future__ import annotations
 
 import ast
@@ -76,3 +76,16 @@ def circles(graph: dict[str, set[str]]) -> list[set[str]]:
 def test_no_import_circle():
     found = [sorted(c) for c in circles(module_graph())]
     assert not found, f"import circle(s): {found}"
+
+
+def test_modules_and_functions_stay_readable():
+    """No module over 400 lines, no function over 80 (a longer one does several jobs)."""
+    long_modules, long_functions = [], []
+    for path in KILN.rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > 400:
+            long_modules.append(f"{path.relative_to(KILN.parent)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long_functions.append(f"{path.relative_to(KILN.parent)}:{node.lineno} {node.name}")
+    assert not long_modules and not long_functions, (long_modules, long_functions)

@@ -11,6 +11,7 @@ from kiln.checkpoint.format import (atomic_output_dir, copy_tokenizer_files, rea
 from kiln.build.lora import lora_build, write_adapters
 from kiln.config import BuildConfig, PretrainedConfig
 from kiln.dtypes import DTYPES
+from kiln.kernels.library import cpu_flags
 from kiln.checkpoint.format import ENGINE_FORMAT_VERSION
 from kiln.errors import BuildError, preview
 from kiln.models import get_model_class
@@ -56,12 +57,7 @@ QUANT_FLOAT32 = (".weights_scaling_factor", ".zero", ".prequant_scaling_factor",
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), so bf16 matmuls run
     at several times the fp32 rate instead of being emulated."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_engine_dtype(requested: str | None, config: PretrainedConfig) -> str:

@@ -18,155 +18,20 @@ the compiler, its flags and the CPU's feature flags (the build uses ``-march=nat
 Calls go through ctypes with raw tensor pointers; ctypes releases the GIL during the call.
 
 Without a compiler (or with ``KILN_NATIVE_KERNELS=0``) ``native_library()`` returns None
-and callers use their PyTorch path.
+and callers use their PyTorch path. ``kiln.kernels.library`` builds and loads the library,
+``kiln.kernels.decode_step`` holds the decode step's structures; this module is the face.
 """
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
-from kiln import env
-
-log = logging.getLogger(__name__)
-
-SOURCES = tuple(sorted(p.name for p in Path(__file__).parent.glob("*.c")))  # what the cache key hashes
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall"]
-# Linked in a separate step without -ffast-math: linking with it adds crtfastmath.o, whose
-# constructor turns on flush-to-zero for the whole process (torch's numerics included).
-LINK_FLAGS = ["-shared", "-fopenmp"]
-
-_I64 = ctypes.c_int64
-_PTR = ctypes.c_void_p
-_DECODE_ARGTYPES = ([_PTR, _I64] + [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, _I64, _PTR]
-                    + [ctypes.c_float] * 3 + [ctypes.c_int])
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return os.uname().machine
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _build(compiler: str, out: Path) -> None:
-    here = Path(__file__).parent
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_lib = Path(tmp) / out.name
-        objects = [str(Path(tmp) / f"{Path(s).stem}.o") for s in SOURCES]
-        compiles = [[compiler, *COMPILE_FLAGS, "-c", str(here / s), "-o", o] for s, o in zip(SOURCES, objects)]
-        # The sources compile side by side (the build is on the first call's critical path).
-        running = [(cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-                   for cmd in compiles]
-        for cmd, proc in running:
-            _, errors = proc.communicate()
-            if proc.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{errors}")
-        link = [compiler, *LINK_FLAGS, *objects, "-o", str(tmp_lib), "-lm"]
-        linked = subprocess.run(link, capture_output=True, text=True)
-        if linked.returncode != 0:
-            raise RuntimeError(f"{' '.join(link)} failed:\n{linked.stderr}")
-        os.replace(tmp_lib, out)  # atomic: a concurrent build can only replace it with the same bytes
-
-
-@lru_cache(maxsize=1)
-def native_library() -> ctypes.CDLL | None:
-    """The compiled kernel library, built if needed; None if native kernels are unavailable."""
-    if not env.native_kernels_enabled() or sys.platform != "linux":
-        return None
-    compiler = _compiler()
-    if compiler is None:
-        log.warning("no C compiler found: using the PyTorch paths")
-        return None
-    here = Path(__file__).parent
-    key = hashlib.sha256()
-    sources = [p.read_bytes() for p in sorted(here.glob("*.[ch]"))]
-    for part in (*sources, compiler.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
-                 _cpu_flags().encode(), torch.__version__.encode()):
-        key.update(part)
-    lib_path = env.cache_dir() / "kernels" / key.hexdigest()[:16] / "libkiln_kernels.so"
-    try:
-        if not lib_path.exists():
-            _build(compiler, lib_path)
-        torch.get_num_threads()  # torch's libgomp is loaded first, so the kernels share its pool
-        lib = ctypes.CDLL(str(lib_path))
-    except (OSError, RuntimeError) as e:
-        log.warning("native kernels unavailable (%s): using the PyTorch paths", e)
-        return None
-    for name in (*_DECODE_KERNELS.values(), *(n for by_q in _DECODE_KERNELS_QUANTIZED_KV.values()
-                                               for n in by_q.values())):
-        fn = getattr(lib, name)
-        fn.argtypes = _DECODE_ARGTYPES
-        fn.restype = ctypes.c_int
-    lib.kiln_argmax_rows_f32.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int]
-    lib.kiln_argmax_rows_f32.restype = None
-    for suffix in _SUFFIX.values():
-        getattr(lib, f"kiln_rmsnorm_{suffix}").argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float,
-                                                            ctypes.c_int]
-        getattr(lib, f"kiln_silu_mul_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _I64, ctypes.c_int]
-        getattr(lib, f"kiln_rotary_{suffix}").argtypes = [_PTR, _I64, _PTR, _PTR] + [_I64] * 4 + [ctypes.c_int]
-        for kind in ("rmsnorm", "silu_mul", "rotary"):
-            getattr(lib, f"kiln_{kind}_{suffix}").restype = None
-        getattr(lib, f"kiln_skinny_gemm_{suffix}").argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
-        getattr(lib, f"kiln_skinny_gemm_{suffix}").restype = None
-        getattr(lib, f"kiln_decode_step_{suffix}").argtypes = [
-            _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int,
-            _PTR]
-        getattr(lib, f"kiln_decode_step_{suffix}").restype = ctypes.c_int
-    lib.kiln_kv_quantize.argtypes = [_PTR, _I64, ctypes.c_float, _I64, _PTR]
-    lib.kiln_kv_quantize.restype = None
-    lib.kiln_fp8_to_f32.argtypes = [_PTR, _I64, _PTR]
-    lib.kiln_fp8_to_f32.restype = None
-    lib.kiln_decode_step_scratch.argtypes = [_PTR, _I64]
-    lib.kiln_decode_step_scratch.restype = _I64
-    lib.kiln_amx_available.argtypes = []
-    lib.kiln_amx_available.restype = ctypes.c_int
-    lib.kiln_amx_pack_bf16.argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_int]
-    lib.kiln_amx_pack_bf16.restype = None
-    lib.kiln_set_amx.argtypes = [ctypes.c_int]
-    lib.kiln_set_amx.restype = None
-    lib.kiln_set_amx(int(env.amx_enabled()))
-    lib.kiln_dot_bf16_available.argtypes = []
-    lib.kiln_dot_bf16_available.restype = ctypes.c_int
-    for name in ("kiln_packed_linear_bf16", "kiln_portable_linear_bf16"):
-        getattr(lib, name).argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
-        getattr(lib, name).restype = None
-    lib.kiln_quant_pack.argtypes = [_PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
-    lib.kiln_quant_pack.restype = None
-    lib.kiln_quant_linear_bf16.argtypes = [_PTR] * 4 + [_I64] * 2 + [_PTR] * 2 + [_I64] * 3 + [ctypes.c_int]
-    lib.kiln_quant_linear_bf16.restype = None
-    lib.kiln_fp8_linear_bf16.argtypes = [_PTR, _PTR, _PTR, ctypes.c_float] + [_PTR] * 3 + [_I64] * 3 + [ctypes.c_int]
-    lib.kiln_fp8_linear_bf16.restype = None
-    lib.kiln_fp8_quantize_rows.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_float, _PTR, ctypes.c_int]
-    lib.kiln_fp8_quantize_rows.restype = None
-    lib.kiln_fp8_to_bf16.argtypes = [_PTR, _I64, _PTR]
-    lib.kiln_fp8_to_bf16.restype = None
-    lib.kiln_w8a8_supported.argtypes = [_I64, _I64]
-    lib.kiln_w8a8_supported.restype = ctypes.c_int
-    lib.kiln_w8a8_linear_bf16.argtypes = [_PTR] * 6 + [_I64] * 3 + [ctypes.c_int]
-    lib.kiln_w8a8_linear_bf16.restype = None
-    return lib
-
-
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+from kiln.kernels.decode_step import (LORA_SLOTS, DecoderDims, DecoderHead, DecoderLayerWeights,  # noqa: F401
+                                      LinearWeights, LoraLinear, LoraStepWeights, decode_step,
+                                      decode_step_scratch_size)
+from kiln.kernels.library import (DECODE_KERNELS, DECODE_KERNELS_QUANTIZED_KV, DTYPE_SUFFIX,  # noqa: F401
+                                  native_library)
 
 
 def release_thread_pool() -> None:
@@ -187,7 +52,7 @@ def release_thread_pool() -> None:
 def elementwise_supported(x: torch.Tensor) -> bool:
     """Whether the fused elementwise kernels take ``x``: a CPU fp32/bf16 tensor whose rows
     (last dim) are contiguous, with the native library built."""
-    return (x.dtype in _SUFFIX and x.device.type == "cpu" and x.stride(-1) == 1 and x.dim() == 2
+    return (x.dtype in DTYPE_SUFFIX and x.device.type == "cpu" and x.stride(-1) == 1 and x.dim() == 2
             and native_library() is not None)
 
 
@@ -195,7 +60,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` per row of 2-D ``x`` (see ``elementwise_supported``)."""
     rows, dim = x.shape
     out = torch.empty(rows, dim, dtype=x.dtype)
-    getattr(native_library(), f"kiln_rmsnorm_{_SUFFIX[x.dtype]}")(
+    getattr(native_library(), f"kiln_rmsnorm_{DTYPE_SUFFIX[x.dtype]}")(
         x.data_ptr(), x.stride(0), weight.contiguous().data_ptr(), out.data_ptr(), rows, dim, eps,
         torch.get_num_threads())
     return out
@@ -214,7 +79,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` where each row of 2-D ``gate_up`` is ``[gate | up]``."""
     rows, width = gate_up.shape
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-    getattr(native_library(), f"kiln_silu_mul_{_SUFFIX[gate_up.dtype]}")(
+    getattr(native_library(), f"kiln_silu_mul_{DTYPE_SUFFIX[gate_up.dtype]}")(
         gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out
 
@@ -226,28 +91,19 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
     if x.stride(2) != 1 or x.stride(1) != head_size or cos.dtype != torch.float32:
         raise ValueError("rotary_: x needs contiguous heads and cos/sin must be float32")
     cos, sin = cos.contiguous(), sin.contiguous()
-    getattr(native_library(), f"kiln_rotary_{_SUFFIX[x.dtype]}")(
+    getattr(native_library(), f"kiln_rotary_{DTYPE_SUFFIX[x.dtype]}")(
         x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_size, rotary_dim,
         torch.get_num_threads())
     return x
 
 
-_DECODE_KERNELS = {torch.float32: "kiln_paged_decode_attention_f32", torch.bfloat16: "kiln_paged_decode_attention_bf16"}
-# Variants over a quantized K/V cache, by the cache's then the query's dtype: int8 codes (INT8
-# KV cache) and float8 e4m3 codes (FP8 KV cache).
-_DECODE_KERNELS_QUANTIZED_KV = {
-    torch.int8: {torch.float32: "kiln_paged_decode_attention_f32_i8",
-                 torch.bfloat16: "kiln_paged_decode_attention_bf16_i8"},
-    torch.float8_e4m3fn: {torch.float32: "kiln_paged_decode_attention_f32_f8",
-                          torch.bfloat16: "kiln_paged_decode_attention_bf16_f8"},
-}
 # The KILN_KV_* kind of each quantized cache type (dtypes.h), as kv_quantize and decode_step.c take it.
 KV_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2}
 
 
 def supports_decode_attention(dtype: torch.dtype) -> bool:
     """Whether ``paged_decode_attention`` has a native kernel for this dtype here."""
-    return dtype in _DECODE_KERNELS and native_library() is not None
+    return dtype in DECODE_KERNELS and native_library() is not None
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_index: torch.Tensor,
@@ -272,12 +128,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     every argument itself).
     """
     lib = native_library()
-    if lib is None or q.dtype not in _DECODE_KERNELS:
+    if lib is None or q.dtype not in DECODE_KERNELS:
         raise RuntimeError(f"no native decode attention kernel for {q.dtype}")
     if kv_scales is None:
-        kernel = _DECODE_KERNELS[q.dtype]
-    elif k_cache.dtype in _DECODE_KERNELS_QUANTIZED_KV:
-        kernel = _DECODE_KERNELS_QUANTIZED_KV[k_cache.dtype][q.dtype]
+        kernel = DECODE_KERNELS[q.dtype]
+    elif k_cache.dtype in DECODE_KERNELS_QUANTIZED_KV:
+        kernel = DECODE_KERNELS_QUANTIZED_KV[k_cache.dtype][q.dtype]
     else:
         raise ValueError(f"k_cache: kv_scales go with an int8 or float8_e4m3fn cache, got {k_cache.dtype}")
     k_scale, v_scale = (1.0, 1.0) if kv_scales is None else kv_scales
@@ -351,7 +207,7 @@ SKINNY_MAX_ROWS = 16  # fp32: beyond this MKL wins (benchmarks/README.md)
 def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether ``skinny_linear`` takes these: 1..``SKINNY_MAX_ROWS`` contiguous rows of fp32/bf16
     activations and a contiguous weight (and bias) of the same dtype."""
-    return (x.dtype in _SUFFIX and weight.dtype == x.dtype and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS
+    return (x.dtype in DTYPE_SUFFIX and weight.dtype == x.dtype and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS
             and x.device.type == "cpu" and weight.is_contiguous()
             and (bias is None or (bias.is_contiguous() and bias.dtype == x.dtype)) and native_library() is not None)
 
@@ -367,7 +223,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          f"{weight.dtype}")
     m, n = x.shape[0], weight.shape[0]
     y = _output(out, m, n, x.dtype)
-    getattr(native_library(), f"kiln_skinny_gemm_{_SUFFIX[x.dtype]}")(
+    getattr(native_library(), f"kiln_skinny_gemm_{DTYPE_SUFFIX[x.dtype]}")(
         x.contiguous().data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
         m, n, x.shape[1], torch.get_num_threads())
     return y
@@ -536,90 +392,3 @@ def fp8_to_bf16(codes: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class LinearWeights(ctypes.Structure):
-    """A linear layer for ``decode_step``: weight (tile-ordered codes when ``bits`` is 8 or 4, or
-    e4m3 codes when ``fp8``), bias (or NULL), tile-packed bf16 copy (or NULL), for quantized
-    weights the group size, float32 scales and zeros (or NULL), AWQ's ``prequant`` multiplier
-    (or NULL) and a static FP8 activation scale (FP8, W4A8_AWQ; 0 for none); ``w8a8``: a
-    SmoothQuant layer (row-major int8 codes, scales per column, ``prequant`` its smoothing)."""
-    _fields_ = [("weight", _PTR), ("bias", _PTR), ("packed", _PTR), ("bits", _I64), ("group", _I64),
-                ("scales", _PTR), ("zeros", _PTR), ("prequant", _PTR), ("fp8", _I64), ("act_scale", ctypes.c_float),
-                ("w8a8", _I64)]
-
-
-class DecoderLayerWeights(ctypes.Structure):
-    """One layer's tensors for ``decode_step`` (raw pointers), its sliding window (0: none) and,
-    for a quantized cache, its float32 ``[2]`` K/V scales (else NULL)."""
-    _fields_ = [("input_norm", _PTR), ("post_norm", _PTR)] + [
-        (name, LinearWeights) for name in ("qkv", "dense", "fused_fc", "proj")] + [
-        ("k_cache", _PTR), ("v_cache", _PTR), ("window", _I64), ("kv_scales", _PTR)]
-
-
-class DecoderDims(ctypes.Structure):
-    """The shapes ``decode_step`` needs (per rank; ``rot_dim`` 0 means no rotary), the KV
-    cache's element kind (0: the model dtype, else ``KV_KINDS`` of its dtype) and the LM head's
-    output width when the step computes logits (0: it does not)."""
-    _fields_ = [(name, _I64) for name in (
-        "hidden", "heads", "kv_heads", "head_size", "rot_dim", "inter", "block_size", "max_blocks")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_kind", _I64), ("head_width", _I64)]
-
-
-class DecoderHead(ctypes.Structure):
-    """The final RMSNorm's weight and eps and the LM head for ``decode_step``, whose first
-    ``vocab`` outputs are the logits."""
-    _fields_ = [("norm", _PTR), ("eps", ctypes.c_float), ("linear", LinearWeights), ("vocab", _I64)]
-
-
-class LoraLinear(ctypes.Structure):
-    """One adapter's module inside one linear for ``decode_step`` (e.g. attn_k of the fused qkv):
-    float32 ``a`` ``[rank, in]`` and ``bt`` ``[rank, width]`` (B transposed) for output columns
-    ``start:start + width``, DoRA's ``scale`` ``[width]`` (or NULL); ``a`` NULL: no module."""
-    _fields_ = [("a", _PTR), ("bt", _PTR), ("scale", _PTR), ("rank", _I64), ("start", _I64), ("width", _I64)]
-
-
-LORA_SLOTS = 4  # module slots per linear (decode_step.c KILN_LORA_SLOTS): qkv, q, k, v of the fused qkv
-
-
-class LoraStepWeights(ctypes.Structure):
-    """A step's LoRA for ``decode_step``: ``adapters`` (``num_adapters`` pointers to each
-    adapter's ``LoraLinear`` ``[num_layers][4][LORA_SLOTS]``: linears qkv, dense, fused_fc,
-    proj), ``token_adapter`` (int64 ``[m]``: each token's adapter index, -1 for none) and
-    ``work_size``: float32 scratch, ``m`` x (the widest linear input + the largest rank + the
-    widest module)."""
-    _fields_ = [("adapters", _PTR), ("num_adapters", _I64), ("token_adapter", _PTR), ("work_size", _I64)]
-
-
-def decode_step_scratch_size(dims: DecoderDims, num_tokens: int) -> int:
-    """Elements of model dtype ``decode_step`` needs as scratch for ``num_tokens`` tokens."""
-    return native_library().kiln_decode_step_scratch(ctypes.byref(dims), num_tokens)
-
-
-def decode_step(hidden: torch.Tensor, layers: ctypes.Array, dims: DecoderDims, cos: torch.Tensor, sin: torch.Tensor,
-                slots: torch.Tensor, token_index: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                scratch: torch.Tensor, profile: torch.Tensor | None = None, head: DecoderHead | None = None,
-                logits: torch.Tensor | None = None, lora: LoraStepWeights | None = None) -> None:
-    """Run every layer of a LLaMA-shaped stack on ``hidden`` ``[m, hidden]`` (in place): one
-    token of each of ``m`` sequences.
-
-    ``layers``: a ``DecoderLayerWeights`` array, each pointing at contiguous tensors of
-    ``hidden``'s dtype, its KV cache ``[num_blocks, block_size, kv_heads, head_size]`` among
-    them (or int8 / float8 e4m3 codes, with ``dims.kv_kind`` and the layer's scales set);
-    token ``t``'s K/V go to cache slot ``slots[t]`` and its attention reads
-    ``seq_lens[t]`` tokens through ``block_tables[t]`` (``dims.max_blocks`` entries);
-    ``token_index`` is ``arange(m)`` (all int64). ``cos``/``sin``: float32 ``[m, dims.rot_dim]``.
-    The caller has checked every pointer (see ``kiln.models.native_decode``): nothing is
-    checked here. ``profile`` (float64 ``[3]``, or None): seconds in the linear layers, in
-    attention and in the rest are added to it. With a ``head`` (and ``dims.head_width`` set)
-    the step ends with the final norm and the LM head and writes float32 ``logits``
-    ``[m, head.vocab]``; ``hidden`` is then the last layer's output. With ``lora`` each
-    token's adapter adds its deltas to the four linears of every layer (kiln.layers.lora's
-    arithmetic).
-    """
-    rc = getattr(native_library(), f"kiln_decode_step_{_SUFFIX[hidden.dtype]}")(
-        hidden.data_ptr(), hidden.shape[0], layers, len(layers), ctypes.byref(dims), cos.data_ptr(), sin.data_ptr(),
-        slots.data_ptr(), token_index.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), scratch.data_ptr(),
-        ctypes.byref(head) if head is not None else None, logits.data_ptr() if logits is not None else None,
-        ctypes.byref(lora) if lora is not None else None, torch.get_num_threads(),
-        profile.data_ptr() if profile is not None else None)
-    if rc != 0:
-        raise RuntimeError(f"decode_step: attention kernel failed with code {rc}")
