@@ -5,7 +5,7 @@ serves the language model, read through a customised key map (reference 000's LL
 example): the decoder under ``language_model.model`` and the head at
 ``language_model.lm_head``, or, as transformers 4.52-4.57 saved them, under
 ``model.language_model`` and ``lm_head``. The vision tower and projector are not read: the
-engine takes token ids (image features cannot be fed in; see the README).
+engine takes token ids (image features cannot be fed in; see docs/models.md).
 """
 from __future__ import annotations
 
