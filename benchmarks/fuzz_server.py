@@ -152,6 +152,7 @@ def main() -> int:
               "command": "python benchmarks/fuzz_server.py " + " ".join(sys.argv[1:])}
     with open(ROOT / "benchmarks" / "results.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py")], check=True)  # benchmarks/README.md
     clean = (report.server_errors == 0 and not report.failures and healthy
              and all(not r["errors"] and r["blocks_leaked"] == 0 for r in rounds))
     print("clean" if clean else "FOUND PROBLEMS")

@@ -1,7 +1,7 @@
 """Every quantization mode of one model in one run: accuracy against the float32 engine and
 decode speed against kiln's own bfloat16 and float32 engines.
 
-For each engine (built beforehand, e.g. with the commands in benchmarks/README.md):
+For each engine (built beforehand, e.g. with the commands in docs/benchmark-log.md):
 
 * perplexity on the first ``--ppl_samples`` long ShareGPT replies (the held-out ones that
   calibration never sees), windows of ``--window`` tokens every ``--stride``;

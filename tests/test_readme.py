@@ -52,8 +52,19 @@ def test_every_kiln_command_in_the_readme_parses(command):
         pytest.fail(f"{command!r} does not parse (exit {e.code})")
 
 
-@pytest.mark.parametrize("page", [README, *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [README, ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))],
+                         ids=lambda p: p.name)
 def test_every_relative_link_resolves(page):
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
         if "://" not in target:
             assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_benchmarks_readme_is_the_report_of_results_jsonl():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    assert report.main(["--check"]) == 0, "run python benchmarks/report.py"
+    assert (ROOT / "benchmarks" / "README.md").read_text().count("\n") <= 120

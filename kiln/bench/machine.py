@@ -43,8 +43,22 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the machine type where there is none."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def machine_facts() -> dict:
-    return {"threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "read_gbs": round(read_bandwidth_gbs(), 1),
             "matmul_gflops_fp32": round(matmul_gflops(torch.float32)),
             "matmul_gflops_bf16": round(matmul_gflops(torch.bfloat16))}

@@ -68,7 +68,7 @@ def _add_quantization_flags(p) -> None:
                         "activation energy (the Hessian's diagonal), with each contiguous group's scale fixed "
                         "beforehand from the float weights; false rounds them left to right, each group's "
                         "scale taken from the weights as updated when rounding reaches it (default true: "
-                        "clearly better on SmolLM2, see benchmarks/README.md)")
+                        "clearly better on SmolLM2, see docs/benchmark-log.md)")
     p.add_argument("--awq_gptq", action="store_true",
                    help="W4A16_AWQ: after the scale search, round the scaled weights by GPTQ (layer after layer, "
                         "as W4A16_GPTQ does) instead of clipping and rounding them to nearest; the checkpoint "
@@ -78,7 +78,7 @@ def _add_quantization_flags(p) -> None:
                         "activation range moved into the weights (s = max|x|^alpha / max|W|^(1-alpha)), one "
                         "value for every layer; 'search' picks it per group of linears sharing an input (0 to 1 "
                         "by 0.05, the smallest int8 output error on the calibration rows) (default "
-                        f"{DEFAULT_ALPHA}: best on SmolLM2's held-out text, see benchmarks/README.md)")
+                        f"{DEFAULT_ALPHA}: best on SmolLM2's held-out text, see docs/benchmark-log.md)")
     p.add_argument("--group_size", type=int, default=64,
                    help="4-bit modes (W4A16, W4A16_AWQ, W4A8_AWQ, W4A16_GPTQ): input features sharing a scale, "
                         "a multiple of 32 dividing every quantized layer's input features (default 64)")

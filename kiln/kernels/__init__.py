@@ -201,7 +201,7 @@ def _output(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype) 
     return out
 
 
-SKINNY_MAX_ROWS = 16  # fp32: beyond this MKL wins (benchmarks/README.md)
+SKINNY_MAX_ROWS = 16  # fp32: beyond this MKL wins (docs/benchmark-log.md)
 
 
 def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

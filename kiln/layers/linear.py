@@ -23,7 +23,7 @@ from kiln.layers.quantized_matmul import dequantize, fp8_linear, fp8_round_input
 # bf16 weights: one row through the native skinny GEMM (at the memory bandwidth); more rows,
 # where the CPU has AMX or AVX512-BF16, through kiln's own kernel on a copy packed once into
 # tiles (kiln/kernels/panel_linear.c, amx_linear.c: faster than oneDNN from 2 to 128 rows on
-# AMX, even at 512; benchmarks/README.md has the AVX512-BF16 figures); elsewhere oneDNN,
+# AMX, even at 512; docs/benchmark-log.md has the AVX512-BF16 figures); elsewhere oneDNN,
 # whose bf16 matmul re-lays-out a plain weight on every call, on a weight packed once into
 # its blocked format (1.4-2x faster than F.linear). fp32: the native skinny GEMM up to 16
 # rows (faster than MKL), F.linear beyond.

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 ALPHA_GRID = tuple(i / 20 for i in range(21))  # 0, 0.05, ..., 1
 # The default migration strength: on SmolLM2's held-out text 0.5 scored best (perplexity +1.32%
 # vs float32; 0.25: +3.28%, 0.75: +1.61%, the per-group search over ALPHA_GRID: +1.51%, since
-# the smallest per-layer output error is not the best model; benchmarks/README.md).
+# the smallest per-layer output error is not the best model; docs/benchmark-log.md).
 DEFAULT_ALPHA = 0.5
 SEARCH_ALPHA = "search"  # smoothquant_alpha value asking for the per-group search
 _EPS = 1e-5  # floor of both maxima: an all-zero channel gets a finite factor
