@@ -9,6 +9,7 @@ from kiln.errors import ConfigError
 from kiln.layers.normalization import LayerNorm
 from kiln.mapping import Mapping
 from kiln.models.base import DecoderModelForCausalLM
+from kiln.models.key_maps import GPT2_LAYOUT, MEGATRON_NAMES
 from kiln.models.hf_config import hf_dtype, hf_get
 from kiln.models.registry import register_model
 
@@ -17,20 +18,9 @@ from kiln.models.registry import register_model
 class BloomForCausalLM(DecoderModelForCausalLM):
     norm_class = LayerNorm
     gated_mlp = False
-    hf_key_map = {
-        "transformer": "transformer",
-        "vocab_embedding": "word_embeddings",
-        "ln_embed": "word_embeddings_layernorm",
-        "layers": "h",
-        "attention": "self_attention",
-        "qkv": "query_key_value",
-        "dense": "dense",
-        "post_layernorm": "post_attention_layernorm",
-        "fc": "dense_h_to_4h",
-        "proj": "dense_4h_to_h",
-        "ln_f": "ln_f",
-        "lm_head": "lm_head",
-    }
+    hf_key_map = {**GPT2_LAYOUT, **MEGATRON_NAMES, "vocab_embedding": "word_embeddings",
+                  "ln_embed": "word_embeddings_layernorm", "attention": "self_attention",
+                  "post_layernorm": "post_attention_layernorm"}
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:

@@ -24,6 +24,7 @@ from kiln.errors import ConfigError
 from kiln.layers.normalization import LayerNorm
 from kiln.mapping import Mapping
 from kiln.models.base import DecoderModelForCausalLM
+from kiln.models.key_maps import GPT2_LAYOUT, MEGATRON_NAMES
 from kiln.models.hf_config import hf_get, rope_decoder_config
 from kiln.models.registry import register_model
 
@@ -32,18 +33,8 @@ from kiln.models.registry import register_model
 class FalconForCausalLM(DecoderModelForCausalLM):
     norm_class = LayerNorm
     gated_mlp = False
-    hf_key_map = {
-        "transformer": "transformer",
-        "vocab_embedding": "word_embeddings",
-        "layers": "h",
-        "attention": "self_attention",
-        "qkv": "query_key_value",
-        "dense": "dense",
-        "fc": "dense_h_to_4h",
-        "proj": "dense_4h_to_h",
-        "ln_f": "ln_f",
-        "lm_head": "lm_head",
-    }
+    hf_key_map = {**GPT2_LAYOUT, **MEGATRON_NAMES, "vocab_embedding": "word_embeddings",
+                  "attention": "self_attention"}
 
     def __init__(self, config: PretrainedConfig, engine_layout: bool = False):
         super().__init__(config, engine_layout)

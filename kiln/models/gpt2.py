@@ -6,6 +6,7 @@ from kiln.errors import ConfigError
 from kiln.layers.normalization import LayerNorm
 from kiln.mapping import Mapping
 from kiln.models.base import DecoderModelForCausalLM
+from kiln.models.key_maps import GPT2_NAMES
 from kiln.models.hf_config import hf_dtype, hf_get
 from kiln.models.registry import register_model
 
@@ -15,21 +16,8 @@ class GPT2ForCausalLM(DecoderModelForCausalLM):
     norm_class = LayerNorm
     gated_mlp = False
     source_transposed = True  # Conv1D stores (in, out)
-    hf_key_map = {
-        "transformer": "transformer",
-        "vocab_embedding": "wte",
-        "position_embedding": "wpe",
-        "layers": "h",
-        "input_layernorm": "ln_1",
-        "attention": "attn",
-        "qkv": "c_attn",
-        "dense": "c_proj",
-        "post_layernorm": "ln_2",
-        "fc": "c_fc",
-        "proj": "c_proj",
-        "ln_f": "ln_f",
-        "lm_head": "lm_head",
-    }
+    hf_key_map = {**GPT2_NAMES, "position_embedding": "wpe", "qkv": "c_attn", "dense": "c_proj",
+                  "post_layernorm": "ln_2", "fc": "c_fc", "proj": "c_proj"}
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:

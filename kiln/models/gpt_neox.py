@@ -7,6 +7,7 @@ from kiln.config import PretrainedConfig
 from kiln.layers.normalization import LayerNorm
 from kiln.mapping import Mapping
 from kiln.models.base import DecoderModelForCausalLM
+from kiln.models.key_maps import MEGATRON_NAMES
 from kiln.models.hf_config import hf_get, hf_partial_rotary, rope_decoder_config
 from kiln.models.registry import register_model
 
@@ -15,17 +16,8 @@ from kiln.models.registry import register_model
 class GPTNeoXForCausalLM(DecoderModelForCausalLM):
     norm_class = LayerNorm
     gated_mlp = False
-    hf_key_map = {
-        "transformer": "gpt_neox",
-        "vocab_embedding": "embed_in",
-        "attention": "attention",
-        "qkv": "query_key_value",
-        "dense": "dense",
-        "fc": "dense_h_to_4h",
-        "proj": "dense_4h_to_h",
-        "ln_f": "final_layer_norm",
-        "lm_head": "embed_out",
-    }
+    hf_key_map = {**MEGATRON_NAMES, "transformer": "gpt_neox", "vocab_embedding": "embed_in", "attention": "attention",
+                  "ln_f": "final_layer_norm", "lm_head": "embed_out"}
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:

@@ -13,6 +13,7 @@ from kiln.errors import ConfigError
 from kiln.layers.normalization import LayerNorm
 from kiln.mapping import Mapping
 from kiln.models.base import DecoderModelForCausalLM
+from kiln.models.key_maps import GPT2_NAMES
 from kiln.models.hf_config import hf_get, rope_decoder_config
 from kiln.models.registry import register_model
 
@@ -21,19 +22,8 @@ from kiln.models.registry import register_model
 class GPTJForCausalLM(DecoderModelForCausalLM):
     norm_class = LayerNorm
     gated_mlp = False
-    hf_key_map = {
-        "transformer": "transformer",
-        "vocab_embedding": "wte",
-        "layers": "h",
-        "input_layernorm": "ln_1",
-        "attention": "attn",
-        "qkv": ["q_proj", "k_proj", "v_proj"],
-        "dense": "out_proj",
-        "fc": "fc_in",
-        "proj": "fc_out",
-        "ln_f": "ln_f",
-        "lm_head": "lm_head",
-    }
+    hf_key_map = {**GPT2_NAMES, "qkv": ["q_proj", "k_proj", "v_proj"], "dense": "out_proj", "fc": "fc_in",
+                  "proj": "fc_out"}
 
     def __init__(self, config: PretrainedConfig, engine_layout: bool = False):
         super().__init__(config, engine_layout)

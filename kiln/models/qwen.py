@@ -13,27 +13,15 @@ from __future__ import annotations
 from kiln.config import PretrainedConfig
 from kiln.mapping import Mapping
 from kiln.models.hf_config import hf_dtype, hf_get
+from kiln.models.key_maps import GPT2_NAMES
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.registry import register_model
 
 
 @register_model("QWenLMHeadModel")
 class QWenForCausalLM(LlamaForCausalLM):
-    hf_key_map = {
-        "transformer": "transformer",
-        "vocab_embedding": "wte",
-        "layers": "h",
-        "input_layernorm": "ln_1",
-        "attention": "attn",
-        "qkv": "c_attn",
-        "dense": "c_proj",
-        "post_layernorm": "ln_2",
-        "fc": "w2",
-        "gate": "w1",
-        "proj": "c_proj",
-        "ln_f": "ln_f",
-        "lm_head": "lm_head",
-    }
+    hf_key_map = {**GPT2_NAMES, "qkv": "c_attn", "dense": "c_proj", "post_layernorm": "ln_2", "fc": "w2",
+                  "gate": "w1", "proj": "c_proj"}
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
