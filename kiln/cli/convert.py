@@ -4,11 +4,9 @@ from __future__ import annotations
 import argparse
 import time
 
+from kiln.config.quant_algos import ALGOS
 from kiln.quantization.calibration import DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
-from kiln.quantization.awq import AWQ_ALGOS
-from kiln.quantization.gptq_quantize import GPTQ_ALGO
 from kiln.quantization.smoothquant import DEFAULT_ALPHA, SEARCH_ALPHA
-from kiln.quantization.weight_only import FP8_ALGO, ROUND_TO_NEAREST_ALGOS, SMOOTHQUANT_ALGO
 
 
 def _alpha(text: str) -> float | str:
@@ -48,8 +46,7 @@ def add_parser(sub) -> None:
 
 def _add_quantization_flags(p) -> None:
     """--quant_algo and what it takes: group size, zero points, exclusions, calibration."""
-    p.add_argument("--quant_algo", choices=sorted((*ROUND_TO_NEAREST_ALGOS, *AWQ_ALGOS, GPTQ_ALGO, SMOOTHQUANT_ALGO,
-                                                   FP8_ALGO)),
+    p.add_argument("--quant_algo", choices=sorted(ALGOS),
                    default=None,
                    help="quantization of the linear layers. Weight-only, round to nearest: W8A16 (int8, a scale "
                         "per output channel) or W4A16 (4-bit, a scale per --group_size inputs). Calibrated on "

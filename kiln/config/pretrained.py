@@ -11,12 +11,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from kiln.config.quant_algos import ALGOS, KV_CACHE_QUANT_ALGOS
 from kiln.dtypes import DTYPES
 from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 
-QUANT_ALGOS = ("W8A16", "W4A16", "W4A16_AWQ", "W4A8_AWQ", "W4A16_GPTQ", "FP8", "W8A8_SQ_PER_CHANNEL")
-KV_CACHE_QUANT_ALGOS = ("FP8", "INT8")
+QUANT_ALGOS = tuple(ALGOS)
 
 
 @dataclass(frozen=True)

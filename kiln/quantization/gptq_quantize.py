@@ -53,12 +53,12 @@ from torch import nn
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.quantization.awq import input_groups, search_clip, search_scale
+from kiln.quantization.gptq import GPTQ_ALGO
 from kiln.quantization.weight_only import (check_group_size, codes_4bit, dequantize, group_params, pack_4bit, quantizable_modules,
                                           quantize_weight)
 
 log = logging.getLogger(__name__)
 
-GPTQ_ALGO = "W4A16_GPTQ"
 BLOCK_SIZE = 128  # columns per lazy update (rounded up to whole groups, so groups never straddle blocks)
 DEFAULT_DAMP = 0.01
 

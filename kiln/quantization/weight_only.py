@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from kiln.config import QuantConfig
+from kiln.config.quant_algos import ALGOS
 from kiln.layers.quantized_matmul import dequantize  # noqa: F401 - part of this module's face
 from kiln.errors import ConfigError
 
@@ -37,16 +38,16 @@ log = logging.getLogger(__name__)
 # W4A8_AWQ: W4A16_AWQ's tensors plus a static ``activation_scaling_factor``: the input is
 # rounded to FP8 e4m3 before the 4-bit matmul (emulated, kiln.quantization.fp8). All of them
 # hold integer codes in this module's layout.
-WEIGHT_ONLY_ALGOS = {"W8A16": 8, "W4A16": 4, "W4A16_GPTQ": 4, "W4A16_AWQ": 4, "W4A8_AWQ": 4}
-ROUND_TO_NEAREST_ALGOS = ("W8A16", "W4A16")
-PREQUANT_ALGOS = ("W4A16_AWQ", "W4A8_AWQ")
+# Views of kiln.config.quant_algos.ALGOS, the one table of algorithms.
+WEIGHT_ONLY_ALGOS = {name: a.weight_bits for name, a in ALGOS.items() if a.weight_only}
+ROUND_TO_NEAREST_ALGOS = tuple(name for name, a in ALGOS.items() if not a.calibrated)
+PREQUANT_ALGOS = tuple(name for name, a in ALGOS.items() if a.prequant)
 DEFAULT_EXCLUDED = ("lm_head",)
 SMOOTHQUANT_ALGO = "W8A8_SQ_PER_CHANNEL"  # int8 activations too: kiln.quantization.smoothquant
 FP8_ALGO = "FP8"  # e4m3 weights and activations, per-tensor scales: kiln.quantization.fp8
-ACTIVATION_SCALE_ALGOS = (FP8_ALGO, "W4A8_AWQ")  # a static activation_scaling_factor per linear
-IMPLEMENTED_ALGOS = (*WEIGHT_ONLY_ALGOS, SMOOTHQUANT_ALGO, FP8_ALGO)
-# Engines of these compute in bfloat16 (their kernels take bf16 activations).
-BF16_ENGINE_ALGOS = (*WEIGHT_ONLY_ALGOS, FP8_ALGO)
+ACTIVATION_SCALE_ALGOS = tuple(name for name, a in ALGOS.items() if a.activation_scale)
+IMPLEMENTED_ALGOS = tuple(ALGOS)
+BF16_ENGINE_ALGOS = tuple(name for name, a in ALGOS.items() if a.bf16_engine)  # their kernels take bf16
 
 
 def fp16_exact(scale: torch.Tensor) -> torch.Tensor:
