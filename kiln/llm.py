@@ -21,7 +21,7 @@ from kiln.layers.lora import LoraAdapter
 from kiln.outputs import (FINISH_NAMES, CompletionOutput, RequestOutput, StreamDelta, TextTracker, beam_completions,
                           completion)
 from kiln.runtime.engine import Engine
-from kiln.runtime.engine_core import EngineCore, Request
+from kiln.runtime.engine_core import EngineCore, SequenceGroup
 from kiln.runtime.lora_cache import LoraConfig, parse_adapter
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import FinishReason
@@ -131,7 +131,7 @@ class LLM:
         return adapter
 
     def _add(self, prompt_ids: list[int], params: SamplingParams, lora=None,
-             prompt_table=None) -> tuple[Request, dict]:
+             prompt_table=None) -> tuple[SequenceGroup, dict]:
         """Queue a request; returns it with a stop-string tracker per sequence (when asked)."""
         request = self.core.add_request(prompt_ids, self._engine_params(params), self.end_id,
                                         return_context_logits=params.prompt_logprobs is not None,
@@ -144,7 +144,7 @@ class LLM:
                         for s in request.seqs}
         return request, trackers
 
-    def _check_stop_strings(self, request: Request, trackers: dict) -> None:
+    def _check_stop_strings(self, request: SequenceGroup, trackers: dict) -> None:
         for seq in request.seqs:
             tracker = trackers.get(seq.seq_id)
             if tracker is None or tracker.num_tokens == seq.num_output_tokens:
@@ -152,7 +152,7 @@ class LLM:
             if tracker.update(seq.output_token_ids, final=seq.is_finished):
                 self.core.finish_sequence(seq, FinishReason.STOP_WORDS)
 
-    def _step(self, pending: dict[int, tuple[Request, dict]]) -> list[Request]:
+    def _step(self, pending: dict[int, tuple[SequenceGroup, dict]]) -> list[SequenceGroup]:
         """One engine step; applies stop strings; returns the requests that finished. A request
         that failed inside the engine raises its error here (the engine is fine)."""
         self.core.step()
@@ -188,7 +188,7 @@ class LLM:
         if len(loras) != len(prompts) or len(tables) != len(prompts):
             raise RequestError(f"{len(loras)} LoRA adapters and {len(tables)} prompt tables for {len(prompts)} prompts")
         encoded = [self._encode(p) for p in prompts]
-        added: list[tuple[Request, dict]] = []
+        added: list[tuple[SequenceGroup, dict]] = []
         try:
             for ids, p, adapter, table in zip(encoded, params_list, loras, tables):
                 added.append(self._add(ids, p, adapter, table))
@@ -241,7 +241,7 @@ class LLM:
 
     # -- outputs ------------------------------------------------------------------------------
 
-    def _output(self, request: Request, trackers: dict, prompt: str | None, params: SamplingParams) -> RequestOutput:
+    def _output(self, request: SequenceGroup, trackers: dict, prompt: str | None, params: SamplingParams) -> RequestOutput:
         """The caller's view of a finished request (``params``: what the caller asked for)."""
         if request.beam is not None:
             outputs = beam_completions(request, self.tokenizer, params.logprobs is not None)[: params.n]
@@ -254,7 +254,7 @@ class LLM:
         return RequestOutput(request.request_id, prompt, list(request.prompt_token_ids), outputs,
                              self._prompt_logprobs(request))
 
-    def _prompt_logprobs(self, request: Request) -> list | None:
+    def _prompt_logprobs(self, request: SequenceGroup) -> list | None:
         k = request.params.prompt_logprobs
         if k is None or not request.context_logits:
             return None

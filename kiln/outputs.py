@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiln.runtime.engine_core import Request
+from kiln.runtime.engine_core import SequenceGroup
 from kiln.runtime.sequence import FinishReason, Sequence
 from kiln.tokenizer import IncrementalDetokenizer
 
@@ -97,7 +97,7 @@ def completion(index: int, seq: Sequence, tokenizer, tracker: TextTracker | None
                             tracker.stop_reason if tracker else None)
 
 
-def beam_completions(request: Request, tokenizer, want_logprobs: bool) -> list[CompletionOutput]:
+def beam_completions(request: SequenceGroup, tokenizer, want_logprobs: bool) -> list[CompletionOutput]:
     ends = set(request.beam.params.end_ids)
     return [CompletionOutput(i, tokenizer.decode(h.token_ids, skip_special_tokens=True), list(h.token_ids),
                              "stop" if h.token_ids and h.token_ids[-1] in ends else "length", h.cum_log_prob,

@@ -1,6 +1,7 @@
 """The runtime: engines, the packed step over a paged KV cache, and the APIs that drive it."""
 from kiln.runtime.engine import Engine
-from kiln.runtime.engine_core import EngineCore, Request
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.executor_types import Request
 from kiln.runtime.lora_cache import LoraCacheConfig, LoraConfig
 from kiln.runtime.prompt_tuning import PromptTuningConfig
 from kiln.runtime.sampling import SamplingConfig

@@ -1,10 +1,10 @@
 """EngineCore: an engine, its KV cache, a scheduler, and the three-call step.
 
-Every front end (GenerationSession, LLM, and later the in-flight Executor) drives this::
+Every front end (GenerationSession, LLM, the in-flight Executor) drives this::
 
     out = scheduler.schedule(); result = runner.execute(out); scheduler.update(out, result)
 
-A request is a :class:`Request`: one sequence, ``best_of`` independent samples, or the
+A request is a :class:`SequenceGroup`: one sequence, ``best_of`` independent samples, or the
 live beams of a beam search, which move in lockstep and are re-formed after every step
 from the :class:`~kiln.runtime.beam_search.BeamSearch` decision (children share their
 parent's KV blocks; the block a child writes next is copied on write).
@@ -50,7 +50,7 @@ class StepStats:
 
 
 @dataclass(eq=False)
-class Request:
+class SequenceGroup:
     """One request's sequences: samples, or the live beams of a beam search."""
 
     request_id: int
@@ -98,8 +98,8 @@ class EngineCore:
                                    window=common_window(engine.model))
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
-        self._requests: dict[int, Request] = {}  # seq_id -> request, for live sequences
-        self._failures: list[tuple[Request, Exception]] = []  # requests that failed alone, not yet taken
+        self._requests: dict[int, SequenceGroup] = {}  # seq_id -> request, for live sequences
+        self._failures: list[tuple[SequenceGroup, Exception]] = []  # requests that failed alone, not yet taken
         self._failed_steps = 0  # steps in a row that advanced nothing and failed with an internal error
         self.stats = StepStats()
 
@@ -118,7 +118,7 @@ class EngineCore:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, end_id: int | None,
                     return_context_logits: bool = False, return_generation_logits: bool = False,
-                    priority: float = 0.5, lora=None, prompt_table=None) -> Request:
+                    priority: float = 0.5, lora=None, prompt_table=None) -> SequenceGroup:
         """Validate and queue one request (``lora``: the ``kiln.layers.lora.LoraAdapter`` its
         sequences run with, or None; ``prompt_table``: a prompt-tuning embedding table
         ``[n_virtual, hidden]`` whose rows the prompt's ids ``vocab_size + i`` name, or None)."""
@@ -150,7 +150,7 @@ class EngineCore:
             if params.beam_width * self.scheduler.blocks_for(total) > self.pool.num_blocks:
                 raise CapacityError(f"{params.beam_width} beams of up to {total} tokens need more KV blocks than "
                                     f"the cache's {self.pool.num_blocks}")
-        request = Request(next(self._request_ids), list(prompt_token_ids), params, [])
+        request = SequenceGroup(next(self._request_ids), list(prompt_token_ids), params, [])
         if params.use_beam_search:
             request.beam = BeamSearch(BeamSearchParams(
                 beam_width=params.beam_width, length_penalty=params.length_penalty,
@@ -187,14 +187,14 @@ class EngineCore:
             self._requests[seq.seq_id] = request
         return request
 
-    def abort(self, request: Request, reason: FinishReason = FinishReason.CANCELLED) -> None:
+    def abort(self, request: SequenceGroup, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """Stop a request now; its unfinished sequences end with ``reason`` (cancelled)."""
         for seq in request.seqs:
             self.finish_sequence(seq, reason)
         if request.beam is not None and request.hypotheses is None:
             request.hypotheses = []
 
-    def take_failures(self) -> list[tuple[Request, Exception]]:
+    def take_failures(self) -> list[tuple[SequenceGroup, Exception]]:
         """The requests that failed alone in the steps since the last call, with their errors.
         They are finished (``FinishReason.ERROR``) and hold no KV blocks; the engine goes on."""
         failures, self._failures = self._failures, []
@@ -217,7 +217,7 @@ class EngineCore:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def step(self) -> list[Request]:
+    def step(self) -> list[SequenceGroup]:
         """Run one step; returns the requests that advanced (got tokens or finished).
 
         With ``pp_size`` pipeline stages, up to ``pp_size`` micro-batches (disjoint sets of
@@ -242,7 +242,7 @@ class EngineCore:
         result = self.runner.collect()
         self._collect_logits(result)
         advanced_seqs = self.scheduler.update(out, result)
-        advanced: dict[int, Request] = {}
+        advanced: dict[int, SequenceGroup] = {}
         for seq in advanced_seqs:
             request = self._requests[seq.seq_id]
             advanced[request.request_id] = request
@@ -265,10 +265,10 @@ class EngineCore:
         s.seconds += time.perf_counter() - started
         return list(advanced.values())
 
-    def _fail(self, failed: dict[int, Exception], progressed: bool) -> list[Request]:
+    def _fail(self, failed: dict[int, Exception], progressed: bool) -> list[SequenceGroup]:
         """Finish the requests of the sequences that failed this step; returns them. Raises once
         ``MAX_FAILED_STEPS`` steps in a row failed with internal errors and advanced nothing."""
-        requests: dict[int, tuple[Request, Exception]] = {}
+        requests: dict[int, tuple[SequenceGroup, Exception]] = {}
         for seq_id, error in failed.items():
             request = self._requests.get(seq_id)
             if request is not None:
@@ -295,7 +295,7 @@ class EngineCore:
         for seq_id, logits in result.context_logits.items():
             if seq_id in self._requests:  # not cancelled while in flight
                 self._requests[seq_id].context_logits.append(logits)
-        by_request: dict[int, tuple[Request, dict]] = {}
+        by_request: dict[int, tuple[SequenceGroup, dict]] = {}
         for seq_id, logits in result.generation_logits.items():
             request = self._requests.get(seq_id)
             if request is None:
@@ -304,7 +304,7 @@ class EngineCore:
         for request, by_seq in by_request.values():
             request.generation_logits.append([by_seq.get(s.seq_id) for s in request.seqs])
 
-    def _advance_beams(self, request: Request, result: RunnerOutput) -> bool:
+    def _advance_beams(self, request: SequenceGroup, result: RunnerOutput) -> bool:
         """Apply one beam search step once every live beam has its log-probs."""
         live = request.seqs
         if not all(s.seq_id in result.beam_logprobs for s in live):

@@ -28,7 +28,7 @@ from kiln import kernels
 from kiln.errors import ConfigError, KilnError, RequestError
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
-from kiln.runtime.engine_core import Request as CoreRequest
+from kiln.runtime.engine_core import SequenceGroup
 from kiln.runtime.executor_types import (SERVING_MAX_NUM_TOKENS, ExecutorConfig, IterationStats, KvCacheConfig,
                                          OutputConfig, Request, Response, Result, error_response)
 from kiln.runtime.lora_cache import LoraCache, LoraConfig
@@ -47,7 +47,7 @@ class _Tracked:
 
     request_id: int
     request: Request
-    core: CoreRequest | None = None
+    core: SequenceGroup | None = None
     deadline: float | None = None
     sent: dict[int, int] = field(default_factory=dict)  # seq_id -> output tokens already streamed
     lora_task: int | None = None  # the task id whose LoRA device slot it holds

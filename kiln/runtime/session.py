@@ -17,7 +17,7 @@ import torch
 
 from kiln.errors import RequestError
 from kiln.runtime.engine import Engine
-from kiln.runtime.engine_core import EngineCore, Request
+from kiln.runtime.engine_core import EngineCore, SequenceGroup
 from kiln.runtime.sampling import SamplingConfig
 from kiln.runtime.words import decode_batch_words
 
@@ -103,7 +103,7 @@ class GenerationSession:
                                f"max_seq_len {self.max_seq_len}")
         params = self._request_params(inputs, config, batch, max_new)
         end_id = inputs.end_id if inputs.end_id >= 0 else None  # -1: no end token
-        requests: list[Request] = []
+        requests: list[SequenceGroup] = []
         try:
             for prompt, p in zip(prompts, params):
                 requests.append(self._core.add_request(prompt, p, end_id, return_context_logits,
@@ -172,7 +172,7 @@ class GenerationSession:
 
     # -- outputs ------------------------------------------------------------------------------
 
-    def _beams(self, request: Request) -> list[tuple[list[int], list[float], str]]:
+    def _beams(self, request: SequenceGroup) -> list[tuple[list[int], list[float], str]]:
         """(generated tokens, their log-probs, finish reason) per returned beam or sample."""
         if request.beam is not None:
             if request.hypotheses is not None:
@@ -182,13 +182,13 @@ class GenerationSession:
         return [(s.output_token_ids, s.logprobs, s.finish_reason.value if s.finish_reason else "")
                 for s in request.seqs]
 
-    def _fill_ids(self, ids: torch.Tensor, request: Request, pad_id: int) -> None:
+    def _fill_ids(self, ids: torch.Tensor, request: SequenceGroup, pad_id: int) -> None:
         prompt_len = len(request.prompt_token_ids)
         for k, (tokens, _, _) in enumerate(self._beams(request)[: self.beam_width]):
             ids[k, prompt_len:] = pad_id
             ids[k, prompt_len:prompt_len + len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
 
-    def _output(self, requests: list[Request], prompts, ids: torch.Tensor, max_new: int, pad_id: int,
+    def _output(self, requests: list[SequenceGroup], prompts, ids: torch.Tensor, max_new: int, pad_id: int,
                 want_context: bool, want_generation: bool) -> GenerationOutput:
         batch, beams = len(requests), self.beam_width
         lengths = torch.zeros(batch, beams, dtype=torch.int64)
