@@ -35,6 +35,10 @@ class CapacityError(KilnError):
     """The KV cache has no room left for the work asked of it."""
 
 
+class QueueFullError(KilnError):
+    """The executor's queue of requests waiting for admission is full: worth trying again soon."""
+
+
 class WorldError(RuntimeError):
     """A rank of a multi-process world died or stopped answering: the world cannot go on (not
     an input error; every rank's next collective fails with it)."""

@@ -44,16 +44,17 @@ DECODE_KERNELS_QUANTIZED_KV = {
 }
 
 
-def cpu_flags() -> set[str]:
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[-1].split())
+                    return frozenset(line.split(":", 1)[-1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def _compiler() -> str | None:

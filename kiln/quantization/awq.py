@@ -31,7 +31,8 @@ from torch import nn
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.quantization.calibration import InputStats, collect_linear_inputs
-from kiln.quantization.weight_only import (check_group_size, codes_4bit, dequantize, group_params, quantizable_modules, quantize_model,
+from kiln.layers.quantized_matmul import dequantize, round_to_e4m3
+from kiln.quantization.weight_only import (check_group_size, codes_4bit, group_params, quantizable_modules, quantize_model,
                                           quantize_weight)
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def _rtn(weight: torch.Tensor, group_size: int, has_zero_point: bool) -> torch.T
 
 def _fp8_activations(x: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to the e4m3 grid of the static scale of inputs whose range is ``absmax``."""
-    from kiln.quantization.fp8 import activation_scale, round_to_e4m3
+    from kiln.quantization.fp8 import activation_scale
 
     a = activation_scale(absmax)
     return round_to_e4m3(x / a) * a

@@ -27,7 +27,7 @@ from torch import nn
 
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
-from kiln.layers.quantized_matmul import E4M3_MAX, fp8_linear, fp8_round_input, round_to_e4m3  # noqa: F401
+from kiln.layers.quantized_matmul import E4M3_MAX
 from kiln.quantization.weight_only import FP8_ALGO
 
 log = logging.getLogger(__name__)

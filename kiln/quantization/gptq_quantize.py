@@ -54,7 +54,8 @@ from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.quantization.awq import input_groups, search_clip, search_scale
 from kiln.quantization.gptq import GPTQ_ALGO
-from kiln.quantization.weight_only import (check_group_size, codes_4bit, dequantize, group_params, pack_4bit, quantizable_modules,
+from kiln.layers.quantized_matmul import dequantize
+from kiln.quantization.weight_only import (check_group_size, codes_4bit, group_params, pack_4bit, quantizable_modules,
                                           quantize_weight)
 
 log = logging.getLogger(__name__)

@@ -36,8 +36,7 @@ from torch import nn
 
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
-from kiln.layers.quantized_matmul import (int8_matmul, int8_matmul_reference,  # noqa: F401
-                                          quantize_activations, w8a8_linear)
+from kiln.layers.quantized_matmul import w8a8_linear
 from kiln.quantization.weight_only import SMOOTHQUANT_ALGO
 
 log = logging.getLogger(__name__)

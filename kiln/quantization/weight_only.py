@@ -27,7 +27,6 @@ from torch import nn
 
 from kiln.config import QuantConfig
 from kiln.config.quant_algos import ALGOS
-from kiln.layers.quantized_matmul import dequantize  # noqa: F401 - part of this module's face
 from kiln.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -141,11 +141,11 @@ class EngineCore:
         if end_id is not None and not 0 <= end_id < vocab:
             raise RequestError(f"end_id {end_id} is outside the vocabulary [0, {vocab})")
         params.validate(vocab_size=vocab, max_beam_width=build.max_beam_width)
-        if params.num_samples > self.max_num_seqs:  # a request's samples are generated together
-            raise RequestError(f"n (best_of) {params.num_samples} exceeds the batch limit {self.max_num_seqs}")
+        group = params.beam_width if params.use_beam_search else params.num_samples  # generated together
+        if group > self.max_num_seqs:
+            what = "beam width" if params.use_beam_search else "n (best_of)"
+            raise RequestError(f"{what} {group} exceeds the batch limit {self.max_num_seqs}")
         if params.use_beam_search:
-            if params.beam_width > self.max_num_seqs:
-                raise RequestError(f"beam width {params.beam_width} exceeds the batch limit {self.max_num_seqs}")
             total = min(len(prompt_token_ids) + params.max_tokens, build.max_seq_len)
             if params.beam_width * self.scheduler.blocks_for(total) > self.pool.num_blocks:
                 raise CapacityError(f"{params.beam_width} beams of up to {total} tokens need more KV blocks than "
@@ -255,7 +255,7 @@ class EngineCore:
                     advanced[request.request_id] = request
             except Exception as error:  # noqa: BLE001 - this request fails alone
                 result.failed.update({seq.seq_id: error for seq in request.seqs})
-        for request in self._fail(result.failed, bool(advanced_seqs) or bool(advanced)):
+        for request in self._fail(result.failed, progressed=bool(advanced)):
             advanced.pop(request.request_id, None)
         s = self.stats
         s.num_steps += 1

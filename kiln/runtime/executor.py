@@ -25,7 +25,7 @@ from typing import AsyncIterator
 import torch
 
 from kiln import kernels
-from kiln.errors import ConfigError, KilnError, RequestError
+from kiln.errors import ConfigError, KilnError, QueueFullError, RequestError
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_core import SequenceGroup
@@ -96,7 +96,7 @@ class Executor:
         with self._lock:
             self._check_running()
             if len(self._incoming) + len(self.core.scheduler.waiting) + len(requests) > self.config.max_queue_size:
-                raise KilnError(f"the executor queue is full ({self.config.max_queue_size} requests waiting)")
+                raise QueueFullError(f"the executor queue is full ({self.config.max_queue_size} requests waiting)")
             ids = []
             for request in requests:
                 tracked = _Tracked(next(self._ids), request)

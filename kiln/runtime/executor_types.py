@@ -71,25 +71,24 @@ class Request:
     def engine_params(self) -> SamplingParams:
         """The SamplingParams the engine runs this request with: its sampling config, with the
         request's max_tokens, stop and bad words, embedding bias and log-prob output folded in."""
-        r = self
-        if not isinstance(r.max_tokens, int) or r.max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {r.max_tokens!r}")
-        config = r.sampling_config
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        config = self.sampling_config
         if config is None:
             config = SamplingConfig()
         if isinstance(config, SamplingConfig):
-            params = config.per_sequence(1, r.max_tokens)[0]
+            params = config.per_sequence(1, self.max_tokens)[0]
         elif isinstance(config, SamplingParams):
-            params = dataclasses.replace(config, max_tokens=r.max_tokens)
+            params = dataclasses.replace(config, max_tokens=self.max_tokens)
         else:
             raise RequestError(f"sampling_config must be a SamplingConfig or SamplingParams, got {type(config).__name__}")
-        stop_words = [list(w) for w in r.stop_words]
+        stop_words = [list(w) for w in self.stop_words]
         return dataclasses.replace(
             params, stop_token_ids=list(params.stop_token_ids) + [w[0] for w in stop_words if len(w) == 1],
             stop_words_ids=list(params.stop_words_ids) + [w for w in stop_words if len(w) > 1],
-            bad_words_ids=list(params.bad_words_ids) + [list(w) for w in r.bad_words],
-            embedding_bias=r.embedding_bias if r.embedding_bias is not None else params.embedding_bias,
-            logprobs=0 if r.output_config.return_log_probs and params.logprobs is None else params.logprobs)
+            bad_words_ids=list(params.bad_words_ids) + [list(w) for w in self.bad_words],
+            embedding_bias=self.embedding_bias if self.embedding_bias is not None else params.embedding_bias,
+            logprobs=0 if self.output_config.return_log_probs and params.logprobs is None else params.logprobs)
 
 
 @dataclass

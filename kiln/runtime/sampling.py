@@ -112,7 +112,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
     if all(p.is_greedy and p.logprobs is None for p in params):  # greedy decoding: nothing but the argmax
         return SampleOutput(_check_allowed(logits, _argmax(logits), seqs))
     n, vocab = logits.shape
-    temperature = torch.tensor([p.temperature if not p.is_greedy and p.temperature > 0 else 1.0 for p in params])
+    temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params])
     if (temperature != 1).any():
         logits.div_(temperature[:, None])
     rows = [i for i, p in enumerate(params) if not p.is_greedy]

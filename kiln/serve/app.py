@@ -145,7 +145,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def on_unexpected_error(_, e: Exception):  # a bug while serving one request: a 500 for it alone
         logger.error("request failed", exc_info=e)
-        return _error(ApiError(500, f"internal error while serving this request: {e!r}", None, "server_error"))
+        return _error(ApiError.internal(e))
 
 
 def _add_health_routes(app: FastAPI) -> None:

@@ -67,8 +67,7 @@ async def stream_events(events: AsyncIterator[Event], chunk: Callable[[Event], d
             yield sse(e.body())
         except Exception as e:  # noqa: BLE001 - a bug while streaming: this stream ends with the error
             logger.error("streaming a response failed", exc_info=e)
-            yield sse(ApiError(500, f"internal error while serving this request: {e!r}", None,
-                               "server_error").body())
+            yield sse(ApiError.internal(e).body())
         finally:
             await events.aclose()
         yield sse("[DONE]")

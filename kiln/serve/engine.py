@@ -20,7 +20,7 @@ from typing import AsyncIterator, Callable
 from fastapi import Request as HttpRequest
 
 from kiln.checkpoint.peft import read_adapter
-from kiln.errors import ConfigError, KilnError, RequestError, WorldError
+from kiln.errors import ConfigError, KilnError, QueueFullError, RequestError, WorldError
 from kiln.outputs import FINISH_NAMES, TextTracker
 from kiln.runtime.executor import Executor, ExecutorConfig, OutputConfig, Request, Response
 from kiln.runtime.lora_cache import LoraConfig
@@ -167,7 +167,7 @@ class ServingEngine:
             params.validate(vocab_size=self.vocab_size)
         except RequestError as e:
             raise ApiError(400, str(e), request_error_param(str(e))) from None
-        if params.n > self.executor.core.max_num_seqs:  # the choices of a prompt are generated together
+        if params.n > self.executor.core.max_num_seqs:  # more choices than run at once would only queue
             raise ApiError(400, f"n must be at most {self.executor.core.max_num_seqs} (the most sequences this "
                                 f"server generates at once), got {params.n}", "n")
         return params
@@ -241,11 +241,10 @@ class ServingEngine:
         with self._lock:
             try:
                 rids = self.executor.enqueue_requests(requests)
-            except KilnError as e:
-                if self.failure is not None or self.draining:
-                    raise ApiError(503, str(e), None, "server_error") from None
-                # The queue is full: worth trying again shortly.
+            except QueueFullError as e:  # worth trying again shortly
                 raise ApiError(503, str(e), None, "overloaded_error", headers={"Retry-After": "1"}) from None
+            except KilnError as e:  # the executor stopped
+                raise ApiError(503, str(e), None, "server_error") from None
             for rid in rids:
                 self._queues[rid] = queue
         started = time.perf_counter()

@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response schemas (pydantic), plus kiln's sampling extras.
 
 Requests are strict: a field kiln does not implement is a 400 naming it, never dropped,
-except the few in ``IGNORED_FIELDS`` (bookkeeping that changes no output). A field kiln does
+except the few ``SamplingFields`` lists as accepted and ignored (bookkeeping that changes no output). A field kiln does
 not implement sent as null (or an empty list) asks for nothing and is accepted. Limits OpenAI
 sets are checked here (``temperature`` in [0, 2], ``n`` up to 128, ``stop`` and
 ``logit_bias`` sizes); value ranges shared with the Python API are checked by
@@ -15,9 +15,6 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# OpenAI request fields that are accepted and ignored: they label or route a request and
-# change nothing in its output.
-IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -67,7 +64,7 @@ class SamplingFields(_Strict):
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # accepted and ignored (IGNORED_FIELDS)
+    # OpenAI fields accepted and ignored: they label or route a request, changing nothing in its output
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -233,6 +230,11 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
         self.headers = headers
+
+    @classmethod
+    def internal(cls, error: BaseException) -> ApiError:
+        """The 500 of a request kiln failed to serve (a bug: the other requests go on)."""
+        return cls(500, f"internal error while serving this request: {error!r}", None, "server_error")
 
     def body(self) -> dict:
         return ErrorResponse(error=ErrorBody(message=self.message, type=self.type, param=self.param,

@@ -11,7 +11,8 @@ import torch
 from kiln import kernels
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
-from kiln.quantization.fp8 import ACTIVATION_HEADROOM, E4M3_MAX, activation_scale, quantize_fp8_weight, round_to_e4m3
+from kiln.layers.quantized_matmul import E4M3_MAX, round_to_e4m3
+from kiln.quantization.fp8 import ACTIVATION_HEADROOM, activation_scale, quantize_fp8_weight
 from tests.conftest import convert_and_build
 from tests.utils.compare import hf_greedy, kiln_greedy, kiln_prompt_logits
 from tests.utils.tiny_models import make_llama

@@ -11,8 +11,8 @@ import torch
 
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
-from kiln.quantization.smoothquant import (int8_matmul, int8_matmul_reference, quantize_activations,
-                                           quantize_w8a8_weight, search_alpha, smoothing_factors, w8a8_linear)
+from kiln.layers.quantized_matmul import int8_matmul, int8_matmul_reference, quantize_activations, w8a8_linear
+from kiln.quantization.smoothquant import quantize_w8a8_weight, search_alpha, smoothing_factors
 from tests.conftest import convert_and_build
 from tests.utils.compare import hf_greedy, kiln_greedy, kiln_prompt_logits
 from tests.utils.tiny_models import make_llama
