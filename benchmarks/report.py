@@ -63,7 +63,7 @@ def _latency(records: list[dict]) -> list[str]:
 def _throughput(records: list[dict]) -> list[str]:
     rows = ["| date | CPU | engine | dtype | decode tok/s by batch size | command |", "|---|---|---|---|---|---|"]
     for r in _newest(records, "throughput"):
-        by_batch = ", ".join(f"{b['batch']}: {b['kiln']['decode_tok_s']:.0f}" for b in r["batches"])
+        by_batch = ", ".join(f"{b['batch']}: {_tok_s(b['kiln']['decode_tok_s'])}" for b in r["batches"])
         rows.append(f"| {r['date'][:10]} | {_cpu(r)} | {Path(r['engine']).name} | {r['dtype']} | {by_batch} | "
                     f"`{_short(r['command'])}` |")
     return ["## Throughput: batched decode", "", *rows]
@@ -79,6 +79,10 @@ def _robustness(records: list[dict]) -> list[str]:
                     f"{fuzz['failed_checks']} | {rounds} | {sum(x['blocks_leaked'] for x in load)} | "
                     f"`{_short(r['command'])}` |")
     return ["## Robustness: the server under fuzzing and load with disconnects", "", *rows]
+
+
+def _tok_s(value: float) -> str:
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
 
 
 def _short(command: str) -> str:
