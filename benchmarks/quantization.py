@@ -72,7 +72,7 @@ def chat_prompts(tokenizer, count: int, max_len: int) -> list[list[int]]:
 
 def memory_figures(llm) -> dict:
     from kiln.bench.common import weight_bytes_per_token
-    from kiln.runtime.kv_cache import kv_bytes_per_token, kv_cache_dtype
+    from kiln.step.kv_cache import kv_bytes_per_token, kv_cache_dtype
 
     config = llm.engine.config
     attention = llm.engine.model.transformer.layers["0"].attention

@@ -16,12 +16,15 @@ from kiln.mapping import Mapping
 from kiln.models import get_model_class
 from kiln.quantization import SMOOTHQUANT_ALGO, quantize_model
 from kiln.quantization.awq import AWQ_ALGO, AWQ_ALGOS, awq_quantize_model, check_awq_request
-from kiln.quantization.calibration import DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
+from kiln.quantization.calibration import (DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE, calibration_texts,
+                                           calibration_token_ids)
 from kiln.quantization.fp8 import fp8_quantize_model
 from kiln.quantization.gptq import gptq_settings
-from kiln.quantization.weight_only import FP8_ALGO, untie_lm_head_for
 from kiln.quantization.gptq_quantize import GPTQ_ALGO, check_gptq_request, gptq_quantize_model
+from kiln.quantization.kv_cache import calibrate_kv_cache_scales, set_kv_cache_scales
 from kiln.quantization.smoothquant import DEFAULT_ALPHA, SEARCH_ALPHA, smoothquant_model
+from kiln.quantization.weight_only import FP8_ALGO, untie_lm_head_for
+from kiln.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +115,6 @@ def _calibration_tokens(source, model_dir: Path, dataset: str, size: int, max_le
                         algo: str) -> list[list[int]]:
     """The calibration prompts' token ids, through the model's own tokenizer (a GGUF's is saved
     to a temporary directory first)."""
-    from kiln.quantization.calibration import calibration_texts, calibration_token_ids
-    from kiln.tokenizer import load_tokenizer
-
     texts = calibration_texts(dataset, size)
     with tempfile.TemporaryDirectory(prefix="kiln-calib-tokenizer-") as tmp:
         try:
@@ -159,8 +159,6 @@ def _quantize(model, quantization: QuantConfig, where: str, calibration: list[li
 def _calibrate_kv_cache(model, algo: str, token_lists: list[list[int]], dataset: str, progress: bool) -> None:
     """Give ``model`` its KV cache scales for ``algo`` (INT8, FP8) and record ``algo`` in its
     quantization config."""
-    from kiln.quantization.kv_cache import calibrate_kv_cache_scales, set_kv_cache_scales
-
     if not token_lists:
         raise ConfigError(f"--calib_dataset {dataset}: no text of at least 2 tokens to calibrate the KV cache on")
     set_kv_cache_scales(model, calibrate_kv_cache_scales(model, token_lists, algo, progress))

@@ -10,11 +10,17 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 from kiln import env
-from kiln.checkpoint.format import ENGINE_FORMAT_VERSION
-from kiln.errors import CheckpointError
+from kiln.build import build_engine, resolve_build_config
+from kiln.build.builder import cpu_has_native_bf16
+from kiln.checkpoint.format import ENGINE_FORMAT_VERSION, read_config
+from kiln.config import QuantConfig
+from kiln.convert import convert_checkpoint
+from kiln.errors import CheckpointError, ConfigError
 
 
 
@@ -56,11 +62,6 @@ CALIBRATION_OPTIONS = ("calib_dataset", "calib_size", "calib_max_len", "smoothqu
 def split_quantization(quantization) -> tuple[dict | None, dict]:
     """``quantization`` as given to ``LLM`` (an algorithm name, a ``QuantConfig``, or a dict of
     QuantConfig fields plus calibration options) -> (QuantConfig fields, convert options)."""
-    from dataclasses import asdict
-
-    from kiln.config import QuantConfig
-    from kiln.errors import ConfigError
-
     if quantization is None:
         return None, {}
     if isinstance(quantization, str):
@@ -98,13 +99,6 @@ def resolve_engine(model: str | Path, *, dtype: str | None = "auto", build_optio
     converting, and so are ``tp_size`` / ``pp_size`` (an external model only: a checkpoint or
     engine keeps the split it was made with).
     """
-    from kiln.build import build_engine, resolve_build_config
-    from kiln.build.builder import cpu_has_native_bf16
-    from kiln.checkpoint.format import read_config
-    from kiln.config import QuantConfig
-    from kiln.convert import convert_checkpoint
-    from kiln.errors import ConfigError
-
     path = Path(model).expanduser().absolute()
     kind = classify(path)
     quant_fields, convert_options = split_quantization(quantization)
@@ -145,7 +139,5 @@ def resolve_engine(model: str | Path, *, dtype: str | None = "auto", build_optio
                          progress=progress, dtype=dtype)
         finally:
             if checkpoint != path:
-                import shutil
-
                 shutil.rmtree(checkpoint, ignore_errors=True)
     return engine_dir

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
 from kiln.errors import ConfigError
 
 
@@ -55,8 +57,6 @@ class Mapping:
     @property
     def device(self) -> str:
         """Where this rank computes: its machine's GPU ``local_rank`` when CUDA is there, else the CPU."""
-        import torch
-
         return f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu"
 
     def pp_layers(self, num_layers: int) -> range:

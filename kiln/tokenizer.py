@@ -9,7 +9,7 @@ from kiln.errors import ConfigError
 
 def load_tokenizer(directory: str | Path):
     """The Hugging Face tokenizer saved in ``directory`` (an engine, checkpoint or HF dir)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers takes seconds to import: only where it is used
 
     directory = Path(directory)
     try:

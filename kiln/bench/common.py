@@ -10,6 +10,11 @@ from pathlib import Path
 
 import torch
 
+from kiln.checkpoint.lora import LORA_MODULE_IDS, LoraModule, module_shapes
+from kiln.layers.linear import Linear
+from kiln.layers.moe import ExpertLinear, MixtureOfExperts
+from kiln.runtime.sampling_params import SamplingParams
+
 
 def random_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
     """``count`` prompts of ``length`` random token ids (ids below 100 avoided: special tokens)."""
@@ -86,8 +91,6 @@ class CollectTimer:
 def stream_round(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]:
     """Time to first token and decode tok/s (tokens after the first) of one greedy stream of
     ``new_tokens`` tokens, the end token ignored."""
-    from kiln import SamplingParams
-
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     started = time.perf_counter()
     first = None
@@ -100,8 +103,6 @@ def stream_round(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]
 def decoder_linears(model: torch.nn.Module) -> list:
     """The linear layers of a model's decoder stack (the LM head excluded) and their FLOPs per
     token (2 per weight)."""
-    from kiln.layers.linear import Linear
-
     linears = [m for m in model.transformer.layers.modules() if isinstance(m, Linear)]
     return linears, 2 * sum(m.in_features * m.out_features for m in linears)
 
@@ -110,8 +111,6 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of weights one batch-1 decode step reads: every parameter once, except an untied
     input embedding (a lookup reads one row) and, in a mixture of experts, the experts a token
     is not routed to (``top_k`` of ``num_experts`` are read)."""
-    from kiln.layers.moe import ExpertLinear, MixtureOfExperts
-
     seen, total = set(), 0
     embedding = getattr(getattr(model, "transformer", None), "vocab_embedding", None)
     lm_head = getattr(model, "lm_head", None)
@@ -161,8 +160,6 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def random_lora_modules(config, rank: int, modules: tuple[str, ...], seed: int = 0, scale: float = 0.01) -> list:
     """A random LoRA adapter (``kiln.checkpoint.lora.LoraModule`` rows): rank ``rank`` on the
     reference ``modules`` of every layer of a model of ``config``, entries ``scale`` x N(0, 1)."""
-    from kiln.checkpoint.lora import LORA_MODULE_IDS, LoraModule, module_shapes
-
     g = torch.Generator().manual_seed(seed)
     shapes = module_shapes(config)
     rows = []

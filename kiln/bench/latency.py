@@ -18,11 +18,11 @@ from tqdm import tqdm
 from kiln.bench.common import ForwardTimer, new_record, random_prompts, ratio, weight_bytes_per_token
 from kiln.bench.machine import machine_facts, peak_rss_mb
 from kiln.bench.peer import hf_generate, load_hf_peer
+from kiln.llm import LLM
+from kiln.runtime.sampling_params import SamplingParams
 
 
 def _kiln_stream(llm, prompt: list[int], new_tokens: int, timers: list[ForwardTimer]) -> dict:
-    from kiln import SamplingParams
-
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     for timer in timers:
         timer.reset()
@@ -48,8 +48,6 @@ def _hf_round(model, prompt: list[int], new_tokens: int) -> dict:
 def run_latency(engine_dir: str, *, hf_gguf: str | None = None, hf_dir: str | None = None, prompt_len: int = 32,
                 prefill_len: int = 512, new_tokens: int = 128, rounds: int = 3, seed: int = 0,
                 progress: bool = True) -> dict:
-    from kiln import LLM
-
     machine = machine_facts()
     started = time.perf_counter()
     llm = LLM(engine_dir, progress=False)

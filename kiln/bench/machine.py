@@ -1,11 +1,14 @@
 """What this machine can do, measured in the same run as the figures it explains."""
 from __future__ import annotations
 
+import platform
 import resource
 import statistics
 import time
 
 import torch
+
+from kiln import host_memory
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -21,8 +24,6 @@ def _median_seconds(fn, repeats: int) -> float:
 def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
     """Memory read bandwidth: a float32 sum over a buffer far larger than the caches, on huge
     pages as kiln's weights are (4 KiB pages read ~13% slower here)."""
-    from kiln.runtime import host_memory
-
     x = host_memory.empty((megabytes * (1 << 20) // 4,), torch.float32).fill_(1)
     return x.numel() * 4 / _median_seconds(lambda: x.sum(), repeats) / 1e9
 
@@ -45,8 +46,6 @@ def peak_rss_mb() -> float:
 
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``), or the machine type where there is none."""
-    import platform
-
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -9,8 +9,8 @@ import torch
 
 def load_hf_peer(dtype: str, *, gguf: str | None = None, model_dir: str | None = None):
     """The peer model in ``dtype`` (a kiln dtype name), quiet and in eval mode, and its load time."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoModelForCausalLM  # transformers takes seconds to import: only where it is used
+    from transformers.utils import logging as hf_logging  # transformers takes seconds to import: only where it is used
 
     if not (gguf or model_dir):
         raise ValueError("the HF peer needs a GGUF file or a model directory")
@@ -55,7 +55,7 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int = 
     Returns (seconds to the first generated token, total seconds).
     """
     ids, mask = left_padded(prompts, pad_id)
-    from transformers import LogitsProcessorList
+    from transformers import LogitsProcessorList  # transformers takes seconds to import: only where it is used
 
     clock = _FirstTokenClock()
     started = time.perf_counter()

@@ -17,14 +17,14 @@ from tqdm import tqdm
 from kiln.bench.common import CollectTimer, ForwardTimer, new_record, random_prompts, ratio
 from kiln.bench.machine import machine_facts, peak_rss_mb
 from kiln.bench.peer import hf_generate, load_hf_peer
+from kiln.llm import LLM
+from kiln.runtime.sampling_params import SamplingParams
 
 
 def kiln_batch(llm, prompts: list[list[int]], new_tokens: int, timer: ForwardTimer | CollectTimer) -> dict:
     """Output tok/s, time to first token and decode tok/s of ``prompts`` generating
     ``new_tokens`` greedy tokens each, all together (every prompt must fit in the first step;
     with pipeline stages, in the first micro-batch of each: ``timer`` is then a CollectTimer)."""
-    from kiln import SamplingParams
-
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     timer.reset()
     started = time.perf_counter()
@@ -45,8 +45,6 @@ def _figures(batch: int, new_tokens: int, first: float, total: float) -> dict:
 def run_throughput(engine_dir: str, *, hf_gguf: str | None = None, hf_dir: str | None = None,
                    batch_sizes: tuple[int, ...] = (8, 32, 64), prompt_len: int = 32, new_tokens: int = 128,
                    rounds: int = 1, seed: int = 0, progress: bool = True) -> dict:
-    from kiln import LLM
-
     machine = machine_facts()
     llm = LLM(engine_dir, progress=False)
     build = llm.engine.build_config

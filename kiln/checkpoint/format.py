@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kiln.config import PretrainedConfig
@@ -80,8 +81,6 @@ def write_rank_weights(directory: Path, rank: int, weights: dict[str, torch.Tens
 
 def read_rank_weights(directory: str | Path, rank: int) -> dict[str, torch.Tensor]:
     """All tensors of one rank file, memory-mapped (no copy until a page is touched)."""
-    from safetensors import safe_open
-
     path = rank_file(directory, rank)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")

@@ -266,7 +266,7 @@ class GGUFSource:
 
     def save_tokenizer(self, output_dir: Path) -> None:
         """Write the HF tokenizer files (chat template included) and ``generation_config.json``."""
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # transformers takes seconds to import: only where it is used
 
         output_dir = Path(output_dir)
         try:

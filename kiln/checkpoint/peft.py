@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from kiln.checkpoint.format import atomic_output_dir
 from kiln.checkpoint.lora import LORA_MODULE_IDS, LoraModule, pack_lora_tensors
@@ -55,8 +56,6 @@ def _read_adapter(adapter_dir: Path, check_type: bool = True) -> tuple[dict, dic
     safetensors_file, bin_file = adapter_dir / "adapter_model.safetensors", adapter_dir / "adapter_model.bin"
     try:
         if safetensors_file.is_file():
-            from safetensors.torch import load_file
-
             return config, load_file(str(safetensors_file))
         if bin_file.is_file():
             return config, torch.load(bin_file, map_location="cpu", weights_only=True)

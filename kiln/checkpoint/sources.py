@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+from safetensors import safe_open
 
 from kiln.checkpoint.gguf_source import GGUFSource
 from kiln.checkpoint.tensor_source import Index, TensorSource
@@ -33,8 +34,6 @@ class SafetensorsSource:
     """One ``.safetensors`` file or a sharded set described by ``*.safetensors.index.json``."""
 
     def __init__(self, path: Path, files: list[Path]):
-        from safetensors import safe_open
-
         self.path = path
         self._handles = {}
         self._file_of: dict[str, Path] = {}

@@ -4,7 +4,13 @@ from __future__ import annotations
 import json
 import sys
 
+import torch
+
+from kiln.bench.common import append_record
+from kiln.bench.latency import format_latency, run_latency
+from kiln.bench.throughput import format_throughput, run_throughput
 from kiln.cli.world import add_world_flags, rank_zero
+from kiln.errors import ConfigError
 
 
 def add_parser(sub) -> None:
@@ -41,11 +47,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import torch
-
-    from kiln.bench.common import append_record
-    from kiln.errors import ConfigError
-
     if args.hf_gguf and args.hf_dir:
         raise ConfigError("give --hf_gguf or --hf_dir, not both")
     if args.threads:
@@ -62,16 +63,11 @@ def run(args) -> int:
 
 
 def _measure(args, common: dict) -> tuple[dict, str]:
-    from kiln.errors import ConfigError
-
     if args.mode == "latency":
-        from kiln.bench.latency import format_latency, run_latency
 
         record = run_latency(args.engine_dir, prefill_len=args.prefill_len, **common)
         text = format_latency(record)
     else:
-        from kiln.bench.throughput import format_throughput, run_throughput
-
         try:
             record = run_throughput(args.engine_dir, batch_sizes=tuple(args.batch_sizes), **common)
         except ValueError as e:

@@ -4,6 +4,10 @@ from __future__ import annotations
 import json
 import time
 
+from kiln.build import build_engine, resolve_build_config
+from kiln.build.builder import resolve_engine_dtype
+from kiln.checkpoint.format import read_config
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("build", help="build a kiln checkpoint into an engine",
@@ -45,10 +49,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from kiln.build import build_engine, resolve_build_config
-    from kiln.build.builder import resolve_engine_dtype
-    from kiln.checkpoint.format import read_config
-
     started = time.perf_counter()
     config = read_config(args.checkpoint_dir)
     dtype = resolve_engine_dtype(args.dtype, config)

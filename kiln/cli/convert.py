@@ -2,9 +2,16 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
+from kiln.checkpoint.format import read_config
+from kiln.config import QuantConfig
+from kiln.config.pretrained import KV_CACHE_QUANT_ALGOS
 from kiln.config.quant_algos import ALGOS
+from kiln.convert import convert_checkpoint
+from kiln.errors import ConfigError
 from kiln.quantization.calibration import DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
 from kiln.quantization.smoothquant import DEFAULT_ALPHA, SEARCH_ALPHA
 
@@ -111,11 +118,6 @@ def _add_quantization_flags(p) -> None:
 
 def parse_key_map(text: str) -> dict:
     """``--key_map``: a JSON object, inline or in a file, of section -> name (or list of names)."""
-    import json
-    from pathlib import Path
-
-    from kiln.errors import ConfigError
-
     source = "--key_map"
     if not text.lstrip().startswith("{"):
         path = Path(text)
@@ -133,12 +135,6 @@ def parse_key_map(text: str) -> dict:
 
 
 def run(args) -> int:
-    from kiln.checkpoint.format import read_config
-    from kiln.config import QuantConfig
-    from kiln.config.pretrained import KV_CACHE_QUANT_ALGOS
-    from kiln.convert import convert_checkpoint
-    from kiln.errors import ConfigError
-
     started = time.perf_counter()
     if args.kv_cache_quant_algo is not None and args.kv_cache_quant_algo not in KV_CACHE_QUANT_ALGOS:
         raise ConfigError(f"--kv_cache_quant_algo {args.kv_cache_quant_algo!r} is not one of "

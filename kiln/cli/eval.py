@@ -1,6 +1,10 @@
 """``kiln eval summarize|perplexity|parity``: accuracy of an engine, alone and beside Hugging Face."""
 from __future__ import annotations
 
+import importlib
+
+import torch
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="measure accuracy: summarization ROUGE, perplexity, parity with HF",
@@ -71,10 +75,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import importlib
-
-    import torch
-
     if args.threads:
         torch.set_num_threads(args.threads)
     return importlib.import_module(f"kiln.eval.{args.eval_module}").run(args)

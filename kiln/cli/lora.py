@@ -3,6 +3,15 @@ normalize-dora``: the same for a DoRA adapter, its magnitudes normalized against
 ``kiln lora convert-prompt``: a PEFT prompt-tuning adapter -> its virtual-token table."""
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from kiln.checkpoint.peft import (CONFIG_FILE, STORAGE_TYPES, WEIGHTS_FILE, convert_peft_adapter,
+                                  load_lora_dir, peft_prompt_table)
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("lora", help="LoRA adapter tools",
@@ -50,8 +59,6 @@ def _in_out(parser, input_help: str, output_flag: str, output_help: str, storage
 
 
 def run_convert(args) -> int:
-    from kiln.checkpoint.peft import CONFIG_FILE, WEIGHTS_FILE, convert_peft_adapter, load_lora_dir
-
     out = convert_peft_adapter(args.input_dir, args.output_dir, args.storage_type, getattr(args, "base_model", None))
     weights, config = load_lora_dir(out)
     layers = sorted({int(row[1]) for row in config})
@@ -63,14 +70,6 @@ def run_convert(args) -> int:
 
 
 def run_convert_prompt(args) -> int:
-    import os
-    import tempfile
-    from pathlib import Path
-
-    import numpy as np
-
-    from kiln.checkpoint.peft import STORAGE_TYPES, peft_prompt_table
-
     table = peft_prompt_table(args.input_dir).to(STORAGE_TYPES[args.storage_type])
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

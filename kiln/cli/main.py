@@ -5,6 +5,7 @@ import argparse
 import logging
 import sys
 
+from kiln.cli import bench, build, convert, eval, lora, run, serve
 from kiln.errors import KilnError
 
 
@@ -30,8 +31,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kiln.cli import bench, build, convert, eval, lora, run, serve
-
     parser = _Parser(prog="kiln", description="kiln: convert, build and run LLMs on PyTorch.")
     parser.add_argument("--log_level", default="warning", choices=["debug", "info", "warning", "error"],
                         help="logging verbosity (default: warning)")

@@ -7,6 +7,11 @@ import time
 from pathlib import Path
 
 from kiln.cli.world import add_world_flags, rank_zero
+from kiln.engine_cache import resolve_engine
+from kiln.errors import RequestError
+from kiln.llm import LLM
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.tokenizer import chat_prompt_ids
 
 
 def add_parser(sub) -> None:
@@ -63,8 +68,6 @@ def add_parser(sub) -> None:
 
 
 def sampling_params(args):
-    from kiln.runtime.sampling_params import SamplingParams
-
     beams = args.num_beams > 1
     return SamplingParams(
         max_tokens=args.max_output_len, min_tokens=args.min_length, ignore_eos=args.ignore_eos,
@@ -83,9 +86,6 @@ def sampling_params(args):
 
 
 def run(args) -> int:
-    from kiln.errors import RequestError
-    from kiln.llm import LLM
-
     try:
         params = sampling_params(args)
     except (ValueError, AttributeError) as e:
@@ -100,8 +100,6 @@ def run(args) -> int:
 
 
 def _generate(args, llm, params) -> int:
-    from kiln.tokenizer import chat_prompt_ids
-
     prompt = chat_prompt_ids(llm.tokenizer, [{"role": "user", "content": args.input_text}]) if args.chat \
         else llm._encode(args.input_text)
     if params.use_beam_search or params.num_samples > 1 or params.logprobs is not None:
@@ -151,6 +149,4 @@ def _run_many(llm, prompt: list[int], params) -> int:
 def engine_dir_for(args) -> Path:
     """The engine ``--engine_dir`` names, built into the cache from any other source exactly as
     ``LLM(source)`` and ``kiln serve source`` build it."""
-    from kiln.engine_cache import resolve_engine
-
     return resolve_engine(args.engine_dir, cache_dir=args.cache_dir, tp_size=args.tp_size, pp_size=args.pp_size)

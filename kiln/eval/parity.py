@@ -20,8 +20,11 @@ from pathlib import Path
 
 import torch
 
+from kiln.data.sharegpt import first_turns
+from kiln.data.texts import jsonl_records
 from kiln.errors import ConfigError
-from kiln.eval.common import jsonl_records
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.tokenizer import chat_prompt_ids
 
 DEFAULT_SAMPLES = 8
 MAX_TOP_K = 20  # SamplingParams.logprobs' limit
@@ -47,7 +50,6 @@ def load_prompts(spec: str, max_samples: int | None) -> list[Prompt]:
     if limit < 1:
         raise ConfigError(f"--max_samples must be >= 1, got {max_samples}")
     if spec == "sharegpt":
-        from kiln.data.sharegpt import first_turns
 
         return [Prompt(human, chat=True) for human, _ in first_turns(limit)]
     path = Path(spec)
@@ -72,8 +74,6 @@ def load_prompts(spec: str, max_samples: int | None) -> list[Prompt]:
 def encode_prompts(tokenizer, prompts: list[Prompt], limit: int) -> list[list[int]]:
     """Token ids of each prompt (chat ones through the template when the tokenizer has one), cut
     to ``limit`` tokens."""
-    from kiln.tokenizer import chat_prompt_ids
-
     encoded = []
     for p in prompts:
         if p.chat and getattr(tokenizer, "chat_template", None):
@@ -88,8 +88,6 @@ def encode_prompts(tokenizer, prompts: list[Prompt], limit: int) -> list[list[in
 
 def kiln_greedy(llm, prompts: list[list[int]], max_tokens: int, top_k: int) -> list[tuple[list[int], list[dict]]]:
     """(tokens, per-token {id: logprob} of the top-k and the chosen token) of greedy generation."""
-    from kiln.runtime.sampling_params import SamplingParams
-
     # ignore_eos: both sides generate exactly max_tokens (HF is run without an end id too)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=top_k)
     return [(out.outputs[0].token_ids, out.outputs[0].logprobs) for out in llm.generate(prompts, params)]
@@ -99,8 +97,6 @@ def kiln_greedy(llm, prompts: list[list[int]], max_tokens: int, top_k: int) -> l
 def kiln_prompt_logits(llm, ids: list[int]) -> torch.Tensor:
     """float32 logits ``[len(ids), vocab]`` of the prompt from the runtime's context logits
     (one packed prefill step, or its chunks)."""
-    from kiln.runtime.sampling_params import SamplingParams
-
     request = llm.core.add_request(ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), None,
                                    return_context_logits=True)
     while not request.is_finished:

@@ -8,10 +8,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kiln.errors import ConfigError
-from kiln.eval.common import format_table
+from kiln.eval.common import format_table, load_hf_model, write_json
 from kiln.eval.parity import (DEFAULT_TOLERANCE, MAX_TOP_K, compare_layers, encode_prompts, first_divergence,
-                              hf_greedy, hf_hidden_states, kiln_greedy, kiln_layer_outputs, kiln_prompt_logits,
-                              load_prompts, prompt_verdict, relative_max_diff)
+                              hf_greedy, hf_hidden_states, kiln_greedy, kiln_layer_outputs,
+                              kiln_prompt_logits, load_prompts, prompt_verdict, relative_max_diff)
+from kiln.eval.perplexity import engine_build_config, open_engine
 
 
 def _sci(value: float | None) -> str:
@@ -44,9 +45,6 @@ def _checked_limits(args, build) -> tuple:
 def run(args) -> int:
     """``kiln eval parity``: print the report, write --output_json; exit code 0 for a completed
     comparison (it is a report, whatever it finds)."""
-    from kiln.eval.common import load_hf_model, write_json
-    from kiln.eval.perplexity import engine_build_config, open_engine
-
     build, limit = _checked_limits(args, engine_build_config(args.engine_dir, args.tokenizer_dir))
     prompts = load_prompts(args.prompts, args.max_samples)
 

@@ -14,8 +14,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
+from kiln.checkpoint.format import read_config_dict
+from kiln.config import BuildConfig
+from kiln.data.sharegpt import long_replies
+from kiln.data.texts import read_texts
+from kiln.engine_cache import classify
 from kiln.errors import ConfigError
-from kiln.eval.common import read_texts
+from kiln.eval.common import format_table, write_json
+from kiln.llm import LLM
+from kiln.runtime.sampling_params import SamplingParams
 
 DEFAULT_SHAREGPT_SAMPLES = 50
 LOGITS_BUDGET = 1 << 26  # context-logit floats held at once (256 MB): windows are batched under it
@@ -71,7 +80,6 @@ def load_texts(dataset: str, max_samples: int | None) -> list[str]:
     if max_samples is not None and max_samples < 1:
         raise ConfigError(f"--max_samples must be >= 1, got {max_samples}")
     if dataset == "sharegpt":
-        from kiln.data.sharegpt import long_replies
 
         return list(itertools.islice(long_replies(), max_samples or DEFAULT_SHAREGPT_SAMPLES))
     path = Path(dataset)
@@ -98,10 +106,6 @@ def resolve_window(window: int | None, stride: int | None, max_input_len: int, m
 def engine_build_config(engine_dir: str, tokenizer_dir: str | None = None):
     """The build config of the engine at ``--engine_dir``, read without loading it, after checking
     both directories (a ConfigError names the flag at fault)."""
-    from kiln.checkpoint.format import read_config_dict
-    from kiln.config import BuildConfig
-    from kiln.engine_cache import classify
-
     path = Path(engine_dir)
     if not path.is_dir():
         raise ConfigError(f"--engine_dir {path}: no such directory")
@@ -114,8 +118,6 @@ def engine_build_config(engine_dir: str, tokenizer_dir: str | None = None):
 
 def open_engine(engine_dir: str, tokenizer_dir: str | None):
     """kiln's LLM on an existing engine (never a conversion into the cache)."""
-    from kiln.llm import LLM
-
     engine_build_config(engine_dir, tokenizer_dir)
     return LLM(Path(engine_dir), tokenizer=tokenizer_dir, progress=False)
 
@@ -126,10 +128,6 @@ def score_texts(llm, token_lists: list[list[int]], window: int, stride: int, pro
                 ) -> tuple[list[TextScore], dict]:
     """Score every text with the runtime's prompt log-probs; returns per-text scores and totals
     (tokens run through the engine, windows, seconds)."""
-    from tqdm import tqdm
-
-    from kiln.runtime.sampling_params import SamplingParams
-
     jobs = [(i, w) for i, ids in enumerate(token_lists) for w in sliding_windows(len(ids), window, stride)]
     scores = [TextScore(i, len(ids)) for i, ids in enumerate(token_lists)]
     # One generated token is the least a request asks for; its log-probs are not needed.
@@ -174,8 +172,6 @@ def summarize(scores: list[TextScore], totals: dict) -> dict:
 
 def run(args) -> int:
     """``kiln eval perplexity``: print the summary table; write --output_json; exit code 0."""
-    from kiln.eval.common import format_table, write_json
-
     # Every flag and input is checked before the engine loads.
     build = engine_build_config(args.engine_dir, args.tokenizer_dir)
     window, stride = resolve_window(args.window, args.stride, build.max_input_len, build.max_seq_len)

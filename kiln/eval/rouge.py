@@ -15,7 +15,7 @@ ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
 def _scorer():
     try:
-        from rouge_score import rouge_scorer
+        from rouge_score import rouge_scorer  # an optional dependency (the eval extra)
     except ImportError:
         raise KilnError("ROUGE needs the rouge-score package: pip install rouge-score") from None
     return rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=True)

@@ -20,9 +20,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kiln.bench.peer import left_padded
+from kiln.data.sharegpt import summarization_requests
+from kiln.data.texts import jsonl_records
 from kiln.errors import ConfigError, KilnError
-from kiln.eval.common import format_table, jsonl_records, load_hf_model, write_json
+from kiln.eval.common import format_table, load_hf_model, write_json
 from kiln.eval.rouge import ROUGE_KEYS, mean_scores, rouge_scores
+from kiln.llm import LLM
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.tokenizer import end_ids as tokenizer_end_ids
 
 DEFAULT_MAX_SAMPLES = 50
 DEFAULT_INSTRUCTION = "Summarize the following article."
@@ -60,7 +66,6 @@ def load_dataset(spec: str, limit: int) -> list[dict]:
     """Records ``{"id", "article", "highlights", "instruction"}`` of ``--dataset``: a JSONL
     file, or ``sharegpt`` (summarization requests mined from ShareGPT)."""
     if spec == "sharegpt":
-        from kiln.data.sharegpt import summarization_requests
 
         records = summarization_requests(limit)
         if not records:
@@ -158,8 +163,6 @@ def generate_kiln(llm, prompts: list[list[int]], max_output_len: int, batch_size
                   progress: bool = True) -> tuple[list[list[int]], float]:
     """kiln's greedy outputs (token ids, the end token included when reached) and the seconds
     spent generating them (after an untimed warm-up; prompt processing included)."""
-    from kiln import SamplingParams
-
     params = SamplingParams(max_tokens=max_output_len, temperature=0)
     # Warm-up: the first call pays one-off costs (weight packing, allocator) that are no throughput
     llm.generate(_warm_up_prompts(prompts), SamplingParams(max_tokens=_WARM_UP_TOKENS, temperature=0))
@@ -179,9 +182,7 @@ def generate_hf(model, prompts: list[list[int]], max_output_len: int, batch_size
                 pad_id: int, progress: bool = True) -> tuple[list[list[int]], float]:
     """HF's greedy outputs for left-padded batches (each row cut after its first end id) and the
     seconds spent in ``generate`` (after an untimed warm-up; prompt processing included)."""
-    from transformers import GenerationConfig
-
-    from kiln.bench.peer import left_padded
+    from transformers import GenerationConfig  # transformers takes seconds to import: only where it is used
 
     # A bare generation config: the model's own defaults (repetition penalty, sampling) would
     # make HF decode differently from kiln's plain greedy.
@@ -225,9 +226,6 @@ def _side(tokens: list[list[int]], seconds: float, tokenizer, references: list[s
 
 def summarize(args) -> dict:
     """Run the evaluation described by the CLI ``args``; returns the full record."""
-    from kiln import LLM
-    from kiln.tokenizer import end_ids as tokenizer_end_ids
-
     _check_args(args)
     limit = args.max_samples or DEFAULT_MAX_SAMPLES
     records = load_dataset(args.dataset, limit)

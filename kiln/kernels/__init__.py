@@ -27,11 +27,10 @@ from functools import lru_cache
 
 import torch
 
-from kiln.kernels.decode_step import (LORA_SLOTS, DecoderDims, DecoderHead, DecoderLayerWeights,  # noqa: F401
+from kiln.kernels.decode_step import (LORA_SLOTS, DecoderDims, DecoderHead, DecoderLayerWeights,
                                       LinearWeights, LoraLinear, LoraStepWeights, decode_step,
                                       decode_step_scratch_size)
-from kiln.kernels.library import (DECODE_KERNELS, DECODE_KERNELS_QUANTIZED_KV, DTYPE_SUFFIX,  # noqa: F401
-                                  native_library)
+from kiln.kernels.library import DECODE_KERNELS, DECODE_KERNELS_QUANTIZED_KV, DTYPE_SUFFIX, native_library
 
 
 def release_thread_pool() -> None:
@@ -162,7 +161,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def kv_quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """The codes the native decode step writes for float32 ``x`` with ``scale`` into a cache of
     ``dtype`` (int8 or float8_e4m3fn): ``x * (1 / scale)`` rounded by dtypes.h's ``i8_store`` /
-    ``fp8_store``. Tests hold it against ``kiln.runtime.attention.quantize_kv``, which the
+    ``fp8_store``. Tests hold it against ``kiln.step.attention.quantize_kv``, which the
     layer-by-layer path writes with."""
     x = x.float().contiguous()
     codes = torch.empty(x.shape, dtype=dtype)

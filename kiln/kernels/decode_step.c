@@ -15,7 +15,7 @@
  * head_size], slots/token_index/seq_lens [m], block_tables [m, max_blocks], cos/sin
  * [m, rot_dim] float32, scratch of kiln_decode_step_scratch(dims, m) elements. A quantized KV
  * cache (dims kv_kind KILN_KV_INT8 or KILN_KV_FP8, each layer's kv_scales [K, V]) takes the
- * codes of k * (1 / k_scale) and v * (1 / v_scale) (dtypes.h, as kiln.runtime.attention.
+ * codes of k * (1 / k_scale) and v * (1 / v_scale) (dtypes.h, as kiln.step.attention.
  * quantize_kv writes them) and is read by the matching attention variant. With a `head` (else
  * NULL) the step goes on to the model's last norm and LM head and writes each token's first
  * `vocab` outputs, as float32, to logits [m, vocab] (rounded through the model dtype first, as

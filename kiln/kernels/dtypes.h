@@ -34,7 +34,7 @@ static inline __m512 load16_bf16(const bf16_t *p) {
 static inline float f32_load(float x) { return x; }
 static inline float f32_store(float x) { return x; }
 
-/* Quantized KV cache codes (kiln.runtime.attention.quantize_kv computes the same ones): the
+/* Quantized KV cache codes (kiln.step.attention.quantize_kv computes the same ones): the
  * value written is v = x * (1 / scale) in fp32, stored as int8 round(v) clamped to +-127, or
  * as float8 e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits, subnormals below
  * 2^-6, no infinities, 0x7F/0xFF NaN) saturated to +-448 and rounded to nearest even. v must

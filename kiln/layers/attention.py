@@ -81,7 +81,7 @@ class Attention(nn.Module):
         # hidden: [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
-        q, k, v = self.qkv(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv(hidden, metadata.lora).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_size)
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
@@ -99,4 +99,4 @@ class Attention(nn.Module):
         out = metadata.backend.forward(q, k, v, kv_cache, metadata, self.scale, window=self.window,
                                        alibi_slopes=self.alibi_slopes, softcap=self.softcap,
                                        kv_scales=self.kv_cache_scaling_factor)  # [tokens, heads, head]
-        return self.dense(out.reshape(num_tokens, q_size))
+        return self.dense(out.reshape(num_tokens, q_size), metadata.lora)

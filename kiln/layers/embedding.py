@@ -16,7 +16,6 @@ from torch import nn
 
 from kiln import distributed
 from kiln.checkpoint.shard_spec import ShardSpec
-from kiln.layers.step_context import StepContext
 
 
 class Embedding(nn.Module):
@@ -92,7 +91,3 @@ class PromptStep:
     tasks: torch.Tensor
     task_vocab_size: int
 
-
-PROMPT_STEP: StepContext[PromptStep] = StepContext("kiln_prompt_step")
-active_prompt_step = PROMPT_STEP.active  # the prompt-tuning step the current model call runs under, or None
-prompt_tuning_step = PROMPT_STEP.using  # make a step active for the model calls inside the block

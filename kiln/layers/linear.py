@@ -17,7 +17,7 @@ from torch import nn
 
 from kiln import distributed, kernels
 from kiln.checkpoint.shard_spec import ShardSpec, rank_range
-from kiln.layers import lora
+from kiln.layers.lora import LoraStep
 from kiln.layers.quantized_matmul import dequantize, fp8_linear, fp8_round_input, w8a8_linear
 
 # bf16 weights: one row through the native skinny GEMM (at the memory bandwidth); more rows,
@@ -57,16 +57,15 @@ class Linear(nn.Module):
     # DecoderModelForCausalLM.assign_lora_targets.
     lora_targets: tuple = ()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.with_lora(x, self.matmul(x, self.bias), self.bias)
+    def forward(self, x: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
+        """``x W^T + b``, plus the deltas of the step's adapters (``lora``) for this linear."""
+        return self.with_lora(x, self.matmul(x, self.bias), self.bias, lora)
 
-    def with_lora(self, x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``y`` (``bias`` included) plus the active LoRA step's deltas for this linear (none
-        outside a LoRA step)."""
-        if self.lora_targets:
-            step = lora.active_step()
-            if step is not None:
-                return step.apply(self.lora_targets, x, y, bias)
+    def with_lora(self, x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None,
+                  lora: LoraStep | None) -> torch.Tensor:
+        """``y`` (``bias`` included) plus ``lora``'s deltas for this linear (none without a step)."""
+        if self.lora_targets and lora is not None:
+            return lora.apply(self.lora_targets, x, y, bias)
         return y
 
     # -- weight-only quantization (kiln.quantization.weight_only) -----------------------------
@@ -251,8 +250,8 @@ class ColumnLinear(Linear):
                          tp_rank=tp_rank, source_transposed=source_transposed)
         self.gather_output = gather_output
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.with_lora(x, self.matmul(x, self.bias), self.bias)
+    def forward(self, x: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
+        y = self.with_lora(x, self.matmul(x, self.bias), self.bias, lora)
         return distributed.all_gather(y, self.tp_size, dim=-1) if self.gather_output else y
 
     def postprocess(self, key: str, weights: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
@@ -276,12 +275,12 @@ class RowLinear(Linear):
         super().__init__(in_features // tp_size, out_features, bias, dtype=dtype, tp_size=tp_size,
                          tp_rank=tp_rank, source_transposed=source_transposed)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.with_lora(x, self.matmul(x, self.bias), self.bias)
+            return self.with_lora(x, self.matmul(x, self.bias), self.bias, lora)
         # A rank's LoRA delta is a partial sum too (its rows of A): reduced with the matmul's (a
         # DoRA scale is per output column, so scaling each partial sum scales the total).
-        y = distributed.all_reduce(self.with_lora(x, self.matmul(x, None), None), self.tp_size)
+        y = distributed.all_reduce(self.with_lora(x, self.matmul(x, None), None, lora), self.tp_size)
         return y if self.bias is None else y + self.bias
 
 

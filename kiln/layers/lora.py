@@ -1,9 +1,9 @@
 """LoRA adapters applied inside a step.
 
 A step may mix sequences with different adapters and sequences with none. The runner builds
-a :class:`LoraStep` (which rows of the step's packed tokens use which adapter) and makes it
-active around the model call (``lora_step``); every adapted linear (``Linear.lora_targets``,
-set by ``DecoderModelForCausalLM.assign_lora_targets``) then adds, per adapter present in
+a :class:`LoraStep` (which rows of the step's packed tokens use which adapter) and hands it
+to the model in the step's metadata (``AttentionMetadata.lora``); every adapted linear
+(``Linear.lora_targets``, set by ``DecoderModelForCausalLM.assign_lora_targets``) then adds, per adapter present in
 the step, ``(x[rows] A^T) B^T`` to the output columns of each reference module it holds
 (q, k and v are column ranges of the fused qkv projection; gate and up of the fused
 gate/up one). The matmuls run once per adapter and linear, whatever the number of sequences
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from kiln.checkpoint.lora import LoraModule
-from kiln.layers.step_context import StepContext
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,3 @@ class LoraStep:
                 out.index_add_(0, rows, delta.to(y.dtype))
         return y
 
-
-LORA_STEP: StepContext[LoraStep] = StepContext("kiln_lora_step")
-active_step = LORA_STEP.active  # the LoRA step the current model call runs under, or None
-lora_step = LORA_STEP.using  # make a step active for the model calls inside the block

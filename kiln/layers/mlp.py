@@ -14,6 +14,7 @@ from kiln import kernels
 from kiln.errors import ConfigError
 from kiln.layers.activation import get_activation
 from kiln.layers.linear import ColumnLinear, RowLinear
+from kiln.layers.lora import LoraStep
 
 
 class MLP(nn.Module):
@@ -26,8 +27,8 @@ class MLP(nn.Module):
         self.proj = RowLinear(intermediate_size, hidden_size, bias, **common)
         self.act = get_activation(hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.act(self.fc(x)))
+    def forward(self, x: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x, lora)), lora)
 
 
 class GatedMLP(nn.Module):
@@ -46,15 +47,15 @@ class GatedMLP(nn.Module):
         self.proj = RowLinear(intermediate_size, hidden_size, bias, **common)
         self.act = get_activation(hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
         if self.fused:
-            both = self.fused_fc(x)
+            both = self.fused_fc(x, lora)
             if self.act is F.silu and kernels.elementwise_supported(both):
-                return self.proj(kernels.silu_mul(both))  # one native pass instead of three ops
+                return self.proj(kernels.silu_mul(both), lora)  # one native pass instead of three ops
             fc, gate = both.chunk(2, dim=-1)
         else:
-            fc, gate = self.fc(x), self.gate(x)
-        return self.proj(self.act(fc) * gate)
+            fc, gate = self.fc(x, lora), self.gate(x, lora)
+        return self.proj(self.act(fc) * gate, lora)
 
     @staticmethod
     def engine_weights(prefix: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

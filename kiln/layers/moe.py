@@ -38,9 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln import distributed, kernels
+from kiln.checkpoint.shard_spec import ShardSpec
 from kiln.errors import ConfigError
 from kiln.layers.activation import get_activation
-from kiln.checkpoint.shard_spec import ShardSpec
 from kiln.layers.linear import Linear
 from kiln.layers.mlp import GatedMLP
 
@@ -178,7 +178,9 @@ class MixtureOfExperts(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: object = None) -> torch.Tensor:
+        """The experts' output for ``x``; ``lora`` is taken for the MLP interface only (expert
+        linears hold no LoRA targets: ``assign_lora_targets`` marks plain and gated MLPs)."""
         shape = x.shape
         x = x.reshape(-1, self.hidden_size)
         weights, experts = self.route(self.router(x))

@@ -23,14 +23,26 @@ import torch
 from torch import nn
 
 from kiln import kernels
+from kiln.checkpoint.format import (atomic_output_dir, rank_file, read_config, read_rank_weights,
+                                    write_config, write_rank_weights)
+from kiln.checkpoint.loader import ModelWeightsLoader, fill_parameters, translate_key
+from kiln.checkpoint.lora import LORA_MODULE_IDS
+from kiln.checkpoint.sources import open_source
 from kiln.config import PretrainedConfig
 from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
+from kiln.layers.embedding import PromptStep
 from kiln.layers.linear import ColumnLinear
+from kiln.layers.lora import LoraTarget
 from kiln.layers.mlp import MLP, GatedMLP
 from kiln.layers.normalization import RmsNorm
+from kiln.mapping import Mapping
 from kiln.models.decoder import DecoderLayer, Transformer, positive_field
 from kiln.models.native_decode import native_decode_for
+from kiln.models.registry import get_model_class
+from kiln.quantization import use_weight_only_layout
+from kiln.quantization.gptq import gptq_settings, use_gptq_layout
+from kiln.quantization.weight_only import SMOOTHQUANT_ALGO
 
 class DecoderModelForCausalLM(nn.Module):
     """A decoder-only causal LM in kiln's layout. Subclasses declare a family."""
@@ -108,7 +120,7 @@ class DecoderModelForCausalLM(nn.Module):
         returns its last layer's output, for the next stage."""
         t = self.transformer
         if hidden is None:
-            hidden = self.first_layer_input(input_ids, positions)
+            hidden = self.first_layer_input(input_ids, positions, metadata.prompts)
         native = native_decode_for(self, kv_caches, metadata)
         if native is not None:  # a decode step: every layer in one native call (one rank only)
             return t.finish(native(hidden, positions, metadata))
@@ -121,28 +133,27 @@ class DecoderModelForCausalLM(nn.Module):
         q, k, v and the whole qkv in the fused qkv projection, the attention output, the gated
         MLP's gate (``mlp_h_to_4h``: the activated branch, kiln's ``fc``), up (``mlp_gate``) and
         both (``mlp_gate_up``), and its down projection (``mlp_4h_to_h``)."""
-        from kiln.checkpoint.lora import LORA_MODULE_IDS as ids
-        from kiln.layers.lora import LoraTarget
-
         # Column ranges are this rank's: its adapters are sharded to match (kiln.runtime.lora_cache).
         for key, layer in self.transformer.layers.items():
             i, attn, mlp = int(key), layer.attention, layer.mlp
+
+            def target(name: str, start: int, stop: int) -> LoraTarget:
+                return LoraTarget(i, LORA_MODULE_IDS[name], start, stop)
+
             q, kv = attn.qkv.q_size // attn.qkv.tp_size, attn.qkv.kv_size // attn.qkv.kv_tp_size  # this rank's
-            attn.qkv.lora_targets = (LoraTarget(i, ids["attn_qkv"], 0, q + 2 * kv), LoraTarget(i, ids["attn_q"], 0, q),
-                                     LoraTarget(i, ids["attn_k"], q, q + kv),
-                                     LoraTarget(i, ids["attn_v"], q + kv, q + 2 * kv))
-            attn.dense.lora_targets = (LoraTarget(i, ids["attn_dense"], 0, attn.dense.out_features),)
+            attn.qkv.lora_targets = (target("attn_qkv", 0, q + 2 * kv), target("attn_q", 0, q),
+                                     target("attn_k", q, q + kv), target("attn_v", q + kv, q + 2 * kv))
+            attn.dense.lora_targets = (target("attn_dense", 0, attn.dense.out_features),)
             if isinstance(mlp, (MLP, GatedMLP)):
                 inter = mlp.proj.in_features
-                mlp.proj.lora_targets = (LoraTarget(i, ids["mlp_4h_to_h"], 0, mlp.proj.out_features),)
+                mlp.proj.lora_targets = (target("mlp_4h_to_h", 0, mlp.proj.out_features),)
                 if isinstance(mlp, GatedMLP) and mlp.fused:
-                    mlp.fused_fc.lora_targets = (LoraTarget(i, ids["mlp_gate_up"], 0, 2 * inter),
-                                                 LoraTarget(i, ids["mlp_h_to_4h"], 0, inter),
-                                                 LoraTarget(i, ids["mlp_gate"], inter, 2 * inter))
+                    mlp.fused_fc.lora_targets = (target("mlp_gate_up", 0, 2 * inter), target("mlp_h_to_4h", 0, inter),
+                                                 target("mlp_gate", inter, 2 * inter))
                 else:
-                    mlp.fc.lora_targets = (LoraTarget(i, ids["mlp_h_to_4h"], 0, inter),)
+                    mlp.fc.lora_targets = (target("mlp_h_to_4h", 0, inter),)
                     if isinstance(mlp, GatedMLP):
-                        mlp.gate.lora_targets = (LoraTarget(i, ids["mlp_gate"], 0, inter),)
+                        mlp.gate.lora_targets = (target("mlp_gate", 0, inter),)
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata,
                       kv_caches: list) -> torch.Tensor | None:
@@ -152,13 +163,15 @@ class DecoderModelForCausalLM(nn.Module):
         native = native_decode_for(self, kv_caches, metadata)
         if native is None or not native.computes_logits(metadata.num_tokens):
             return None
-        return native(self.first_layer_input(input_ids, positions), positions, metadata, logits=True)
+        return native(self.first_layer_input(input_ids, positions, metadata.prompts), positions, metadata, logits=True)
 
-    def first_layer_input(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def first_layer_input(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                          prompts: PromptStep | None = None) -> torch.Tensor:
         """The first decoder layer's input ``[num_tokens, hidden]``: the token embeddings, scaled,
-        normalised and position-embedded as the family does (layer-by-layer calibration starts here)."""
+        normalised and position-embedded as the family does (layer-by-layer calibration starts here);
+        virtual tokens from the step's prompt-tuning tables (``prompts``)."""
         t = self.transformer
-        hidden = t.embed(input_ids)
+        hidden = t.embed(input_ids, prompts)
         multiplier = self.config.get("embedding_multiplier")
         if multiplier:  # Gemma: rounded to the model dtype first, as Hugging Face does
             hidden = hidden * torch.tensor(multiplier, dtype=hidden.dtype)
@@ -189,7 +202,6 @@ class DecoderModelForCausalLM(nn.Module):
                 weights.update(rewrite(f"{name}.", weights))
         # Quantized codes (int8 and e4m3: one a byte; uint8: 4-bit pairs) go into the kernel's tile order;
         # SmoothQuant W8A8 codes stay row-major for torch._int_mm.
-        from kiln.quantization.weight_only import SMOOTHQUANT_ALGO
 
         if self.config.quantization.quant_algo == SMOOTHQUANT_ALGO:
             return weights
@@ -216,11 +228,6 @@ class DecoderModelForCausalLM(nn.Module):
         ``config_overrides`` sets checkpoint config fields the Hugging Face config does not
         decide, such as ``use_parallel_embedding`` and ``embedding_sharding_dim``.
         """
-        from kiln.checkpoint.loader import ModelWeightsLoader, translate_key
-        from kiln.checkpoint.sources import open_source
-        from kiln.mapping import Mapping
-        from kiln.quantization.gptq import gptq_settings, use_gptq_layout
-
         source = open_source(source) if isinstance(source, (str, Path)) else source
         hf = source.hf_config()
         if hf is None:
@@ -257,10 +264,6 @@ class DecoderModelForCausalLM(nn.Module):
     def from_checkpoint(cls, checkpoint_dir: str | Path, rank: int = 0,
                         engine_layout: bool = False) -> "DecoderModelForCausalLM":
         """Load rank ``rank`` of a kiln checkpoint (or, with ``engine_layout``, an engine)."""
-        from kiln.checkpoint.format import read_config, read_rank_weights, rank_file
-        from kiln.checkpoint.loader import fill_parameters
-        from kiln.quantization import use_weight_only_layout
-
         config = read_config(checkpoint_dir, rank)
         model_cls = cls if cls is not DecoderModelForCausalLM else _registered(config.architecture)
         with torch.device("meta"):
@@ -275,8 +278,6 @@ class DecoderModelForCausalLM(nn.Module):
 
     def save_checkpoint(self, checkpoint_dir: str | Path) -> None:
         """Write a single-rank model as a checkpoint (config.json + rank0.safetensors), atomically."""
-        from kiln.checkpoint.format import atomic_output_dir, write_config, write_rank_weights
-
         if self.config.mapping.world_size != 1:
             raise ConfigError("save_checkpoint writes one rank; use kiln.convert for a multi-rank checkpoint")
         with atomic_output_dir(checkpoint_dir) as tmp:
@@ -285,6 +286,4 @@ class DecoderModelForCausalLM(nn.Module):
 
 
 def _registered(architecture: str) -> type:
-    from kiln.models.registry import get_model_class
-
     return get_model_class(architecture)

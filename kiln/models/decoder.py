@@ -10,7 +10,7 @@ from kiln.config import PretrainedConfig
 from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
 from kiln.layers.attention import Attention
-from kiln.layers.embedding import Embedding, PromptTuningEmbedding, active_prompt_step
+from kiln.layers.embedding import Embedding, PromptStep, PromptTuningEmbedding
 from kiln.layers.linear import Linear
 from kiln.layers.normalization import LayerNorm
 from kiln.layers.rotary import RotaryEmbedding
@@ -97,14 +97,14 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:
         if self.norm_after_residual:  # OPT-350m: each norm is applied to the residual sum
             hidden = self.input_layernorm(hidden + self.attention(hidden, positions, metadata, kv_cache))
-            return self.post_layernorm(hidden + self.mlp(hidden))
+            return self.post_layernorm(hidden + self.mlp(hidden, metadata.lora))
         normed = self.input_layernorm(hidden)
         attended = self.attention(normed, positions, metadata, kv_cache)
         if self.parallel_residual:  # attention and MLP both read the layer's input
             mlp_in = normed if self.post_layernorm is None else self.post_layernorm(hidden)
-            return hidden + attended + self.mlp(mlp_in)
+            return hidden + attended + self.mlp(mlp_in, metadata.lora)
         hidden = hidden + attended
-        return hidden + self.mlp(self.post_layernorm(hidden))
+        return hidden + self.mlp(self.post_layernorm(hidden), metadata.lora)
 
 
 class Transformer(nn.Module):
@@ -149,10 +149,9 @@ class Transformer(nn.Module):
             if projected:
                 self.project_out = Linear(config.hidden_size, embedding_dim, bias=False, dtype=dtype)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, prompts: PromptStep | None = None) -> torch.Tensor:
         """Token embeddings at the layers' width (through ``project_in`` where narrower); virtual
-        tokens from the active prompt-tuning step's table (``prompt_tuning_step``)."""
-        prompts = active_prompt_step()
+        tokens from the step's prompt-tuning tables (``prompts``)."""
         if prompts is None:
             hidden = self.vocab_embedding(input_ids)
         else:

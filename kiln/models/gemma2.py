@@ -35,7 +35,7 @@ class Gemma2DecoderLayer(DecoderLayer):
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:
         attended = self.attention(self.input_layernorm(hidden), positions, metadata, kv_cache)
         hidden = hidden + self.post_layernorm(attended)
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden), metadata.lora))
 
 
 @register_model("Gemma2ForCausalLM")

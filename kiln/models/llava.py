@@ -55,7 +55,7 @@ class LlavaLanguageModel(LlamaForCausalLM):
 def _with_defaults(model_type: str, text: dict) -> dict:
     """The text config with every field: released LLaVA configs list only the fields that
     differ from the text model's defaults (llava-1.5's says vocab_size, not hidden_size)."""
-    from transformers import CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING  # transformers takes seconds to import: only where it is used
 
     known = {k: v for k, v in text.items() if not k.startswith("_")}
     return {**CONFIG_MAPPING[model_type](**known).to_dict(), **known}

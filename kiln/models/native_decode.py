@@ -18,7 +18,7 @@ prompt chunk and steps of more tokens than its matmuls are best at
 RMSNorm and the LM head a linear the step takes (no soft-capping), the same call goes on to
 the logits (``DecoderModelForCausalLM.decode_logits``): a batch-1 step is then one native
 call between the token embedding and the argmax. A step under LoRA adapters
-(``kiln.layers.lora.active_step``) hands the step's adapters to the same call: each adapter's
+(``AttentionMetadata.lora``) hands the step's adapters to the same call: each adapter's
 modules are gathered once (``B`` transposed, each over its own output columns) and each token
 names its adapter.
 """
@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from kiln import kernels
-from kiln.layers import lora
 from kiln.layers.attention import Attention
+from kiln.layers.lora import LoraStep
 from kiln.layers.mlp import GatedMLP
 from kiln.layers.normalization import RmsNorm
 
@@ -182,14 +182,14 @@ class NativeDecodeStep:
         if self.scratch.numel() < needed:
             self.scratch = torch.empty(needed, dtype=self.dtype)
         out = torch.empty(hidden.shape[0], self.head.vocab, dtype=torch.float32) if logits else None
-        step = lora.active_step()
+        step = metadata.lora
         lora_weights = self._lora_weights(step, hidden.shape[0]) if step is not None else None
         kernels.decode_step(hidden, self.weights, self.dims, cos, sin, metadata.slot_mapping, st["decode_tokens"],
                             tables, st["decode_lens"], self.scratch, self.profile, self.head if logits else None, out,
                             lora_weights)
         return out if logits else hidden
 
-    def _lora_weights(self, step, num_tokens: int) -> kernels.LoraStepWeights:
+    def _lora_weights(self, step: LoraStep, num_tokens: int) -> kernels.LoraStepWeights:
         """The step's adapters for ``decode_step`` (kept alive on the returned struct)."""
         token_adapter = torch.full((num_tokens,), -1, dtype=torch.int64)
         tables = []

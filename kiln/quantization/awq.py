@@ -30,10 +30,11 @@ from torch import nn
 
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
-from kiln.quantization.calibration import InputStats, collect_linear_inputs
 from kiln.layers.quantized_matmul import dequantize, round_to_e4m3
-from kiln.quantization.weight_only import (check_group_size, codes_4bit, group_params, quantizable_modules, quantize_model,
-                                          quantize_weight)
+from kiln.quantization.calibration import InputStats, collect_linear_inputs
+from kiln.quantization.fp8 import activation_scale
+from kiln.quantization.weight_only import (check_group_size, codes_4bit, group_params, quantizable_modules,
+                                           quantize_model, quantize_weight)
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,6 @@ def _rtn(weight: torch.Tensor, group_size: int, has_zero_point: bool) -> torch.T
 
 def _fp8_activations(x: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to the e4m3 grid of the static scale of inputs whose range is ``absmax``."""
-    from kiln.quantization.fp8 import activation_scale
-
     a = activation_scale(absmax)
     return round_to_e4m3(x / a) * a
 
@@ -185,8 +184,6 @@ def awq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[l
              100 * sum(gains) / len(gains), " (scales and clipping)" if clip else "")
     recorded = quantize_model(model, quant, prequant_scales=scales, clip_ratios=clips or None)
     if fp8_inputs:
-        from kiln.quantization.fp8 import activation_scale
-
         for name in names:
             modules[name].use_activation_scale(activation_scale(stats[name].absmax / scales[name]))
     return recorded

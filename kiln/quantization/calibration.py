@@ -16,8 +16,14 @@ from typing import Callable
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
+from kiln.data.sharegpt import HELD_OUT_REPLIES, long_replies
+from kiln.data.texts import read_texts
+from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
+from kiln.step.attention import TorchPagedAttention
+from kiln.step.metadata import AttentionMetadata
 
 DEFAULT_CALIB_SIZE = 64
 DEFAULT_CALIB_LEN = 512
@@ -30,13 +36,11 @@ def calibration_texts(dataset: str, size: int) -> list[str]:
     if size < 1:
         raise ConfigError(f"--calib_size must be >= 1, got {size}")
     if dataset == "sharegpt":
-        from kiln.data.sharegpt import HELD_OUT_REPLIES, long_replies
 
         return list(itertools.islice(long_replies(skip=HELD_OUT_REPLIES), size))
     path = Path(dataset)
     if not path.is_file():
         raise ConfigError(f"--calib_dataset {dataset}: neither 'sharegpt' nor a file")
-    from kiln.eval.common import read_texts
 
     return read_texts(path, "--calib_dataset", size)
 
@@ -115,7 +119,7 @@ class PromptStep:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     query_lens: list[int]
-    metadata: object  # kiln.runtime.metadata.AttentionMetadata
+    metadata: object  # kiln.step.metadata.AttentionMetadata
     num_blocks: int  # cache blocks the step writes into
 
 
@@ -123,9 +127,6 @@ def prompt_steps(token_lists: list[list[int]], backend=None,
                  max_step_tokens: int = DEFAULT_STEP_TOKENS) -> list[PromptStep]:
     """``token_lists`` as packed prefill steps in order, through ``backend`` (default: the
     reference PyTorch attention)."""
-    from kiln.runtime.attention import TorchPagedAttention
-    from kiln.runtime.metadata import AttentionMetadata
-
     backend = backend or TorchPagedAttention()
     steps = []
     for batch in pack_prompts([len(t) for t in token_lists], max_step_tokens):
@@ -143,8 +144,6 @@ def prompt_steps(token_lists: list[list[int]], backend=None,
 
 def step_kv_caches(model: nn.Module, steps: list[PromptStep]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One zeroed (K, V) cache per layer of ``model``, as large as the largest of ``steps`` needs."""
-    from kiln.dtypes import torch_dtype
-
     attention = next(iter(model.transformer.layers.values())).attention
     dtype = torch_dtype(model.config.dtype)
     shape = (max(s.num_blocks for s in steps), _BLOCK_SIZE, attention.num_kv_heads, attention.head_size)
@@ -157,8 +156,6 @@ def run_prompts(model: nn.Module, token_lists: list[list[int]], progress: bool =
     """Run ``model`` (a kiln model, any layout) on every prompt, several whole prompts per packed
     step (``prompt_steps``), through ``backend`` (default: the reference PyTorch attention; an
     observer may subclass it)."""
-    from tqdm import tqdm
-
     steps = prompt_steps(token_lists, backend, max_step_tokens)
     caches = step_kv_caches(model, steps)
     with tqdm(total=len(token_lists), desc="calibrating", unit="text", disable=not progress) as bar:

@@ -28,7 +28,8 @@ from torch import nn
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.layers.quantized_matmul import E4M3_MAX
-from kiln.quantization.weight_only import FP8_ALGO
+from kiln.quantization.calibration import InputStats, collect_linear_inputs
+from kiln.quantization.weight_only import FP8_ALGO, quantizable_modules
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,6 @@ def fp8_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[l
     """Calibrate float ``model`` on ``token_lists`` (each linear's input range), then quantize its
     linears to FP8 in place. Returns ``quant`` as the checkpoint must record it
     (``exclude_modules`` names every linear left in float), None if none was quantized."""
-    from kiln.quantization.calibration import InputStats, collect_linear_inputs
-    from kiln.quantization.weight_only import quantizable_modules
-
     if model.config.mapping.world_size != 1:
         raise ConfigError(f"{FP8_ALGO} calibrates the whole model in one process: convert with tp_size 1 and pp_size 1")
     chosen, excluded = quantizable_modules(model, quant)

@@ -37,8 +37,11 @@ import math
 import torch
 from torch import nn
 
+from kiln import kernels
+from kiln.checkpoint.loader import translate_key
 from kiln.config import QuantConfig
 from kiln.errors import CheckpointError, ConfigError
+from kiln.quantization.weight_only import quantize_weight, quantized_modules
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +102,6 @@ def to_weight_only(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
                    where: str = "gptq") -> dict[str, torch.Tensor]:
     """kiln's W4A16 tensors (``weight``, ``weights_scaling_factor``, ``zero`` if ``has_zero_point``)
     for one GPTQ linear, with kiln group size ``group_size`` (see the module doc)."""
-    from kiln.quantization.weight_only import quantize_weight
-
     codes = unpack_int32(qweight, 0)  # [in, out]
     in_features, out_features = codes.shape
     zero = unpack_int32(qzeros, 1)[:, :out_features].float() + settings.zero_offset  # [groups, out]
@@ -135,10 +136,6 @@ def use_gptq_layout(model: nn.Module, settings: GptqSettings, external: set[str]
     """Switch the linears of a meta-device ``model`` whose weights the checkpoint holds as GPTQ
     tensors to kiln's W4A16 parameters, loading ``weight`` from ``qweight``/``qzeros``/``scales``
     (/``g_idx``) through the loader's multi-key map; returns the quantization config to record."""
-    from kiln import kernels
-    from kiln.checkpoint.loader import translate_key
-    from kiln.quantization.weight_only import quantized_modules
-
     if model.config.mapping.tp_size > 1:
         raise ConfigError(f"{where}: GPTQ checkpoints convert with tp_size 1 only (splitting the packed "
                           f"tensors over ranks is not implemented); got tp_size {model.config.mapping.tp_size}")

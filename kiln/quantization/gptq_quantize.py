@@ -49,14 +49,16 @@ import logging
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
-from kiln.quantization.awq import input_groups, search_clip, search_scale
-from kiln.quantization.gptq import GPTQ_ALGO
 from kiln.layers.quantized_matmul import dequantize
-from kiln.quantization.weight_only import (check_group_size, codes_4bit, group_params, pack_4bit, quantizable_modules,
-                                          quantize_weight)
+from kiln.quantization.awq import input_groups, search_clip, search_scale
+from kiln.quantization.calibration import InputStats, prompt_steps, step_kv_caches
+from kiln.quantization.gptq import GPTQ_ALGO
+from kiln.quantization.weight_only import (check_group_size, codes_4bit, group_params, pack_4bit,
+                                           quantizable_modules, quantize_weight)
 
 log = logging.getLogger(__name__)
 
@@ -250,10 +252,6 @@ def gptq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[
     ``clip_ranges``: each group's range first searched on the output error (see the module doc).
     Returns ``quant`` as the checkpoint must record it (see ``weight_only.quantize_model``);
     None if no linear was chosen."""
-    from tqdm import tqdm
-
-    from kiln.quantization.calibration import InputStats, prompt_steps, step_kv_caches
-
     check_gptq_request(quant, model.config.mapping.world_size, quant.quant_algo)
     chosen, excluded = quantizable_modules(model, quant)
     if not chosen:

@@ -5,7 +5,7 @@ kv_cache_scaling_factor``. kiln keeps one float32 ``[2]`` tensor per layer: the 
 the V scale, each ``max|x|`` over the calibration prompts divided by the cache type's largest
 code (127 for INT8, 448 for FP8's float8 e4m3), where K is what the cache holds (after q/k norm
 and rotary) and V the value projection. The runtime writes ``x / scale`` clamped to that range
-and rounded to the cache type (``kiln.runtime.attention.quantize_kv``) and reads ``code * scale``.
+and rounded to the cache type (``kiln.step.attention.quantize_kv``) and reads ``code * scale``.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from kiln.quantization.calibration import run_prompts
-from kiln.runtime.attention import TorchPagedAttention
-from kiln.runtime.kv_cache import KV_CACHE_DTYPES, kv_code_max
+from kiln.step.attention import TorchPagedAttention
+from kiln.step.kv_cache import KV_CACHE_DTYPES, kv_code_max
 
 
 class _KVRangeObserver(TorchPagedAttention):

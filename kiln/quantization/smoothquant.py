@@ -36,8 +36,10 @@ from torch import nn
 
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
+from kiln.layers.mlp import GatedMLP
 from kiln.layers.quantized_matmul import w8a8_linear
-from kiln.quantization.weight_only import SMOOTHQUANT_ALGO
+from kiln.quantization.calibration import collect_linear_inputs
+from kiln.quantization.weight_only import DEFAULT_EXCLUDED, SMOOTHQUANT_ALGO, quantized_modules
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +96,6 @@ def search_alpha(weights: list[torch.Tensor], rows: torch.Tensor, act_absmax: to
 def smoothing_groups(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
     """``modules`` grouped by shared input: a (checkpoint-layout) gated MLP's ``fc`` and ``gate``
     form one group, every other linear its own."""
-    from kiln.layers.mlp import GatedMLP
-
     chosen = {name for name, _ in modules}
     groups, done = [], set()
     for name, module in model.named_modules():
@@ -121,9 +121,6 @@ def smoothquant_model(model: nn.Module, quant: QuantConfig, token_lists: list[li
     Returns ``quant`` as the checkpoint must record it (``exclude_modules`` names every linear
     left in float), None if no linear was quantized.
     """
-    from kiln.quantization.calibration import collect_linear_inputs
-    from kiln.quantization.weight_only import DEFAULT_EXCLUDED, quantized_modules
-
     if model.config.mapping.world_size != 1:
         raise ConfigError(f"{SMOOTHQUANT_ALGO} calibrates the whole model in one process: convert with "
                           "tp_size 1 and pp_size 1")

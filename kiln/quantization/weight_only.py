@@ -25,9 +25,11 @@ import logging
 import torch
 from torch import nn
 
+from kiln import kernels
 from kiln.config import QuantConfig
 from kiln.config.quant_algos import ALGOS
 from kiln.errors import ConfigError
+from kiln.layers.linear import Linear
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +144,6 @@ def quantized_modules(model: nn.Module, quant: QuantConfig) -> list[tuple[str, n
     """The linear layers ``quant`` quantizes: every ``Linear`` not matched by ``exclude_modules``
     (default: ``lm_head``; patterns match the full name or its last part, fnmatch style) and
     not sharing its weight with another module (a tied lm_head: ``untie_lm_head_for`` first)."""
-    from kiln.layers.linear import Linear
-
     if quant.quant_algo is None:
         return []
     if quant.quant_algo not in IMPLEMENTED_ALGOS:
@@ -191,8 +191,6 @@ def quantizable_modules(model: nn.Module, quant: QuantConfig) -> tuple[list[tupl
     """The linears ``quantize_model`` quantizes, and the names it leaves in float: excluded ones
     plus those of a shape the kernels cannot tile (with a warning). Raises a ConfigError for a
     group size that does not divide a layer's input features."""
-    from kiln import kernels
-
     bits = 8 if quant.quant_algo == FP8_ALGO else WEIGHT_ONLY_ALGOS.get(quant.quant_algo)  # FP8: 1-byte codes
     if bits == 4:
         check_group_size(quant)

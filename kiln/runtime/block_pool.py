@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from kiln.errors import CapacityError
+from kiln.step.metadata import RELEASED
 
 
-RELEASED = -1  # a block-table entry whose block was returned to the pool
 
 
 def chain_hash(previous: int | None, tokens: tuple[int, ...]) -> int:

@@ -12,13 +12,15 @@ from pathlib import Path
 
 import torch
 
-from kiln.checkpoint.format import read_config_dict
+from kiln import host_memory, kernels
+from kiln.checkpoint.format import ENGINE_FORMAT_VERSION, read_config_dict
 from kiln.config import BuildConfig, PretrainedConfig
-from kiln.checkpoint.format import ENGINE_FORMAT_VERSION
+from kiln.distributed import world
 from kiln.errors import ConfigError
+from kiln.layers.linear import Linear
+from kiln.layers.moe import ExpertLinear
 from kiln.mapping import Mapping
 from kiln.models import get_model_class
-from kiln.runtime import host_memory
 
 
 class Engine:
@@ -61,8 +63,6 @@ class Engine:
 def _world_rank(engine_dir: Path, built: Mapping, rank: int | None) -> int:
     """The rank this process loads: 0 for a single-rank engine; in a world, its own, once the
     world is the shape the engine was built for."""
-    from kiln.distributed import world
-
     current = world()
     if built.world_size == 1:
         if current is not None and current.mapping.world_size != 1:
@@ -84,10 +84,6 @@ def _world_rank(engine_dir: Path, built: Mapping, rank: int | None) -> int:
 def _prepack_linear_weights(model) -> None:
     """Pack every bf16 linear weight the packed kernel takes now, into one huge-page arena: done
     lazily, the copies would land on 4 KiB pages and in the first request's time."""
-    from kiln import kernels
-    from kiln.layers.linear import Linear
-    from kiln.layers.moe import ExpertLinear
-
     linears = []
     for module in model.modules():
         if isinstance(module, Linear):

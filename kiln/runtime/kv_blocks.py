@@ -5,7 +5,7 @@ from __future__ import annotations
 from kiln.distributed import world_min
 from kiln.models.decoder import layer_window
 from kiln.runtime.engine import Engine
-from kiln.runtime.kv_cache import available_memory_bytes, kv_bytes_per_token, kv_cache_dtype
+from kiln.step.kv_cache import available_memory_bytes, kv_bytes_per_token, kv_cache_dtype
 
 KV_CACHE_MEMORY_FRACTION = 0.3  # of the memory available at start-up, when no size is given
 

@@ -19,19 +19,18 @@ from dataclasses import dataclass
 import torch
 
 from kiln.distributed.comm import recv_tensor, send_tensor
-from kiln.errors import KilnError, WorldError
-from kiln.layers.embedding import prompt_tuning_step
-from kiln.layers.lora import LoraStep, lora_step
 from kiln.dtypes import torch_dtype
-from kiln.runtime.attention import BACKENDS, select_backend
+from kiln.errors import KilnError, WorldError
+from kiln.layers.lora import LoraStep
 from kiln.runtime.engine import Engine
-from kiln.runtime.kv_cache import allocate_kv_cache, indexable, kv_cache_dtype
 from kiln.runtime.logits_processors import TokenHistory, process_logits
-from kiln.runtime.metadata import AttentionMetadata
 from kiln.runtime.prompt_tuning import prompt_step
 from kiln.runtime.sampling import sample
 from kiln.runtime.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenResult
 from kiln.runtime.sequence import Sequence
+from kiln.step.attention import BACKENDS, select_backend
+from kiln.step.kv_cache import allocate_kv_cache, indexable, kv_cache_dtype
+from kiln.step.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +225,8 @@ class ModelRunner:
         self.copy_blocks(step.block_copies)
         if not step.input_ids:
             return None, []
-        md = AttentionMetadata.build(self.backend, step.query_lens, step.seq_lens, step.tables, self.block_size)
+        md = AttentionMetadata.build(self.backend, step.query_lens, step.seq_lens, step.tables, self.block_size,
+                                     self._lora_step(step.lora), step.prompts)
         ids, positions = torch.tensor(step.input_ids), torch.tensor(step.positions)
         m = self.mapping
         hidden = None
@@ -235,19 +235,18 @@ class ModelRunner:
                                  torch_dtype(self.model.config.dtype), m.rank - m.tp_size, ACTIVATIONS_TAG)
         context: list[torch.Tensor] = []
         logits = None
-        with lora_step(self._lora_step(step.lora)), prompt_tuning_step(step.prompts):
-            if not m.is_last_pp_rank:
-                send_tensor(self.model(ids, positions, md, self.kv_caches, hidden), m.rank + m.tp_size,
-                            ACTIVATIONS_TAG)
-                return None, []
-            if hidden is None and not step.context_rows and len(step.last_token) == len(step.input_ids):
-                logits = self.model.decode_logits(ids, positions, md, self.kv_caches)  # every token is sampled
-            if logits is None:
-                hidden = self.model(ids, positions, md, self.kv_caches, hidden)
-                context = [self.model.compute_logits(hidden[offset:offset + count])
-                           for offset, count in step.context_rows]
-                if step.last_token:
-                    logits = self.model.compute_logits(hidden[torch.tensor(step.last_token)])
+        if not m.is_last_pp_rank:
+            send_tensor(self.model(ids, positions, md, self.kv_caches, hidden), m.rank + m.tp_size,
+                        ACTIVATIONS_TAG)
+            return None, []
+        if hidden is None and not step.context_rows and len(step.last_token) == len(step.input_ids):
+            logits = self.model.decode_logits(ids, positions, md, self.kv_caches)  # every token is sampled
+        if logits is None:
+            hidden = self.model(ids, positions, md, self.kv_caches, hidden)
+            context = [self.model.compute_logits(hidden[offset:offset + count])
+                       for offset, count in step.context_rows]
+            if step.last_token:
+                logits = self.model.compute_logits(hidden[torch.tensor(step.last_token)])
         return logits, context
 
     def _lora_rows(self, out: SchedulerOutput) -> list[tuple[object, list[int]]]:

@@ -151,9 +151,9 @@ def test_not_used_for_other_models_backends_or_steps(tmp_path, engine_dir):
     gpt2 = Engine(convert_and_build(tmp_path / "gpt2", tmp_path / "kiln", {"tokens_per_block": 4}))
     assert not supports_native_decode(gpt2.model)  # LayerNorm, learned positions, plain MLP
 
-    from kiln.runtime.attention import NativePagedAttention, TorchPagedAttention
-    from kiln.runtime.kv_cache import allocate_kv_cache
-    from kiln.runtime.metadata import AttentionMetadata
+    from kiln.step.attention import NativePagedAttention, TorchPagedAttention
+    from kiln.step.kv_cache import allocate_kv_cache
+    from kiln.step.metadata import AttentionMetadata
 
     model = Engine(engine_dir).model
     attn = next(iter(model.transformer.layers.values())).attention

@@ -25,7 +25,7 @@ from kiln.models.decoder import layer_window
 from kiln.models.gemma2 import Gemma2ForCausalLM
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.native_decode import NativeDecodeStep, supports_native_decode
-from kiln.runtime.attention import select_backend
+from kiln.step.attention import select_backend
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from tests.models.zoo import (NEW_TOKENS, built_fixture, check_batched_greedy, check_prompt_logits,

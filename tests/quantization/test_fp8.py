@@ -184,8 +184,8 @@ def _checkpoint_logits(checkpoint, ids: list[int]) -> torch.Tensor:
     """float32 logits of a prompt through a checkpoint-layout kiln model (the PyTorch reference
     paths of every layer), in one packed step."""
     from kiln.models.llama import LlamaForCausalLM
-    from kiln.runtime.attention import TorchPagedAttention
-    from kiln.runtime.metadata import AttentionMetadata
+    from kiln.step.attention import TorchPagedAttention
+    from kiln.step.metadata import AttentionMetadata
 
     model = LlamaForCausalLM.from_checkpoint(checkpoint)
     attn = model.transformer.layers["0"].attention

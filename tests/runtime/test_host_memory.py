@@ -3,8 +3,8 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.runtime import host_memory
-from kiln.runtime.kv_cache import allocate_kv_cache
+from kiln import host_memory
+from kiln.step.kv_cache import allocate_kv_cache
 
 
 @pytest.fixture

@@ -21,13 +21,13 @@ from kiln.errors import ConfigError
 from kiln.kernels import KV_KINDS
 from kiln.models.native_decode import NativeDecodeStep, supports_native_decode
 from kiln.quantization.calibration import calibration_texts, calibration_token_ids
-from kiln.runtime.attention import dequantize_kv, quantize_kv, select_backend
+from kiln.step.attention import dequantize_kv, quantize_kv, select_backend
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime import kv_blocks
 from kiln.runtime.kv_blocks import default_num_blocks
-from kiln.runtime.kv_cache import kv_bytes_per_token, kv_cache_dtype
-from kiln.runtime.metadata import AttentionMetadata
+from kiln.step.kv_cache import kv_bytes_per_token, kv_cache_dtype
+from kiln.step.metadata import AttentionMetadata
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.tokenizer import load_tokenizer

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 
 from kiln.errors import ConfigError
 from kiln.kernels import fp8_to_float, kv_quantize, paged_decode_attention, supports_decode_attention
-from kiln.runtime.attention import (NativePagedAttention, TorchPagedAttention, dequantize_kv, quantize_kv,
+from kiln.step.attention import (NativePagedAttention, TorchPagedAttention, dequantize_kv, quantize_kv,
                                     select_backend)
-from kiln.runtime.metadata import AttentionMetadata
+from kiln.step.metadata import AttentionMetadata
 
 
 

@@ -8,7 +8,7 @@ import torch
 
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.engine import Engine
-from kiln.runtime.metadata import AttentionMetadata
+from kiln.step.metadata import AttentionMetadata
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler
@@ -121,7 +121,7 @@ NEAR_TIE = 1e-3
 @torch.inference_mode()
 def llm_next_logprobs(llm, token_ids: list[int]) -> torch.Tensor:
     """kiln's next-token log-probs after ``token_ids`` (one packed step on blocks 0..n of an idle LLM)."""
-    from kiln.runtime.metadata import AttentionMetadata
+    from kiln.step.metadata import AttentionMetadata
 
     runner = llm.core.runner
     blocks = list(range(-(-len(token_ids) // runner.block_size)))

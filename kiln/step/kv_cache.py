@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from kiln import host_memory
+from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
-from kiln.runtime import host_memory
 
 # Cache element type of each supported ``quantization.kv_cache_quant_algo`` (reference 002).
 KV_CACHE_DTYPES = {"FP8": torch.float8_e4m3fn, "INT8": torch.int8}
@@ -14,8 +15,6 @@ def kv_cache_dtype(config) -> torch.dtype:
     """The paged cache's element type for a model config: the compute dtype, int8 for an INT8
     KV cache or float8 e4m3 for an FP8 one (K and V stored as ``x / scale`` rounded to the
     cache type, with the layer's static scales)."""
-    from kiln.dtypes import torch_dtype
-
     algo = config.quantization.kv_cache_quant_algo
     if algo is None:
         return torch_dtype(config.dtype)

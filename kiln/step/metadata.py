@@ -17,12 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.runtime.block_pool import RELEASED
+from kiln.layers.embedding import PromptStep
+from kiln.layers.lora import LoraStep
+
+RELEASED = -1  # a block-table entry whose block went back to the pool (kiln.runtime.block_pool)
 
 
 @dataclass
 class AttentionMetadata:
-    backend: object  # the attention backend; see kiln.runtime.attention
+    backend: object  # the attention backend; see kiln.step.attention
     query_lens: list[int]
     seq_lens: list[int]  # KV length of each sequence after this step
     query_start_loc: list[int]
@@ -30,6 +33,8 @@ class AttentionMetadata:
     block_tables: list[list[int]]  # block ids of each sequence, in order
     block_size: int
     token_seq_lens: torch.Tensor  # [num_tokens]: its sequence's seq_len (dynamic rope)
+    lora: LoraStep | None = None  # the step's adapters and their rows, for every adapted linear
+    prompts: PromptStep | None = None  # the step's prompt-tuning tables, for the embedding
     _rotary_cache: dict = field(default_factory=dict)
     backend_state: dict = field(default_factory=dict)  # backend-specific per-step tensors
 
@@ -50,7 +55,7 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, backend, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int) -> "AttentionMetadata":
+              block_size: int, lora: LoraStep | None = None, prompts: PromptStep | None = None) -> "AttentionMetadata":
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
@@ -62,7 +67,8 @@ class AttentionMetadata:
             token_seq_lens.extend([s] * q)
         md = cls(backend=backend, query_lens=list(query_lens), seq_lens=list(seq_lens), query_start_loc=starts,
                  slot_mapping=torch.tensor(slots, dtype=torch.int64), block_tables=block_tables,
-                 block_size=block_size, token_seq_lens=torch.tensor(token_seq_lens, dtype=torch.int64))
+                 block_size=block_size, token_seq_lens=torch.tensor(token_seq_lens, dtype=torch.int64),
+                 lora=lora, prompts=prompts)
         backend.prepare(md)
         return md
 

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from kiln.errors import ConfigError
 from kiln.kernels import paged_decode_attention, supports_decode_attention
-from kiln.runtime.kv_cache import indexable, kv_code_max
-from kiln.runtime.metadata import AttentionMetadata
+from kiln.step.kv_cache import indexable, kv_code_max
+from kiln.step.metadata import AttentionMetadata
 
 
 class TorchPagedAttention:
