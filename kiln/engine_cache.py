@@ -17,8 +17,9 @@ from pathlib import Path
 from kiln import env
 from kiln.build import build_engine, resolve_build_config
 from kiln.build.builder import cpu_has_native_bf16
-from kiln.checkpoint.format import ENGINE_FORMAT_VERSION, read_config
-from kiln.config import QuantConfig
+from kiln.checkpoint.format import ENGINE_FORMAT_VERSION, read_config, read_config_dict
+from kiln.config import BuildConfig, QuantConfig
+from kiln.config.engine_args import EngineArgs
 from kiln.convert import convert_checkpoint
 from kiln.errors import CheckpointError, ConfigError
 
@@ -141,3 +142,16 @@ def resolve_engine(model: str | Path, *, dtype: str | None = "auto", build_optio
             if checkpoint != path:
                 shutil.rmtree(checkpoint, ignore_errors=True)
     return engine_dir
+
+
+def engine_for(args: EngineArgs, *, progress: bool = True, tp_size: int | None = None,
+               pp_size: int | None = None) -> Path:
+    """The engine directory ``args.model`` names: a prebuilt engine after checking it serves
+    ``args`` (``EngineArgs.check_engine``), else the cached engine built from the source with
+    ``args``' dtype, quantization and build options (``EngineArgs.build_options``)."""
+    path = Path(args.model).expanduser().absolute()
+    if classify(path) == "engine":
+        raw = read_config_dict(path)
+        args.check_engine(path, BuildConfig.from_dict(raw["build_config"]), raw["dtype"])
+    return resolve_engine(path, dtype=args.dtype, build_options=args.build_options(), cache_dir=args.cache_dir,
+                          progress=progress, quantization=args.quantization, tp_size=tp_size, pp_size=pp_size)

@@ -7,7 +7,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Iterator
 
@@ -15,26 +14,30 @@ import torch
 from tqdm import tqdm
 
 from kiln.checkpoint.peft import load_prompt_table, read_adapter
-from kiln.engine_cache import resolve_engine
+from kiln.config.engine_args import EngineArgs
+from kiln.engine_cache import engine_for
 from kiln.errors import ConfigError, RequestError
 from kiln.layers.lora import LoraAdapter
-from kiln.outputs import (FINISH_NAMES, CompletionOutput, RequestOutput, StreamDelta, TextTracker, beam_completions,
-                          completion)
+from kiln.outputs import CompletionOutput, RequestOutput, StreamDelta, beam_completions, completion
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore, SequenceGroup
 from kiln.runtime.lora_cache import LoraConfig, parse_adapter
+from kiln.runtime.request_processor import RequestProcessor
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import FinishReason
-from kiln.tokenizer import chat_prompt_ids, end_ids, load_tokenizer
+from kiln.tokenizer import chat_prompt_ids
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "StreamDelta"]
+
 
 class LLM:
     """Generate text with a model given as an HF dir, a GGUF file, a kiln checkpoint or an engine.
 
     Anything but an engine is converted and built once into the engine cache
     (``cache_dir``, default ``~/.cache/kiln``) and reused on later calls, exactly as ``kiln run``
-    and ``kiln serve`` build it; ``dtype`` ``"auto"`` follows ``kiln build --dtype auto``
+    and ``kiln serve`` build it. The keywords are :class:`~kiln.config.engine_args.EngineArgs`'
+    fields (``tokenizer``, ``cache_dir``, ``quantization``, ``dtype``, the build limits,
+    ``kv_cache_max_tokens``, ``enable_prefix_caching``); ``dtype`` ``"auto"`` follows ``kiln build --dtype auto``
     (bfloat16 on a CPU with native bf16), ``"float32"`` keeps full precision. ``quantization``
     quantizes an HF dir or GGUF file while converting: an algorithm name (``"W8A16"``,
     ``"W4A16"``, ``"W4A16_AWQ"``, ``"W4A16_GPTQ"``, ``"W4A8_AWQ"``, ``"FP8"``, ``"W8A8_SQ_PER_CHANNEL"``), a
@@ -45,31 +48,21 @@ class LLM:
     prompt tuning (``generate(prompt_table=...)``) for tables of up to that many rows.
     """
 
-    def __init__(self, model: str | Path, *, tokenizer: str | Path | None = None, dtype: str = "auto",
-                 cache_dir: str | Path | None = None, max_batch_size: int | None = None,
-                 max_input_len: int | None = None, max_seq_len: int | None = None,
-                 max_num_tokens: int | None = None, tokens_per_block: int | None = None,
-                 max_beam_width: int | None = None, kv_cache_max_tokens: int | None = None,
-                 max_prompt_embedding_table_size: int | None = None, quantization=None, progress: bool = True):
-        build_options = dict(max_batch_size=max_batch_size, max_input_len=max_input_len, max_seq_len=max_seq_len,
-                             max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block,
-                             max_beam_width=max_beam_width,
-                             max_prompt_embedding_table_size=max_prompt_embedding_table_size)
-        self.engine_dir = resolve_engine(model, dtype=dtype, build_options=build_options, cache_dir=cache_dir,
-                                         progress=progress, quantization=quantization)
+    def __init__(self, model: str | Path | EngineArgs, *, progress: bool = True, **options):
+        """``options``: the fields of :class:`kiln.config.engine_args.EngineArgs` (the options
+        ``kiln run`` and ``kiln serve`` take as flags), or pass an ``EngineArgs`` as ``model``."""
+        args = model if isinstance(model, EngineArgs) else EngineArgs(model=model, **options)
+        if isinstance(model, EngineArgs) and options:
+            raise ConfigError(f"LLM(EngineArgs, ...): give {sorted(options)} in the EngineArgs")
+        self.engine_dir = engine_for(args, progress=progress)
         self.engine = Engine(self.engine_dir)
-        tokenizer_dir = Path(tokenizer) if tokenizer else self.engine.tokenizer_dir
-        if tokenizer_dir is None:
-            raise ConfigError(f"{self.engine_dir}: the engine carries no tokenizer; pass tokenizer=DIR")
-        self.tokenizer = load_tokenizer(tokenizer_dir)
-        ids = end_ids(tokenizer_dir, self.tokenizer)
-        self.end_id = ids[0] if ids else None
-        self.extra_stop_ids = ids[1:]
-        build = self.engine.build_config
+        self.processor = RequestProcessor.load(args.tokenizer or self.engine.tokenizer_dir, self.engine_dir)
+        self.tokenizer = self.processor.tokenizer
         num_blocks = None
-        if kv_cache_max_tokens is not None:
-            num_blocks = max(1, kv_cache_max_tokens // build.tokens_per_block)
-        self.core = EngineCore(self.engine, num_blocks=num_blocks)
+        if args.kv_cache_max_tokens is not None:
+            num_blocks = max(1, args.kv_cache_max_tokens // self.engine.build_config.tokens_per_block)
+        self.core = EngineCore(self.engine, max_num_seqs=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+                               num_blocks=num_blocks, enable_prefix_caching=args.enable_prefix_caching)
         self._lora_adapters: dict[object, LoraAdapter] = {}  # by adapter directory or task id
 
     def close(self) -> None:
@@ -79,31 +72,7 @@ class LLM:
     # -- requests ---------------------------------------------------------------------------
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt)["input_ids"]
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return prompt
-        raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-
-    def _engine_params(self, params: SamplingParams) -> SamplingParams:
-        """The request's params with the model's extra end ids, tokenized bad words and the
-        log-probs ``best_of`` needs to rank its samples."""
-        changes = {}
-        if self.extra_stop_ids and not params.ignore_eos:  # ignore_eos ignores every end id
-            changes["stop_token_ids"] = list(params.stop_token_ids) + self.extra_stop_ids
-        if params.bad_words:
-            words = list(params.bad_words_ids)
-            for word in params.bad_words:  # ban the word at a word start and mid-text alike
-                for variant in {word, " " + word.lstrip()}:
-                    ids = self.tokenizer(variant, add_special_tokens=False)["input_ids"]
-                    if ids and ids not in words:
-                        words.append(ids)
-            changes["bad_words_ids"] = words
-        if not params.use_beam_search and params.num_samples > params.n and params.logprobs is None:
-            changes["logprobs"] = 0
-        if params.use_beam_search and (params.stop or params.stop_words_ids):
-            raise RequestError("stop strings and multi-token stop words are not supported with beam search")
-        return dataclasses.replace(params, **changes) if changes else params
+        return self.processor.encode(prompt)
 
     def lora_adapter(self, lora) -> LoraAdapter | None:
         """The adapter ``lora`` names, loaded once: the name of one built into the engine
@@ -133,15 +102,14 @@ class LLM:
     def _add(self, prompt_ids: list[int], params: SamplingParams, lora=None,
              prompt_table=None) -> tuple[SequenceGroup, dict]:
         """Queue a request; returns it with a stop-string tracker per sequence (when asked)."""
-        request = self.core.add_request(prompt_ids, self._engine_params(params), self.end_id,
+        request = self.core.add_request(prompt_ids, self.processor.engine_params(params), self.processor.end_id,
                                         return_context_logits=params.prompt_logprobs is not None,
                                         lora=self.lora_adapter(lora),
                                         prompt_table=load_prompt_table(prompt_table)
                                         if isinstance(prompt_table, (str, Path)) else prompt_table)
         trackers = {}
         if params.stop:
-            trackers = {s.seq_id: TextTracker(self.tokenizer, params.stop, params.include_stop_str_in_output)
-                        for s in request.seqs}
+            trackers = {s.seq_id: self.processor.text_tracker(params) for s in request.seqs}
         return request, trackers
 
     def _check_stop_strings(self, request: SequenceGroup, trackers: dict) -> None:
@@ -222,7 +190,7 @@ class LLM:
             raise RequestError("stream() returns one sequence: use generate() for n > 1 or beam search")
         request, trackers = self._add(self._encode(prompt), params, lora)
         seq = request.seqs[0]
-        tracker = trackers.get(seq.seq_id) or TextTracker(self.tokenizer, [], False)
+        tracker = trackers.get(seq.seq_id) or self.processor.text_tracker(params)
         pending = {request.request_id: (request, trackers)}
         sent = 0
         try:
@@ -232,7 +200,7 @@ class LLM:
                 if len(out) > sent or seq.is_finished:
                     if tracker.num_tokens != len(out):
                         tracker.update(out, final=seq.is_finished)
-                    reason = FINISH_NAMES[seq.finish_reason] if seq.is_finished else None
+                    reason = self.processor.finish_name(seq.finish_reason if seq.is_finished else None)
                     yield StreamDelta(tracker.delta(), out[sent:], seq.is_finished, reason)
                     sent = len(out)
         finally:

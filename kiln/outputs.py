@@ -1,21 +1,12 @@
-"""What the LLM API returns, and how token ids become text with stop strings applied.
-
-Stop strings are matched on the detokenized text as it grows; the text is cut before the
-stop string (or after it with ``include_stop_str_in_output``) and the sequence ends with
-finish reason "stop".
-"""
+"""What the LLM API returns: a request's outputs, made from its finished sequences (the text and
+finish reasons come from :mod:`kiln.runtime.request_processor`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kiln.runtime.engine_core import SequenceGroup
-from kiln.runtime.sequence import FinishReason, Sequence
-from kiln.tokenizer import IncrementalDetokenizer
-
-# What users of OpenAI-style APIs expect to see.
-FINISH_NAMES = {FinishReason.END_ID: "stop", FinishReason.STOP_WORDS: "stop", FinishReason.LENGTH: "length",
-                FinishReason.CANCELLED: "abort", FinishReason.TIMEOUT: "abort", FinishReason.ERROR: "error"}
-
+from kiln.runtime.request_processor import FINISH_NAMES, TextTracker
+from kiln.runtime.sequence import Sequence
 
 @dataclass
 class CompletionOutput:
@@ -46,38 +37,6 @@ class StreamDelta:
     token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
-
-
-class TextTracker:
-    """Incremental text of one sequence, with stop-string detection."""
-
-    def __init__(self, tokenizer, stop: list[str], include_stop: bool):
-        self.detok = IncrementalDetokenizer(tokenizer)
-        self.stop, self.include_stop = stop, include_stop
-        self.text = ""
-        self.emitted = 0  # characters handed out by delta()
-        self.stop_reason: str | None = None
-        self.num_tokens = 0
-
-    def update(self, token_ids: list[int], final: bool) -> bool:
-        """Take the sequence's output ids so far; True when a stop string has just been found."""
-        self.num_tokens = len(token_ids)
-        start = max(len(self.text) - max((len(s) for s in self.stop), default=0), 0)
-        self.text += self.detok.step(token_ids, final=final)
-        for stop in self.stop:
-            at = self.text.find(stop, start)
-            if at >= 0:
-                self.text = self.text[: at + (len(stop) if self.include_stop else 0)]
-                self.stop_reason = stop
-                return True
-        return False
-
-    def delta(self) -> str:
-        """Text not handed out yet, holding back a tail that could still become a stop string."""
-        hold = 0 if self.stop_reason else max((len(s) - 1 for s in self.stop), default=0)
-        end = max(len(self.text) - hold, self.emitted)
-        piece, self.emitted = self.text[self.emitted:end], end
-        return piece
 
 
 def completion(index: int, seq: Sequence, tokenizer, tracker: TextTracker | None, want_logprobs: bool

@@ -187,17 +187,17 @@ def test_logit_bias_forces_a_token(llm, baseline):
 
 def test_ignore_eos(llm):
     """With the end token forced: it ends the output at once, unless ignore_eos."""
-    forced = dict(max_tokens=5, temperature=0, logit_bias={llm.end_id: 100})
+    forced = dict(max_tokens=5, temperature=0, logit_bias={llm.processor.end_id: 100})
     out = llm.generate(PROMPT, SamplingParams(**forced))[0].outputs[0]
-    assert out.token_ids == [llm.end_id] and out.finish_reason == "stop" and out.text == ""
+    assert out.token_ids == [llm.processor.end_id] and out.finish_reason == "stop" and out.text == ""
     out = llm.generate(PROMPT, SamplingParams(ignore_eos=True, **forced))[0].outputs[0]
-    assert out.token_ids == [llm.end_id] * 5 and out.finish_reason == "length"
+    assert out.token_ids == [llm.processor.end_id] * 5 and out.finish_reason == "length"
 
 
 def test_ignore_eos_also_ignores_the_models_extra_end_ids(llm, monkeypatch):
     """A model with several end ids (generation_config lists them): ignore_eos runs past every one."""
     extra = 5
-    monkeypatch.setattr(llm, "extra_stop_ids", [extra])
+    monkeypatch.setattr(llm.processor, "extra_stop_ids", [extra])
     forced = dict(max_tokens=5, temperature=0, logit_bias={extra: 100})
     out = llm.generate(PROMPT, SamplingParams(**forced))[0].outputs[0]
     assert out.token_ids == [extra] and out.finish_reason == "stop"

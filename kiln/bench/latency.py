@@ -12,12 +12,14 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from pathlib import Path
 
 from tqdm import tqdm
 
 from kiln.bench.common import ForwardTimer, new_record, random_prompts, ratio, weight_bytes_per_token
 from kiln.bench.machine import machine_facts, peak_rss_mb
 from kiln.bench.peer import hf_generate, load_hf_peer
+from kiln.config.engine_args import EngineArgs
 from kiln.llm import LLM
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -45,12 +47,12 @@ def _hf_round(model, prompt: list[int], new_tokens: int) -> dict:
     return {"ttft_s": first, "decode_tok_s": (new_tokens - 1) / (total - first)}
 
 
-def run_latency(engine_dir: str, *, hf_gguf: str | None = None, hf_dir: str | None = None, prompt_len: int = 32,
+def run_latency(engine: str | Path | EngineArgs, *, hf_gguf: str | None = None, hf_dir: str | None = None, prompt_len: int = 32,
                 prefill_len: int = 512, new_tokens: int = 128, rounds: int = 3, seed: int = 0,
                 progress: bool = True) -> dict:
     machine = machine_facts()
     started = time.perf_counter()
-    llm = LLM(engine_dir, progress=False)
+    llm = LLM(engine, progress=False)
     constructed = time.perf_counter() - started
     load_s = llm.engine.load_seconds
     vocab = llm.engine.config.vocab_size
@@ -86,7 +88,7 @@ def run_latency(engine_dir: str, *, hf_gguf: str | None = None, hf_dir: str | No
     kiln["bandwidth_fraction"] = float(f"{weight_bytes * kiln['decode_tok_s'] / (machine['read_gbs'] * 1e9):.3g}")
     mapping = llm.engine.config.mapping
     llm.close()  # releases the other ranks of a split engine
-    record = new_record("latency", engine=str(engine_dir), dtype=llm.engine.config.dtype, prompt_len=prompt_len,
+    record = new_record("latency", engine=str(llm.engine_dir), dtype=llm.engine.config.dtype, prompt_len=prompt_len,
                         prefill_len=prefill_len, new_tokens=new_tokens, rounds=rounds, machine=machine, kiln=kiln,
                         world={"tp_size": mapping.tp_size, "pp_size": mapping.pp_size})
     if hf is not None:

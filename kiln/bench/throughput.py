@@ -11,12 +11,14 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from pathlib import Path
 
 from tqdm import tqdm
 
 from kiln.bench.common import CollectTimer, ForwardTimer, new_record, random_prompts, ratio
 from kiln.bench.machine import machine_facts, peak_rss_mb
 from kiln.bench.peer import hf_generate, load_hf_peer
+from kiln.config.engine_args import EngineArgs
 from kiln.llm import LLM
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -42,11 +44,11 @@ def _figures(batch: int, new_tokens: int, first: float, total: float) -> dict:
             "decode_tok_s": batch * (new_tokens - 1) / (total - first)}
 
 
-def run_throughput(engine_dir: str, *, hf_gguf: str | None = None, hf_dir: str | None = None,
+def run_throughput(engine: str | Path | EngineArgs, *, hf_gguf: str | None = None, hf_dir: str | None = None,
                    batch_sizes: tuple[int, ...] = (8, 32, 64), prompt_len: int = 32, new_tokens: int = 128,
                    rounds: int = 1, seed: int = 0, progress: bool = True) -> dict:
     machine = machine_facts()
-    llm = LLM(engine_dir, progress=False)
+    llm = LLM(engine, progress=False)
     build = llm.engine.build_config
     too_big = [b for b in batch_sizes if b > build.max_batch_size or b * prompt_len > build.max_num_tokens]
     if too_big:
@@ -78,7 +80,7 @@ def run_throughput(engine_dir: str, *, hf_gguf: str | None = None, hf_dir: str |
     gc.collect()
     mapping = llm.engine.config.mapping
     llm.close()  # releases the other ranks of a split engine
-    return new_record("throughput", engine=str(engine_dir), dtype=llm.engine.config.dtype, prompt_len=prompt_len,
+    return new_record("throughput", engine=str(llm.engine_dir), dtype=llm.engine.config.dtype, prompt_len=prompt_len,
                       new_tokens=new_tokens, rounds=rounds, machine=machine, batches=results,
                       world={"tp_size": mapping.tp_size, "pp_size": mapping.pp_size},
                       peak_rss_mb=round(peak_rss_mb()))

@@ -1,6 +1,7 @@
 """``kiln bench latency|throughput``: kiln's speed beside Hugging Face transformers, one run."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -10,6 +11,8 @@ from kiln.bench.common import append_record
 from kiln.bench.latency import format_latency, run_latency
 from kiln.bench.throughput import format_throughput, run_throughput
 from kiln.cli.world import add_world_flags, rank_zero
+from kiln.config.engine_args import EngineArgs
+from kiln.engine_cache import engine_for
 from kiln.errors import ConfigError
 
 
@@ -28,7 +31,9 @@ def add_parser(sub) -> None:
                            description="For each batch size, that many prompts generate the same number of "
                                        "tokens: kiln's LLM.generate against one HF static generate batch.")
     for q in (lat, thr):
-        q.add_argument("--engine_dir", required=True, help="kiln engine to measure")
+        q.add_argument("--engine_dir", required=True, help="kiln engine to measure (or a checkpoint, HF dir or GGUF "
+                                                            "file, built into the engine cache first)")
+        EngineArgs.add_cli_args(q, "bench")
         q.add_argument("--hf_gguf", help="GGUF file that Hugging Face loads as the peer")
         q.add_argument("--hf_dir", help="Hugging Face model directory as the peer (instead of --hf_gguf)")
         q.add_argument("--threads", type=int, help="torch threads for both (default: torch's, the core count)")
@@ -53,8 +58,11 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     common = dict(hf_gguf=args.hf_gguf, hf_dir=args.hf_dir, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                   rounds=args.rounds, seed=args.seed)
-    with rank_zero(args.engine_dir, args.tp_size, args.pp_size):  # the other ranks of a split engine follow
-        record, text = _measure(args, common)
+    engine_args = EngineArgs.from_cli_args(args, model=args.engine_dir)
+    engine_dir = engine_for(engine_args, tp_size=args.tp_size, pp_size=args.pp_size)
+    engine_args = dataclasses.replace(engine_args, model=engine_dir, quantization=None)  # now built
+    with rank_zero(engine_dir, args.tp_size, args.pp_size):  # the other ranks of a split engine follow
+        record, text = _measure(args, engine_args, common)
     record["command"] = " ".join(["kiln", *sys.argv[1:]])
     print(json.dumps(record, indent=2) if args.json else text)
     if args.output_json:
@@ -62,14 +70,14 @@ def run(args) -> int:
     return 0
 
 
-def _measure(args, common: dict) -> tuple[dict, str]:
+def _measure(args, engine_args: EngineArgs, common: dict) -> tuple[dict, str]:
     if args.mode == "latency":
 
-        record = run_latency(args.engine_dir, prefill_len=args.prefill_len, **common)
+        record = run_latency(engine_args, prefill_len=args.prefill_len, **common)
         text = format_latency(record)
     else:
         try:
-            record = run_throughput(args.engine_dir, batch_sizes=tuple(args.batch_sizes), **common)
+            record = run_throughput(engine_args, batch_sizes=tuple(args.batch_sizes), **common)
         except ValueError as e:
             raise ConfigError(str(e)) from e
         text = format_throughput(record)

@@ -7,6 +7,7 @@ import time
 from kiln.build import build_engine, resolve_build_config
 from kiln.build.builder import resolve_engine_dtype
 from kiln.checkpoint.format import read_config
+from kiln.config.engine_args import EngineArgs
 
 
 def add_parser(sub) -> None:
@@ -15,24 +16,7 @@ def add_parser(sub) -> None:
                                    "weights in the runtime's layout plus config.json with a build_config section.")
     p.add_argument("--checkpoint_dir", required=True, help="the kiln checkpoint (from kiln convert)")
     p.add_argument("--output_dir", required=True, help="where to write the engine (replaced atomically)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="compute dtype of the engine; auto (default; what LLM(...), kiln run and kiln serve "
-                        "build too) keeps a dtype chosen with kiln convert --dtype, and is otherwise bfloat16 "
-                        "for a float32/bfloat16 checkpoint on a CPU with native bf16 (AVX512-BF16 or AMX), else "
-                        "the checkpoint's")
-    p.add_argument("--max_batch_size", type=int, help="most sequences in one step (default 64)")
-    p.add_argument("--max_input_len", type=int,
-                   help="longest prompt in tokens (default 2048, capped at max_seq_len)")
-    p.add_argument("--max_seq_len", type=int,
-                   help="longest prompt + generation in tokens (default 4096, capped at the model's max positions)")
-    p.add_argument("--max_num_tokens", type=int, help="most tokens computed in one step (default 8192)")
-    p.add_argument("--tokens_per_block", type=int, help="tokens per paged KV-cache block (default 64)")
-    p.add_argument("--max_beam_width", type=int, help="widest beam search the engine serves (default 1: none)")
-    p.add_argument("--gather_all_token_logits", action="store_true", default=None,
-                   help="let requests ask for the logits of every prompt token (context logits)")
-    p.add_argument("--max_prompt_embedding_table_size", type=int,
-                   help="enable prompt tuning (reference 001): the most virtual-token rows a request's embedding "
-                        "table may have (default 0: off)")
+    EngineArgs.add_cli_args(p, "build")
     lora = p.add_argument_group("LoRA (reference 004)")
     lora.add_argument("--lora_dir", nargs="+", default=[], metavar="DIR",
                       help="LoRA adapters to keep in the engine (PEFT adapter directories or kiln lora convert "
@@ -51,12 +35,9 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     started = time.perf_counter()
     config = read_config(args.checkpoint_dir)
-    dtype = resolve_engine_dtype(args.dtype, config)
-    build_config = resolve_build_config(
-        config, max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
-        max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens, tokens_per_block=args.tokens_per_block,
-        max_beam_width=args.max_beam_width, gather_all_token_logits=args.gather_all_token_logits,
-        max_prompt_embedding_table_size=args.max_prompt_embedding_table_size)
+    engine_args = EngineArgs.from_cli_args(args)
+    dtype = resolve_engine_dtype(engine_args.dtype, config)
+    build_config = resolve_build_config(config, **engine_args.build_limits())
     dora = args.dora_plugin == "enable"
     out = build_engine(args.checkpoint_dir, args.output_dir, build_config, dtype=dtype, lora_dirs=args.lora_dir,
                        max_lora_rank=args.max_lora_rank, lora_target_modules=args.lora_target_modules, dora=dora)

@@ -5,6 +5,8 @@ import importlib
 
 import torch
 
+from kiln.config.engine_args import EngineArgs
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="measure accuracy: summarization ROUGE, perplexity, parity with HF",
@@ -34,7 +36,7 @@ def add_parser(sub) -> None:
                                        "names the first layer that computes differently.")
     for q in (summ, ppl, par):
         q.add_argument("--engine_dir", required=True, help="kiln engine to evaluate")
-        q.add_argument("--tokenizer_dir", help="tokenizer to use (default: the one stored in the engine)")
+        EngineArgs.add_cli_args(q, "eval")
         q.add_argument("--max_samples", type=int, help="evaluate at most this many samples (default: per command)")
         q.add_argument("--output_json", help="write the full results as JSON to this file")
         q.add_argument("--threads", type=int, help="torch threads (default: torch's, the core count)")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from kiln import env
 from kiln.cli.world import add_world_flags, rank_zero
-from kiln.config import BuildConfig
-from kiln.engine_cache import resolve_engine
+from kiln.config.engine_args import EngineArgs
+from kiln.engine_cache import engine_for
 from kiln.errors import ConfigError
 from kiln.runtime.executor import ExecutorConfig, KvCacheConfig
 
@@ -21,28 +21,17 @@ def add_parser(sub) -> None:
                                    "file; anything but an engine is converted and built into the engine cache "
                                    "first.")
     p.add_argument("model", help="engine directory, checkpoint, HF dir or GGUF file")
-    p.add_argument("--tokenizer_dir", help="tokenizer to use (default: the one stored in the engine)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--api_key", default=env.api_key(),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $KILN_API_KEY, else no key)")
     p.add_argument("--served_model_name", help="the model name clients send and /v1/models lists "
                                                "(default: the engine directory's name)")
-    p.add_argument("--cache_dir", help="engine cache for non-engine inputs (default ~/.cache/kiln)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="serve a LoRA adapter (a PEFT adapter directory or a kiln lora convert output) as model "
                         "NAME; repeat for more (more can be loaded at run time: POST /v1/load_lora_adapter)")
+    EngineArgs.add_cli_args(p, "serve")
     g = p.add_argument_group("scheduling")
-    g.add_argument("--max_batch_size", type=int,
-                   help="most sequences generated at once (default: the engine's build limit; building from a "
-                        "source, a value above kiln build's default 64 builds an engine that large)")
-    g.add_argument("--max_num_tokens", type=int,
-                   help="most tokens computed per step, prompt chunks included (default: 1024, or the "
-                        "engine's limit if lower; smaller keeps streams smoother while prompts prefill)")
-    g.add_argument("--kv_cache_max_tokens", type=int,
-                   help="size the KV cache for this many tokens (default: a fraction of free memory)")
-    g.add_argument("--enable_prefix_caching", action="store_true",
-                   help="reuse the KV cache of prompt prefixes shared between requests")
     g.add_argument("--max_queue_size", type=int, default=1024,
                    help="requests allowed to wait for admission; beyond it requests get HTTP 503 with "
                         "Retry-After (default 1024)")
@@ -84,7 +73,7 @@ def serve(args) -> int:
         server[0].should_exit = True
 
     with rank_zero(engine_dir, args.tp_size, args.pp_size):  # the other ranks of a split engine follow
-        app = create_app(engine_dir, tokenizer_dir=args.tokenizer_dir, api_key=args.api_key,
+        app = create_app(engine_dir, tokenizer_dir=args.tokenizer, api_key=args.api_key,
                          executor_config=config, served_model_name=args.served_model_name, lora_adapters=loras,
                          on_world_error=stop_serving, request_timeout=args.request_timeout)
         # uvicorn's own wait for open connections is a backstop: the drain has ended them.
@@ -102,9 +91,4 @@ def engine_dir_for(args) -> Path:
     """The engine MODEL names, built into the cache from any other source as ``LLM(source)`` and
     ``kiln run`` build it. --max_batch_size and --max_num_tokens are run-time limits; only a
     value above what that engine is built for (kiln build's defaults) builds a larger one."""
-    defaults = BuildConfig()
-    larger = {name: value for name, value in (("max_batch_size", args.max_batch_size),
-                                              ("max_num_tokens", args.max_num_tokens))
-              if value is not None and value > getattr(defaults, name)}
-    return resolve_engine(args.model, cache_dir=args.cache_dir, build_options=larger, tp_size=args.tp_size,
-                          pp_size=args.pp_size)
+    return engine_for(EngineArgs.from_cli_args(args, model=args.model), tp_size=args.tp_size, pp_size=args.pp_size)

@@ -45,10 +45,10 @@ def _checked_limits(args, build) -> tuple:
 def run(args) -> int:
     """``kiln eval parity``: print the report, write --output_json; exit code 0 for a completed
     comparison (it is a report, whatever it finds)."""
-    build, limit = _checked_limits(args, engine_build_config(args.engine_dir, args.tokenizer_dir))
+    build, limit = _checked_limits(args, engine_build_config(args.engine_dir, args.tokenizer))
     prompts = load_prompts(args.prompts, args.max_samples)
 
-    llm = open_engine(args.engine_dir, args.tokenizer_dir)
+    llm = open_engine(args.engine_dir, args.tokenizer)
     dtype = llm.engine.config.dtype
     if args.tolerance is None:
         args.tolerance = DEFAULT_TOLERANCE.get(dtype, DEFAULT_TOLERANCE["bfloat16"])

@@ -173,12 +173,12 @@ def summarize(scores: list[TextScore], totals: dict) -> dict:
 def run(args) -> int:
     """``kiln eval perplexity``: print the summary table; write --output_json; exit code 0."""
     # Every flag and input is checked before the engine loads.
-    build = engine_build_config(args.engine_dir, args.tokenizer_dir)
+    build = engine_build_config(args.engine_dir, args.tokenizer)
     window, stride = resolve_window(args.window, args.stride, build.max_input_len, build.max_seq_len)
     texts = load_texts(args.dataset, args.max_samples)
     if not texts:
         raise ConfigError(f"--dataset {args.dataset}: no texts to score")
-    llm = open_engine(args.engine_dir, args.tokenizer_dir)
+    llm = open_engine(args.engine_dir, args.tokenizer)
     token_lists = [llm.tokenizer(t)["input_ids"] for t in texts]
     if all(len(ids) < 2 for ids in token_lists):
         raise ConfigError(f"--dataset {args.dataset}: every text is shorter than 2 tokens; nothing to score")

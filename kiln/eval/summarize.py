@@ -28,7 +28,6 @@ from kiln.eval.common import format_table, load_hf_model, write_json
 from kiln.eval.rouge import ROUGE_KEYS, mean_scores, rouge_scores
 from kiln.llm import LLM
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.tokenizer import end_ids as tokenizer_end_ids
 
 DEFAULT_MAX_SAMPLES = 50
 DEFAULT_INSTRUCTION = "Summarize the following article."
@@ -229,7 +228,7 @@ def summarize(args) -> dict:
     _check_args(args)
     limit = args.max_samples or DEFAULT_MAX_SAMPLES
     records = load_dataset(args.dataset, limit)
-    llm = LLM(args.engine_dir, tokenizer=args.tokenizer_dir, progress=False)
+    llm = LLM(args.engine_dir, tokenizer=args.tokenizer, progress=False)
     tokenizer = llm.tokenizer
     build = llm.engine.build_config
     builder = PromptBuilder(tokenizer)
@@ -242,8 +241,7 @@ def summarize(args) -> dict:
     sides = {"kiln": _side(kiln_tokens, kiln_seconds, tokenizer, references)}
     if args.hf_model_dir:
         model, _ = load_hf_model(args.hf_model_dir, llm.engine.config.dtype)
-        tokenizer_dir = Path(args.tokenizer_dir) if args.tokenizer_dir else llm.engine.tokenizer_dir
-        ends = tokenizer_end_ids(tokenizer_dir, tokenizer)
+        ends = [llm.processor.end_id, *llm.processor.extra_stop_ids] if llm.processor.end_id is not None else []
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (ends[0] if ends else 0)
         hf_tokens, hf_seconds = generate_hf(model, prompts, args.max_output_len, args.batch_size, ends, pad_id)
         sides["hf"] = _side(hf_tokens, hf_seconds, tokenizer, references)

@@ -79,6 +79,9 @@ class Request:
         if isinstance(config, SamplingConfig):
             params = config.per_sequence(1, self.max_tokens)[0]
         elif isinstance(config, SamplingParams):
+            if config.stop or config.bad_words:  # text: kiln.runtime.request_processor turns them into tokens
+                raise RequestError("stop strings and bad_words need a tokenizer: the executor takes stop_words and "
+                                   "bad_words as token ids (or use RequestProcessor.engine_params)")
             params = dataclasses.replace(config, max_tokens=self.max_tokens)
         else:
             raise RequestError(f"sampling_config must be a SamplingConfig or SamplingParams, got {type(config).__name__}")

@@ -71,6 +71,16 @@ def _token_lists(value: Any, field_name: str) -> list[list[int]]:
     return words
 
 
+def knob(default, group: str | None, help: str, *aliases: str):
+    """A SamplingParams field: its default (a type such as ``list`` makes a fresh one per
+    request), the group and help of its command-line flag (``kiln run``; None: no flag, as for a
+    tensor), and older flag names it also answers to (TensorRT-LLM's)."""
+    metadata = {"group": group, "help": help, "aliases": aliases}
+    if isinstance(default, type):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request generation controls. Defaults change nothing but ``max_tokens``.
@@ -80,37 +90,46 @@ class SamplingParams:
     drawn and the ``n`` with the highest cumulative log-prob returned.
     """
 
-    max_tokens: int = 16
-    min_tokens: int = 0
-    n: int = 1
-    best_of: int | None = None
-    temperature: float = 1.0
-    top_k: int = 0  # 0 or -1: off
-    top_p: float = 1.0  # 1: off
-    min_p: float = 0.0  # 0: off
-    top_p_decay: float = 1.0  # 1: no decay
-    top_p_min: float = 1e-6
-    top_p_reset_ids: list[int] = field(default_factory=list)
-    repetition_penalty: float = 1.0  # 1: off
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    no_repeat_ngram_size: int = 0  # 0: off
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    embedding_bias: torch.Tensor | None = None  # [vocab], added to the logits
-    bad_words_ids: list[list[int]] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop_words_ids: list[list[int]] = field(default_factory=list)  # multi-token stop sequences
-    stop: list[str] = field(default_factory=list)  # stop strings, matched on the text (LLM API)
-    bad_words: list[str] = field(default_factory=list)  # words to ban, tokenized by the LLM API
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    logprobs: int | None = None  # top-k log-probs per generated token (0: just the chosen token's)
-    prompt_logprobs: int | None = None
-    seed: int | None = None
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
-    beam_search_diversity_rate: float = 0.0
+    max_tokens: int = knob(16, "length", "most new tokens to generate", "--max_output_len")
+    min_tokens: int = knob(0, "length", "generate at least this many tokens (0: no minimum)", "--min_length")
+    n: int = knob(1, "several outputs", "outputs to return (<= best_of)", "--num_return_sequences")
+    best_of: int | None = knob(None, "several outputs",
+                               "sample this many (or beam width) and return the n most likely (default n)")
+    temperature: float = knob(1.0, "sampling", "sampling temperature; 0 is greedy")
+    top_k: int = knob(0, "sampling", "sample among the k most likely tokens (0 or -1: no limit)")
+    top_p: float = knob(1.0, "sampling", "sample within this probability mass (1: no limit)")
+    min_p: float = knob(0.0, "sampling", "drop tokens below min_p x the top probability (0: off)")
+    top_p_decay: float = knob(1.0, "sampling", "multiply top_p by this after each token (1: off)")
+    top_p_min: float = knob(1e-6, "sampling", "floor for the decayed top_p")
+    top_p_reset_ids: list[int] = knob(list, "sampling", "token ids that reset the decayed top_p to its start value")
+    repetition_penalty: float = knob(1.0, "penalties and biases",
+                                     "divide (positive) / multiply (negative) logits of seen tokens by this (1: off)")
+    presence_penalty: float = knob(0.0, "penalties and biases", "subtract from generated tokens' logits (-2..2)")
+    frequency_penalty: float = knob(0.0, "penalties and biases",
+                                    "subtract this x count of each generated token (-2..2)")
+    no_repeat_ngram_size: int = knob(0, "penalties and biases", "never repeat an n-gram of this size (0: off)")
+    logit_bias: dict[int, float] = knob(dict, "penalties and biases",
+                                        'token id -> bias added to its logit, a JSON object: \'{"50256": -100}\'')
+    embedding_bias: torch.Tensor | None = knob(None, None, "a [vocab] tensor added to the logits")
+    bad_words_ids: list[list[int]] = knob(list, "stop and bad words",
+                                          "token-id sequences never to generate, JSON: '[[1, 2], [3]]'")
+    stop_token_ids: list[int] = knob(list, "stop and bad words", "token ids that end generation")
+    stop_words_ids: list[list[int]] = knob(list, "stop and bad words",
+                                           "token-id sequences that end generation, JSON: '[[1, 2], [3]]'")
+    stop: list[str] = knob(list, "stop and bad words", "stop when any of these strings appears in the text")
+    bad_words: list[str] = knob(list, "stop and bad words", "words never to generate (tokenized by the LLM API)")
+    include_stop_str_in_output: bool = knob(False, "stop and bad words", "keep the stop string in the text")
+    ignore_eos: bool = knob(False, "length", "keep generating past the end-of-sequence token")
+    logprobs: int | None = knob(None, "log-probs",
+                                "top-k log-probs of each generated token (0: just the chosen token's)")
+    prompt_logprobs: int | None = knob(None, "log-probs", "top-k log-probs of each prompt token")
+    seed: int | None = knob(None, "sampling", "random seed for sampling (default: random)")
+    use_beam_search: bool = knob(False, "several outputs", "beam search of width best_of instead of sampling")
+    length_penalty: float = knob(1.0, "several outputs", "beam score = logprob / length^this")
+    early_stopping: bool | str = knob(False, "several outputs",
+                                      "beam search stop rule, as in Hugging Face: true, false or never")
+    beam_search_diversity_rate: float = knob(0.0, "several outputs",
+                                             "penalise a beam's k-th best continuation by k x this")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

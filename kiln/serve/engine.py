@@ -8,7 +8,6 @@ cancels just that request and its KV blocks go back to the pool at once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import re
 import threading
@@ -20,15 +19,13 @@ from typing import AsyncIterator, Callable
 from fastapi import Request as HttpRequest
 
 from kiln.checkpoint.peft import read_adapter
-from kiln.errors import ConfigError, KilnError, QueueFullError, RequestError, WorldError
-from kiln.outputs import FINISH_NAMES, TextTracker
+from kiln.errors import KilnError, QueueFullError, RequestError, WorldError
 from kiln.runtime.executor import Executor, ExecutorConfig, OutputConfig, Request, Response
 from kiln.runtime.lora_cache import LoraConfig
+from kiln.runtime.request_processor import RequestProcessor, TextTracker
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.sequence import FinishReason
 from kiln.serve.metrics import Metrics
 from kiln.serve.protocol import ApiError
-from kiln.tokenizer import end_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -80,16 +77,11 @@ class ServingEngine:
         self.on_world_error = on_world_error
         try:
             engine = self.executor.engine
-            tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else engine.tokenizer_dir
-            if tokenizer_dir is None:
-                raise ConfigError(f"{engine_dir}: the engine carries no tokenizer; pass a tokenizer dir")
-            self.tokenizer = load_tokenizer(tokenizer_dir)
-            ids = end_ids(tokenizer_dir, self.tokenizer)
+            self.processor = RequestProcessor.load(tokenizer_dir or engine.tokenizer_dir, engine_dir)
         except BaseException:
             self.executor.shutdown()
             raise
-        self.end_id = ids[0] if ids else None
-        self.extra_stop_ids = ids[1:]
+        self.tokenizer = self.processor.tokenizer
         self.build = engine.build_config
         self.vocab_size = engine.config.vocab_size
         self.model_name = served_model_name or Path(engine_dir).name
@@ -197,14 +189,6 @@ class ServingEngine:
             while self.metrics.in_flight and loop.time() < deadline:
                 await asyncio.sleep(0.05)
 
-    def _engine_params(self, params: SamplingParams, i: int) -> SamplingParams:
-        """Choice ``i``'s executor params: one sample, its own seed, the model's extra end ids;
-        stop strings are applied here on the text, not by the executor."""
-        stop_ids = list(params.stop_token_ids)
-        if self.extra_stop_ids and not params.ignore_eos:
-            stop_ids += self.extra_stop_ids
-        return dataclasses.replace(params, n=1, best_of=None, seed=params.seed_for(i), stop=[], stop_token_ids=stop_ids)
-
     def load_lora(self, name: str, path: str | Path) -> None:
         """Serve the LoRA adapter in ``path`` (a PEFT adapter or a ``kiln lora convert``
         directory) as model ``name``; errors are 400s naming what is wrong."""
@@ -234,7 +218,8 @@ class ServingEngine:
         for p, ids in enumerate(prompts):
             for i in range(params.n):
                 requests.append(Request(input_token_ids=ids, max_tokens=params.max_tokens, streaming=True,
-                                        sampling_config=self._engine_params(params, i), end_id=self.end_id,
+                                        sampling_config=self.processor.engine_params(params, sample=i),
+                                        end_id=self.processor.end_id,
                                         output_config=OutputConfig(return_log_probs=want_logprobs),
                                         lora_config=lora, allotted_time_ms=timeout_ms))
         queue: asyncio.Queue = asyncio.Queue()
@@ -251,8 +236,7 @@ class ServingEngine:
         for ids in prompts:
             self.metrics.add_prompt_tokens(len(ids) * params.n)
         for index, rid in enumerate(rids):
-            choices.append(_Choice(index, rid, TextTracker(self.tokenizer, params.stop,
-                                                           params.include_stop_str_in_output)))
+            choices.append(_Choice(index, rid, self.processor.text_tracker(params)))
         by_rid = {c.request_id: c for c in choices}
         self.metrics.in_flight += 1
         try:
@@ -310,7 +294,7 @@ class ServingEngine:
                 reason = "stop"
                 self.executor.cancel_request(choice.request_id)
         if reason is None and result.is_final:
-            reason = FINISH_NAMES.get(FinishReason(result.finish_reasons[0]), "stop")
+            reason = self.processor.finish_name(result.finish_reasons[0]) or "stop"
         if reason is not None:
             choice.finished = True
             self.metrics.finished(reason)

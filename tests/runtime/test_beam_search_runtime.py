@@ -197,7 +197,7 @@ def test_llm_beam_search_returns_hf_best_n(llm, models, end_ids):
     """use_beam_search with best_of=4, n=2: the two best HF beams (tokens, text, cumulative log-prob)."""
     hf = models["llama"][1]
     stop = end_ids["llama"]
-    ends = [llm.end_id, stop]  # the tokenizer's </s> and an extra stop token: both end hypotheses
+    ends = [llm.processor.end_id, stop]  # the tokenizer's </s> and an extra stop token: both end hypotheses
     params = SamplingParams(use_beam_search=True, best_of=4, n=2, max_tokens=MAX_NEW, stop_token_ids=[stop],
                             length_penalty=1.0, early_stopping=False, logprobs=0)
     results = llm.generate(PROMPTS, params)
@@ -252,7 +252,7 @@ def test_smollm2_beam_search_matches_hf(smollm2, one_thread):
 
     llm, hf = smollm2
     ids = chat_prompt_ids(llm.tokenizer, [{"role": "user", "content": SMOL_PROMPT}])
-    ends = [llm.end_id, *llm.extra_stop_ids]
+    ends = [llm.processor.end_id, *llm.processor.extra_stop_ids]
     (result,) = llm.generate([ids], SamplingParams(use_beam_search=True, best_of=2, n=2, max_tokens=SMOL_NEW))
     ref = hf_beams(hf, ids, 2, end_id=ends, max_new=SMOL_NEW)
     assert llm.core.pool.num_free == llm.core.pool.num_blocks
