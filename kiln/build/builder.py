@@ -6,15 +6,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kiln.checkpoint.format import (atomic_output_dir, copy_tokenizer_files, read_config, read_config_dict,
-                                    write_config, write_rank_weights)
 from kiln.build.lora import lora_build, write_adapters
+from kiln.checkpoint.format import (ENGINE_FORMAT_VERSION, atomic_output_dir, copy_tokenizer_files,
+                                    read_config, read_config_dict, write_config, write_rank_weights)
 from kiln.config import BuildConfig, PretrainedConfig
 from kiln.dtypes import DTYPES
-from kiln.kernels.library import cpu_flags
-from kiln.checkpoint.format import ENGINE_FORMAT_VERSION
 from kiln.errors import BuildError, preview
+from kiln.kernels.library import cpu_flags
 from kiln.models import get_model_class
+from kiln.models.loading import engine_layout_weights
 from kiln.quantization import use_weight_only_layout
 from kiln.quantization.weight_only import BF16_ENGINE_ALGOS
 
@@ -116,7 +116,7 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_confi
             with torch.device("meta"):
                 engine_model = model_cls(model.config, engine_layout=True)
                 use_weight_only_layout(engine_model, model.config.quantization, tile_order=True)
-            weights = model.engine_weights(model.checkpoint_weights())
+            weights = engine_layout_weights(model, model.checkpoint_weights())
             if cast is not None:  # quantization scales and zeros stay float32, FP8 codes e4m3
                 weights = {k: w.to(cast) if w.is_floating_point() and w.element_size() > 1
                            and not k.endswith(QUANT_FLOAT32) else w

@@ -14,7 +14,6 @@ its Hugging Face config; all loading, saving and sharding is shared.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 from typing import ClassVar
@@ -22,12 +21,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from kiln import kernels
-from kiln.checkpoint.format import (atomic_output_dir, rank_file, read_config, read_rank_weights,
-                                    write_config, write_rank_weights)
-from kiln.checkpoint.loader import ModelWeightsLoader, fill_parameters, translate_key
+from kiln.checkpoint.format import read_config
 from kiln.checkpoint.lora import LORA_MODULE_IDS
-from kiln.checkpoint.sources import open_source
 from kiln.config import PretrainedConfig
 from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
@@ -36,13 +31,10 @@ from kiln.layers.linear import ColumnLinear
 from kiln.layers.lora import LoraTarget
 from kiln.layers.mlp import MLP, GatedMLP
 from kiln.layers.normalization import RmsNorm
-from kiln.mapping import Mapping
+from kiln.models import loading
 from kiln.models.decoder import DecoderLayer, Transformer, positive_field
 from kiln.models.native_decode import native_decode_for
 from kiln.models.registry import get_model_class
-from kiln.quantization import use_weight_only_layout
-from kiln.quantization.gptq import gptq_settings, use_gptq_layout
-from kiln.quantization.weight_only import SMOOTHQUANT_ALGO
 
 class DecoderModelForCausalLM(nn.Module):
     """A decoder-only causal LM in kiln's layout. Subclasses declare a family."""
@@ -189,101 +181,28 @@ class DecoderModelForCausalLM(nn.Module):
             logits = self.final_logit_softcap * torch.tanh(logits / self.final_logit_softcap)
         return logits
 
-    def engine_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Rewrite checkpoint tensors into this model's engine layout (fusions done once)."""
-        weights = dict(weights)
-        for key in [k for k, w in weights.items() if k.endswith(".weight") and w.dtype == torch.float8_e4m3fn]:
-            # FP8: the per-tensor weight scale repeated per output column, so a fused pair keeps both.
-            scale_key = f"{key[:-6]}weights_scaling_factor"
-            weights[scale_key] = weights[scale_key].expand(weights[key].shape[0]).contiguous()
-        for name, module in self.named_modules():
-            rewrite = getattr(module, "engine_weights", None)
-            if rewrite is not None and module is not self:
-                weights.update(rewrite(f"{name}.", weights))
-        # Quantized codes (int8 and e4m3: one a byte; uint8: 4-bit pairs) go into the kernel's tile order;
-        # SmoothQuant W8A8 codes stay row-major for torch._int_mm.
-
-        if self.config.quantization.quant_algo == SMOOTHQUANT_ALGO:
-            return weights
-        for key in [k for k in weights if k.endswith(".weight") and f"{k[:-6]}weights_scaling_factor" in weights]:
-            codes, prefix = weights[key], key[:-6]
-            bits = 4 if codes.dtype == torch.uint8 else 8
-            weights[key] = kernels.quant_pack(codes, bits)
-            if bits == 4:
-                scales, zeros = kernels.quant_pack_scales(weights[f"{prefix}weights_scaling_factor"],
-                                                          weights.get(f"{prefix}zero"), bits)
-                weights[f"{prefix}weights_scaling_factor"] = scales
-                if zeros is not None:
-                    weights[f"{prefix}zero"] = zeros
-        return weights
-
-    # -- construction from weights ----------------------------------------------------------
+    # -- construction from weights (kiln/models/loading.py) -----------------------------------
 
     @classmethod
     def from_hugging_face(cls, source, dtype: str | None = None, mapping=None,
                           customized_key_dict: dict | None = None, progress: bool = False,
                           config_overrides: dict | None = None) -> "DecoderModelForCausalLM":
-        """Build this rank's model (``mapping.rank``) from a Hugging Face directory or GGUF file.
-
-        ``config_overrides`` sets checkpoint config fields the Hugging Face config does not
-        decide, such as ``use_parallel_embedding`` and ``embedding_sharding_dim``.
-        """
-        source = open_source(source) if isinstance(source, (str, Path)) else source
-        hf = source.hf_config()
-        if hf is None:
-            raise ConfigError(f"{source.path}: no Hugging Face config.json found next to the weights")
-        config = cls.config_from_hf(hf, dtype, mapping or Mapping())
-        if config_overrides:
-            config = dataclasses.replace(config, **config_overrides)
-        external = set(source.keys())
-        loader = ModelWeightsLoader(source, {**cls.key_map_for(external), **(customized_key_dict or {})})
-        embedding = translate_key("transformer.vocab_embedding.weight", loader.key_map)[0]
-        if embedding not in external and embedding.partition(".")[2] in external:
-            # Some checkpoints (the original GPT-2 files) drop the top-level prefix.
-            loader.key_map["transformer"] = ""
-            embedding = embedding.partition(".")[2]
-        with torch.device("meta"):
-            model = cls(config)
-        for module in model.modules():  # a layer whose tensors come in several layouts picks this checkpoint's
-            if hasattr(module, "match_external_keys"):
-                module.match_external_keys(external)
-        lm_head = getattr(model, "lm_head", None)
-        if lm_head is not None and not model.shares_embedding_table:
-            lm_head_key = translate_key("lm_head.weight", loader.key_map)[0]
-            if lm_head_key not in external and (config.get("tie_word_embeddings") or config.share_embedding_table):
-                # Tied weights stored once: the lm_head rows come from the embedding table.
-                lm_head.external_key_map = {"lm_head": embedding.rpartition(".")[0]}
-        gptq = gptq_settings(hf, str(source.path))
-        if gptq is not None:  # pre-quantized linears load straight into kiln's W4A16 layout
-            model.config = dataclasses.replace(model.config, quantization=use_gptq_layout(
-                model, gptq, external, loader.key_map, str(source.path)))
-        loader.fill(model, loader.generate_weights(model, progress=progress))
-        return model
+        """Build this rank's model (``mapping.rank``) from a Hugging Face directory or GGUF file
+        (``loading.load_hugging_face``)."""
+        return loading.load_hugging_face(cls, source, dtype, mapping, customized_key_dict, progress, config_overrides)
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path, rank: int = 0,
                         engine_layout: bool = False) -> "DecoderModelForCausalLM":
         """Load rank ``rank`` of a kiln checkpoint (or, with ``engine_layout``, an engine)."""
         config = read_config(checkpoint_dir, rank)
-        model_cls = cls if cls is not DecoderModelForCausalLM else _registered(config.architecture)
-        with torch.device("meta"):
-            model = model_cls(config, engine_layout=engine_layout)
-            use_weight_only_layout(model, config.quantization, tile_order=engine_layout)
-        fill_parameters(model, read_rank_weights(checkpoint_dir, rank), source=str(rank_file(checkpoint_dir, rank)))
-        return model
+        model_cls = cls if cls is not DecoderModelForCausalLM else get_model_class(config.architecture)
+        return loading.load_checkpoint(model_cls, config, checkpoint_dir, rank, engine_layout)
 
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
         """This rank's tensors by checkpoint name (a shared table appears once)."""
         return {name: p.data for name, p in self.named_parameters()}
 
     def save_checkpoint(self, checkpoint_dir: str | Path) -> None:
-        """Write a single-rank model as a checkpoint (config.json + rank0.safetensors), atomically."""
-        if self.config.mapping.world_size != 1:
-            raise ConfigError("save_checkpoint writes one rank; use kiln.convert for a multi-rank checkpoint")
-        with atomic_output_dir(checkpoint_dir) as tmp:
-            write_config(tmp, self.config.to_dict())
-            write_rank_weights(tmp, 0, self.checkpoint_weights())
-
-
-def _registered(architecture: str) -> type:
-    return get_model_class(architecture)
+        """Write a single-rank model as a checkpoint, atomically (``loading.save_checkpoint``)."""
+        loading.save_checkpoint(self, checkpoint_dir)
