@@ -11,6 +11,7 @@ from kiln.config import QuantConfig
 from kiln.config.pretrained import KV_CACHE_QUANT_ALGOS
 from kiln.config.quant_algos import ALGOS
 from kiln.convert import convert_checkpoint
+from kiln.dtypes import DTYPES
 from kiln.errors import ConfigError
 from kiln.quantization.calibration import DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
 from kiln.quantization.smoothquant import DEFAULT_ALPHA, SEARCH_ALPHA
@@ -33,7 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model_dir", required=True,
                    help="Hugging Face model directory (safetensors, sharded safetensors, .bin or .pth) or a .gguf file")
     p.add_argument("--output_dir", required=True, help="where to write the checkpoint (replaced atomically)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                    help="weight dtype of the checkpoint; auto keeps the source's dtype (float32 for GGUF); a "
                         "dtype given here carries through: kiln build --dtype auto keeps it")
     p.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks to split the weights over (default 1)")

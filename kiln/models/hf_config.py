@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.config import PretrainedConfig
+from kiln.dtypes import DTYPES
 from kiln.errors import ConfigError
 
 _MISSING = object()
@@ -59,7 +60,7 @@ def hf_dtype(hf: dict, requested: str | None) -> str:
     if requested and requested != "auto":
         return requested
     name = str(hf.get("torch_dtype") or hf.get("dtype") or "float32").replace("torch.", "")
-    return name if name in ("float32", "float16", "bfloat16") else "float32"
+    return name if name in DTYPES else "float32"
 
 
 def rope_decoder_config(hf: dict, dtype: str | None, mapping, architecture: str, *, hidden_act: str | None = None,
