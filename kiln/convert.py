@@ -6,15 +6,18 @@ import logging
 import tempfile
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
-from kiln.checkpoint.format import atomic_output_dir, copy_tokenizer_files, write_config, write_rank_weights
+from kiln.checkpoint.format import atomic_output_dir, copy_tokenizer_files, rank_file, write_config, write_rank_weights
+from kiln.checkpoint.safetensors_io import SafetensorsWriter
 from kiln.checkpoint.sources import open_source
-from kiln.config import QuantConfig
+from kiln.config import PretrainedConfig, QuantConfig
 from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 from kiln.models import get_model_class
-from kiln.quantization import SMOOTHQUANT_ALGO, quantize_model
+from kiln.models.loading import prepare_hugging_face
+from kiln.quantization import SMOOTHQUANT_ALGO, quantize_model, use_weight_only_layout
 from kiln.quantization.awq import AWQ_ALGO, AWQ_ALGOS, awq_quantize_model, check_awq_request
 from kiln.quantization.calibration import (DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE, calibration_texts,
                                            calibration_token_ids)
@@ -23,7 +26,8 @@ from kiln.quantization.gptq import gptq_settings
 from kiln.quantization.gptq_quantize import GPTQ_ALGO, check_gptq_request, gptq_quantize_model
 from kiln.quantization.kv_cache import calibrate_kv_cache_scales, set_kv_cache_scales
 from kiln.quantization.smoothquant import DEFAULT_ALPHA, SEARCH_ALPHA, smoothquant_model
-from kiln.quantization.weight_only import FP8_ALGO, untie_lm_head_for
+from kiln.quantization.weight_only import (FP8_ALGO, WEIGHT_ONLY_ALGOS, quantizable_modules, quantize_weight,
+                                           untie_lm_head_for, untie_needed)
 from kiln.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -70,6 +74,9 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     if gptq_settings(hf, str(model_dir)) is not None and quantization is not None and quantization.quant_algo:
         raise ConfigError(f"{model_dir}: a GPTQ checkpoint is already quantized (imported as W4A16_GPTQ); "
                           f"drop --quant_algo {quantization.quant_algo}")
+    if awq_gptq and (quantization is None or quantization.quant_algo != AWQ_ALGO):
+        raise ConfigError(f"--awq_gptq goes with --quant_algo {AWQ_ALGO}, not "
+                          f"{quantization.quant_algo if quantization is not None else None}")
     kv_algo = quantization.kv_cache_quant_algo if quantization is not None else None
     if kv_algo is not None and tp_size * pp_size != 1:
         # Calibration runs the whole float model; kiln runs single-rank engines anyway.
@@ -89,13 +96,17 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     if calibrated or kv_algo is not None:
         calibration = _calibration_tokens(source, Path(model_dir), calib_dataset, calib_size, calib_max_len,
                                           quantization.quant_algo if calibrated else f"KV cache {kv_algo}")
+    overrides = {"use_parallel_embedding": use_parallel_embedding, "embedding_sharding_dim": embedding_sharding_dim}
     with atomic_output_dir(output_dir) as tmp:
         config = None
         for rank in tqdm(range(world.world_size), desc="converting ranks", disable=not progress or world.world_size == 1):
-            model = model_cls.from_hugging_face(
-                source, dtype, world.with_rank(rank), customized_key_dict, progress=progress,
-                config_overrides={"use_parallel_embedding": use_parallel_embedding,
-                                  "embedding_sharding_dim": embedding_sharding_dim})
+            if not (calibrated or kv_algo is not None or gptq_settings(hf, str(model_dir)) is not None):
+                config = stream_rank(source, model_cls, tmp, rank, dtype, world.with_rank(rank), customized_key_dict,
+                                     overrides, quantization, progress)
+                if config is not None:
+                    continue
+            model = model_cls.from_hugging_face(source, dtype, world.with_rank(rank), customized_key_dict,
+                                                progress=progress, config_overrides=overrides)
             if quantization is not None and quantization.quant_algo is not None:
                 model.config = _quantize(model, quantization, str(model_dir), calibration, smoothquant_alpha,
                                          progress, gptq_act_order, gptq_sequential, awq_gptq)
@@ -109,6 +120,43 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
         write_config(tmp, {**config.to_dict(), **chosen})
         _save_tokenizer(source, Path(model_dir), tmp)
     return Path(output_dir)
+
+
+def stream_rank(source, model_cls: type, out: Path, rank: int, dtype: str | None, mapping: Mapping,
+                customized_key_dict: dict | None, overrides: dict, quantization: QuantConfig | None,
+                progress: bool) -> PretrainedConfig | None:
+    """Write rank ``rank``'s checkpoint file one tensor at a time (read, cast, round to nearest
+    where ``quantization`` asks, write), never holding the model: the file is laid out first
+    from a model of the final config on the meta device (what ``from_checkpoint`` reads back).
+    Returns the rank's config, or None (nothing written) when a quantized lm_head shares the
+    embedding table, which the in-memory path unties first."""
+    model, loader = prepare_hugging_face(model_cls, source, dtype, mapping, customized_key_dict, overrides)
+    quant = quantization if quantization is not None and quantization.quant_algo is not None else None
+    rounded: dict[str, str] = {}  # a quantized linear's weight name -> its parameters' prefix
+    config = model.config
+    if quant is not None:
+        if untie_needed(model, quant):
+            return None
+        chosen, excluded = quantizable_modules(model, quant)
+        if not chosen:
+            raise ConfigError(f"{source.path}: --quant_algo {quant.quant_algo} found no linear layer to quantize")
+        rounded = {f"{name}.weight": f"{name}." for name, _ in chosen}
+        config = dataclasses.replace(config, quantization=dataclasses.replace(quant, exclude_modules=excluded,
+                                                                              pre_quant_scale=False))
+    with torch.device("meta"):
+        layout = model_cls(config)
+        use_weight_only_layout(layout, config.quantization, tile_order=False)
+    entries = {name: (p.dtype, tuple(p.shape)) for name, p in layout.named_parameters()}
+    writer = SafetensorsWriter(rank_file(out, rank), entries, metadata={"format": "pt"})
+    bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo) if quant is not None else None
+    for key, tensor in loader.iter_weights(model, progress=progress):
+        if key not in rounded:
+            writer.write(key, tensor)
+            continue
+        for name, part in quantize_weight(tensor.float(), bits, quant.group_size, quant.has_zero_point).items():
+            writer.write(rounded[key] + name, part)
+    writer.close()
+    return config
 
 
 def _calibration_tokens(source, model_dir: Path, dataset: str, size: int, max_len: int,
@@ -134,8 +182,6 @@ def _quantize(model, quantization: QuantConfig, where: str, calibration: list[li
     """Quantize ``model`` in place (AWQ, GPTQ and SmoothQuant: calibrated on the token lists
     ``calibration``); its config records what was quantized (see ``quantize_model``)."""
     untie_lm_head_for(model, quantization)  # a quantized head gets its own copy of a tied table
-    if awq_gptq and quantization.quant_algo != AWQ_ALGO:
-        raise ConfigError(f"--awq_gptq goes with --quant_algo {AWQ_ALGO}, not {quantization.quant_algo}")
     if quantization.quant_algo == AWQ_ALGO and awq_gptq:
         recorded = gptq_quantize_model(model, quantization, calibration or [], gptq_act_order, gptq_sequential,
                                        awq_scales=True, progress=progress)

@@ -7,11 +7,12 @@ import torch
 from tqdm import tqdm
 
 from kiln.build.lora import lora_build, write_adapters
-from kiln.checkpoint.format import (ENGINE_FORMAT_VERSION, atomic_output_dir, copy_tokenizer_files,
-                                    read_config, read_config_dict, write_config, write_rank_weights)
+from kiln.checkpoint.format import (ENGINE_FORMAT_VERSION, atomic_output_dir, copy_tokenizer_files, rank_file,
+                                    read_config, read_config_dict, write_config)
+from kiln.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter
 from kiln.config import BuildConfig, PretrainedConfig
 from kiln.dtypes import DTYPES
-from kiln.errors import BuildError, preview
+from kiln.errors import BuildError, CheckpointError, preview
 from kiln.kernels.library import cpu_flags
 from kiln.models import get_model_class
 from kiln.models.loading import engine_layout_weights
@@ -111,22 +112,7 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_confi
     with atomic_output_dir(output_dir) as tmp:
         for rank in tqdm(range(config.mapping.world_size), desc="building ranks",
                          disable=not progress or config.mapping.world_size == 1):
-            # Loading through the model checks every tensor's presence, shape and dtype.
-            model = model_cls.from_checkpoint(checkpoint_dir, rank)
-            with torch.device("meta"):
-                engine_model = model_cls(model.config, engine_layout=True)
-                use_weight_only_layout(engine_model, model.config.quantization, tile_order=True)
-            weights = engine_layout_weights(model, model.checkpoint_weights())
-            if cast is not None:  # quantization scales and zeros stay float32, FP8 codes e4m3
-                weights = {k: w.to(cast) if w.is_floating_point() and w.element_size() > 1
-                           and not k.endswith(QUANT_FLOAT32) else w
-                           for k, w in weights.items()}
-            expected = {name for name, _ in engine_model.named_parameters()}
-            if set(weights) != expected:
-                missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
-                raise BuildError(f"engine layout mismatch for rank {rank}: missing {preview(missing)}, "
-                                 f"extra {preview(extra)}")
-            write_rank_weights(tmp, rank, weights)
+            build_rank(checkpoint_dir, tmp, rank, model_cls, cast, progress)
         dtype_field = {"dtype": dtype} if cast is not None else {}
         lora_field = {"lora_config": lora_section} if lora_section else {}
         write_config(tmp, {**raw, **dtype_field, "build_config": build_config.to_dict(),
@@ -134,3 +120,54 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build_confi
         write_adapters(tmp, lora_adapters)
         copy_tokenizer_files(checkpoint_dir, tmp)
     return Path(output_dir)
+
+
+def build_rank(checkpoint_dir: Path, out: Path, rank: int, model_cls: type, cast: torch.dtype | None,
+               progress: bool = False) -> None:
+    """Write rank ``rank``'s engine file from its checkpoint file one decoder layer at a time:
+    read the layer's tensors, rewrite them into the engine layout (fusions, the kernels' tile
+    order), cast, write, so a build never holds more than one layer. Quantization scales and
+    zeros stay float32, FP8 codes e4m3."""
+    config = read_config(checkpoint_dir, rank)
+    reader = SafetensorsReader(rank_file(checkpoint_dir, rank))
+    with torch.device("meta"):
+        model = model_cls(config)
+        use_weight_only_layout(model, config.quantization, tile_order=False)
+        engine_model = model_cls(config, engine_layout=True)
+        use_weight_only_layout(engine_model, config.quantization, tile_order=True)
+    check_tensors(model, reader)
+
+    def target(name: str, dtype: torch.dtype) -> torch.dtype:
+        floating = dtype.is_floating_point and torch.empty((), dtype=dtype).element_size() > 1
+        return cast if cast is not None and floating and not name.endswith(QUANT_FLOAT32) else dtype
+
+    entries = {name: (target(name, p.dtype), tuple(p.shape)) for name, p in engine_model.named_parameters()}
+    writer = SafetensorsWriter(rank_file(out, rank), entries, metadata={"format": "pt"})
+    modules = list(model.named_modules())
+    layers = [f"transformer.layers.{key}." for key in getattr(model.transformer, "layers", {})]
+    for prefix in tqdm([*layers, None], desc="building layers", disable=not progress, leave=False):
+        def mine(name: str) -> bool:
+            return name.startswith(prefix) if prefix else not name.startswith("transformer.layers.")
+
+        weights = {name: reader.read(name) for name in reader.keys() if mine(name)}
+        for name, tensor in engine_layout_weights(model, weights, [(n, m) for n, m in modules if mine(n + ".")]).items():
+            if name not in entries:
+                raise BuildError(f"engine layout mismatch for rank {rank}: {name!r} is not an engine tensor")
+            writer.write(name, tensor.to(entries[name][0]))
+    writer.close()
+    reader.close()
+
+
+def check_tensors(model: torch.nn.Module, reader: SafetensorsReader) -> None:
+    """The checkpoint file holds exactly ``model``'s tensors, each of its shape and dtype (a
+    CheckpointError naming the file and the tensors that are not)."""
+    params = {name: p for name, p in model.named_parameters()}
+    missing, unexpected = sorted(set(params) - set(reader.keys())), sorted(set(reader.keys()) - set(params))
+    if missing or unexpected:
+        raise CheckpointError(f"{reader.path}: missing tensors {preview(missing)}, unexpected tensors "
+                              f"{preview(unexpected)}")
+    for name, p in params.items():
+        dtype, shape = reader.dtype(name), reader.shape(name)
+        if tuple(shape) != tuple(p.shape) or dtype != p.dtype:
+            raise CheckpointError(f"{reader.path}: tensor {name!r} is {dtype} {list(shape)}, expected "
+                                  f"{p.dtype} {list(p.shape)}")

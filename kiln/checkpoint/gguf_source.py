@@ -8,6 +8,7 @@ shapes, layouts and a Hugging Face style config.
 from __future__ import annotations
 
 import json
+import mmap
 import re
 from pathlib import Path
 from typing import Any, Iterable
@@ -151,7 +152,20 @@ class GGUFSource:
         return shape[::-1] if self._transposed(key, t) else shape
 
     def read(self, key: str, index: Index | None = None) -> torch.Tensor:
-        """The tensor ``key`` in HF layout, or the part of it that ``index`` selects."""
+        """The tensor ``key`` in HF layout, or the part of it that ``index`` selects (a copy)."""
+        try:
+            return self._read(key, index)
+        finally:
+            self._release_pages()
+
+    def _release_pages(self) -> None:
+        """Drop the file's pages from this process (they stay in the page cache): a conversion
+        otherwise counts every page it read in its resident memory until it ends."""
+        mapped = getattr(self._reader.data, "_mmap", None)
+        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapped.madvise(mmap.MADV_DONTNEED)
+
+    def _read(self, key: str, index: Index | None) -> torch.Tensor:
         t = self._tensor(key)
         plain = self._row_heads(key) is None and not self._transposed(key, t)
         if plain and (t.tensor_type in _PLAIN or t.tensor_type == GGMLQuantizationType.BF16):

@@ -14,7 +14,7 @@ the constructor, then a layer's own ``external_key_map`` for its parameters.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -150,12 +150,18 @@ class ModelWeightsLoader:
     def generate_weights(self, model: nn.Module, preprocess: Callable | None = None,
                          progress: bool = False, **kwargs) -> dict[str, torch.Tensor]:
         """Load every parameter of ``model`` (shared parameters once), cast to its dtype."""
+        return dict(self.iter_weights(model, preprocess, progress, **kwargs))
+
+    def iter_weights(self, model: nn.Module, preprocess: Callable | None = None, progress: bool = False,
+                     **kwargs) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for every parameter of ``model`` (shared ones once), cast to its
+        dtype, one layer's parameter at a time: a conversion never holds the whole model."""
         self.update_key_mapping(model)
         modules = dict(model.named_modules())
-        weights: dict[str, torch.Tensor] = {}
+        produced: set[str] = set()
         params = dict(model.named_parameters())
         for name, param in tqdm(params.items(), desc="loading weights", disable=not progress, leave=False):
-            if name in weights:
+            if name in produced:
                 continue  # already produced by a layer's postprocess
             module = modules[name.rpartition(".")[0]]
             for key, tensor in self.load(name, preprocess, module, config=getattr(model, "config", None),
@@ -167,8 +173,8 @@ class ModelWeightsLoader:
                         f"{list(tensor.shape)}, expected {list(expected.shape)} for this config")
                 # Cast to the dtype of the parameter produced (a postprocess may add others: scales).
                 dtype = (expected if expected is not None else param).dtype
-                weights[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-        return weights
+                produced.add(key)
+                yield key, tensor.to(dtype) if tensor.is_floating_point() else tensor
 
     @staticmethod
     def fill(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:

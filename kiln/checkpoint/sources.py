@@ -1,8 +1,9 @@
 """Tensor sources: read named tensors, or just a slice of one, from weights files.
 
 A source hides the file format. ``read(key, index)`` returns only the part of a tensor
-that ``index`` selects; for safetensors this reads only those bytes (``get_slice``), for
-pickled torch files the file is memory-mapped so only the touched pages are read.
+that ``index`` selects; for safetensors this reads only those rows' bytes (a plain file read,
+``kiln.checkpoint.safetensors_io``), for pickled torch files the file is memory-mapped so only
+the touched pages are read.
 """
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors import safe_open
 
 from kiln.checkpoint.gguf_source import GGUFSource
+from kiln.checkpoint.safetensors_io import SafetensorsReader
 from kiln.checkpoint.tensor_source import Index, TensorSource
 from kiln.errors import CheckpointError
 
@@ -31,39 +32,32 @@ def _hf_config_next_to(path: Path) -> dict | None:
 
 
 class SafetensorsSource:
-    """One ``.safetensors`` file or a sharded set described by ``*.safetensors.index.json``."""
+    """One ``.safetensors`` file or a sharded set described by ``*.safetensors.index.json``.
+
+    Tensors are read with plain file reads (``SafetensorsReader``), not through a memory map, so
+    a conversion holds only the tensor it works on."""
 
     def __init__(self, path: Path, files: list[Path]):
         self.path = path
-        self._handles = {}
+        self._readers: dict[Path, SafetensorsReader] = {}
         self._file_of: dict[str, Path] = {}
         for file in files:
-            try:
-                handle = safe_open(str(file), framework="pt")
-                names = list(handle.keys())
-            except FileNotFoundError:
-                raise CheckpointError(f"{file}: no such file") from None
-            except Exception as e:  # safetensors raises its own error type for corrupt files
-                raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
-            self._handles[file] = handle
-            for name in names:
+            self._readers[file] = reader = SafetensorsReader(file)
+            for name in reader.keys():
                 self._file_of[name] = file
 
     def keys(self) -> Iterable[str]:
         return self._file_of.keys()
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._handles[self._file_of[key]].get_slice(key).get_shape())
+        return self._readers[self._file_of[key]].shape(key)
 
     def read(self, key: str, index: Index | None = None) -> torch.Tensor:
         file = self._file_of[key]
         try:
-            if index is None:
-                return self._handles[file].get_tensor(key)
-            # A slice is a view into the file's memory map; copy it so the caller owns it. A
-            # view would alias a whole-tensor read of the same tensor (a tied lm_head shard
-            # and the embedding table), which safetensors then refuses to save.
-            return self._handles[file].get_slice(key)[index].clone()
+            return self._readers[file].read(key, index)
+        except CheckpointError:
+            raise
         except Exception as e:
             raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from None
 

@@ -31,6 +31,16 @@ def load_hugging_face(model_cls: type, source, dtype: str | None = None, mapping
     ``config_overrides`` sets checkpoint config fields the Hugging Face config does not
     decide, such as ``use_parallel_embedding`` and ``embedding_sharding_dim``.
     """
+    model, loader = prepare_hugging_face(model_cls, source, dtype, mapping, customized_key_dict, config_overrides)
+    loader.fill(model, loader.generate_weights(model, progress=progress))
+    return model
+
+
+def prepare_hugging_face(model_cls: type, source, dtype: str | None = None, mapping=None,
+                         customized_key_dict: dict | None = None,
+                         config_overrides: dict | None = None) -> tuple[nn.Module, ModelWeightsLoader]:
+    """This rank's model on the meta device, and the loader that reads its weights from a Hugging
+    Face directory or GGUF file (``loader.iter_weights(model)``, one tensor at a time)."""
     source = open_source(source) if isinstance(source, (str, Path)) else source
     hf = source.hf_config()
     if hf is None:
@@ -60,8 +70,7 @@ def load_hugging_face(model_cls: type, source, dtype: str | None = None, mapping
     if gptq is not None:  # pre-quantized linears load straight into kiln's W4A16 layout
         model.config = dataclasses.replace(model.config, quantization=use_gptq_layout(
             model, gptq, external, loader.key_map, str(source.path)))
-    loader.fill(model, loader.generate_weights(model, progress=progress))
-    return model
+    return model, loader
 
 
 def load_checkpoint(model_cls: type, config: PretrainedConfig, checkpoint_dir: str | Path, rank: int = 0,
@@ -83,14 +92,16 @@ def save_checkpoint(model: nn.Module, checkpoint_dir: str | Path) -> None:
         write_rank_weights(tmp, 0, model.checkpoint_weights())
 
 
-def engine_layout_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rewrite checkpoint tensors into this model's engine layout (fusions done once)."""
+def engine_layout_weights(model: nn.Module, weights: dict[str, torch.Tensor],
+                          modules: list[tuple[str, nn.Module]] | None = None) -> dict[str, torch.Tensor]:
+    """Rewrite checkpoint tensors into this model's engine layout (fusions done once).
+    ``modules``: the modules ``weights`` belong to (default: all), to rewrite one layer at a time."""
     weights = dict(weights)
     for key in [k for k, w in weights.items() if k.endswith(".weight") and w.dtype == torch.float8_e4m3fn]:
         # FP8: the per-tensor weight scale repeated per output column, so a fused pair keeps both.
         scale_key = f"{key[:-6]}weights_scaling_factor"
         weights[scale_key] = weights[scale_key].expand(weights[key].shape[0]).contiguous()
-    for name, module in model.named_modules():
+    for name, module in model.named_modules() if modules is None else modules:
         rewrite = getattr(module, "engine_weights", None)
         if rewrite is not None and module is not model:
             weights.update(rewrite(f"{name}.", weights))

@@ -132,12 +132,19 @@ def untie_lm_head_for(model: nn.Module, quant: QuantConfig) -> None:
     """Give a model whose ``lm_head`` shares the embedding table a copy of its own when ``quant``
     quantizes ``lm_head`` (``exclude_modules`` does not name it): the lookup keeps the float
     table, the head gets codes. The config then records ``share_embedding_table`` false."""
-    lm_head = getattr(model, "lm_head", None)
-    if (quant.quant_algo is None or lm_head is None or not getattr(model, "shares_embedding_table", False)
-            or _excluded("lm_head", lm_head, DEFAULT_EXCLUDED if quant.exclude_modules is None else quant.exclude_modules)):
+    if not untie_needed(model, quant):
         return
+    lm_head = model.lm_head
     lm_head.weight = nn.Parameter(lm_head.weight.detach().clone(), requires_grad=False)
     model.config = dataclasses.replace(model.config, share_embedding_table=False)
+
+
+def untie_needed(model: nn.Module, quant: QuantConfig) -> bool:
+    """Whether ``quant`` quantizes an ``lm_head`` that shares the embedding table."""
+    lm_head = getattr(model, "lm_head", None)
+    return not (quant.quant_algo is None or lm_head is None or not getattr(model, "shares_embedding_table", False)
+                or _excluded("lm_head", lm_head,
+                             DEFAULT_EXCLUDED if quant.exclude_modules is None else quant.exclude_modules))
 
 
 def quantized_modules(model: nn.Module, quant: QuantConfig) -> list[tuple[str, nn.Module]]:
