@@ -27,7 +27,8 @@ page in step). Each table keeps the newest record per engine and dtype; compare 
 from one CPU and one day. The dated log of every measurement, with the analyses, is
 [docs/benchmark-log.md](../docs/benchmark-log.md).
 
-Run: `kiln bench latency|throughput --engine_dir ENGINE [--hf_gguf FILE] --output_json
+Run: `python benchmarks/scale.py --shape smollm2-1.7b` (real model sizes beside llama.cpp);
+`kiln bench latency|throughput --engine_dir ENGINE [--hf_gguf FILE] --output_json
 benchmarks/results.jsonl`; `python benchmarks/fuzz_server.py` (robustness); the other scripts
 here print their figures (their docstrings say how).
 """
@@ -81,6 +82,47 @@ def _robustness(records: list[dict]) -> list[str]:
     return ["## Robustness: the server under fuzzing and load with disconnects", "", *rows]
 
 
+PAIRS = (("kiln bf16", "llama.cpp bf16"), ("kiln W8A16", "llama.cpp q8_0"), ("kiln W4A16", "llama.cpp q4_0"),
+         ("kiln W4A16", "llama.cpp q4_k_m"))
+
+
+def _scale(records: list[dict]) -> list[str]:
+    """The newest scale record per shape and CPU: kiln beside llama.cpp, same weights, one run."""
+    latest: dict[tuple, dict] = {}
+    for r in records:
+        if r.get("kind") == "scale":
+            latest[(r["shape"], _cpu(r))] = r
+    rows = ["| date | CPU | shape | kiln / llama.cpp | decode tok/s | ratio | % of read bandwidth | "
+            "prefill 512 tok/s | load to first token s | peak RSS MB |",
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    notes = []
+    for r in sorted(latest.values(), key=lambda r: r["date"], reverse=True)[:ROWS]:
+        engines = r["engines"]
+        for kiln_name, peer in PAIRS:
+            if kiln_name not in engines or peer not in engines:
+                continue
+            k, ll = engines[kiln_name], engines[peer]
+
+            def both(key: str, fmt: str) -> str:
+                return f"{format(k[key], fmt)} / {format(ll[key], fmt)}"
+
+            share = (f"{100 * k['bandwidth_share']:.0f}% / {100 * ll['bandwidth_share']:.0f}%"
+                     if "bandwidth_share" in k and "bandwidth_share" in ll else "-")
+            rows.append(f"| {r['date'][:10]} | {_cpu(r)} | {r['shape']} | {kiln_name} / {peer} | "
+                        f"{both('decode_tok_s', '.1f')} | {k['decode_tok_s'] / ll['decode_tok_s']:.2f}x | {share} | "
+                        f"{both('prefill_tok_s', '.0f')} | {both('load_to_first_token_s', '.2f')} | "
+                        f"{both('peak_rss_mb', '.0f')} |")
+        steps = [f"{step} {mode} {f['seconds']:.0f} s / {f['peak_rss_mb']:.0f} MB"
+                 for step in ("convert", "build") for mode, f in r[step].items()]
+        if steps:
+            notes.append(f"- {r['shape']} ({r['date'][:10]}): kiln {', '.join(steps)} (time / peak RSS)")
+    return ["## Real model sizes: kiln beside llama.cpp (random weights of real shapes, SmolLM2's vocabulary)", "",
+            "`python benchmarks/scale.py --shape smollm2-1.7b|llama-3.2-3b|llama-3.1-8b`: the same weights as a "
+            "sharded HF directory (kiln) and a bf16 GGUF (llama.cpp, quantized by its own quantizer); batch-1 "
+            "greedy decode after a 32-token prompt, each engine in a fresh process per round, rounds alternating.",
+            "", *rows, "", *notes]
+
+
 def _tok_s(value: float) -> str:
     return f"{value:.1f}" if value < 100 else f"{value:.0f}"
 
@@ -92,7 +134,8 @@ def _short(command: str) -> str:
 
 
 def render(records: list[dict]) -> str:
-    parts = [HEADER.rstrip(), "", *_latency(records), "", *_throughput(records), "", *_robustness(records)]
+    parts = [HEADER.rstrip(), "", *_scale(records), "", *_latency(records), "", *_throughput(records), "",
+             *_robustness(records)]
     return "\n".join(parts) + "\n"
 
 

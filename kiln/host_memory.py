@@ -2,9 +2,9 @@
 
 Decode reads every weight once per token, so it runs at memory bandwidth. On 4 KiB pages a
 270 MB model spans ~66,000 pages: TLB misses and the hardware prefetcher stopping at each
-page edge left ~12% of the batch-1 GEMV bandwidth unused here. Memory-mapped safetensors
-pages cannot be huge, so a loaded engine's parameters are copied once into a private
-anonymous mapping advised ``MADV_HUGEPAGE`` (the copy takes a few tens of milliseconds).
+page edge left ~12% of the batch-1 GEMV bandwidth unused here. Memory-mapped file pages
+cannot be huge, so a loaded engine's tensors are read from the file straight into a private
+anonymous mapping advised ``MADV_HUGEPAGE`` (``empty_many``; kiln.models.loading).
 
 Off when the kernel's THP mode is ``never``, off the CPU, or with ``KILN_HUGE_PAGES=0``.
 """
@@ -16,7 +16,6 @@ import sys
 from functools import lru_cache
 
 import torch
-from torch import nn
 
 from kiln import env
 
@@ -70,22 +69,3 @@ def empty_many(numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
         out.append(arena[offset:offset + n * itemsize].view(dtype))
         offset += size
     return out
-
-
-def move_parameters_to_huge_pages(model: nn.Module) -> int:
-    """Copy ``model``'s CPU parameters into one huge-page arena; returns the bytes moved.
-
-    Tied parameters (one ``Parameter`` in two modules) are moved once and stay tied.
-    """
-    if not huge_pages_available():
-        return 0
-    params = {id(p): p for p in model.parameters()
-              if p.device.type == "cpu" and p.numel() > 0 and p.is_contiguous()}
-    moved = 0
-    for dtype in {p.dtype for p in params.values()}:
-        group = [p for p in params.values() if p.dtype == dtype]
-        for p, slot in zip(group, empty_many([p.numel() for p in group], dtype)):
-            slot.copy_(p.data.view(-1))
-            p.data = slot.view(p.shape)
-            moved += p.numel() * p.element_size()
-    return moved

@@ -7,12 +7,13 @@ import torch
 from tqdm import tqdm
 
 from kiln.build.lora import lora_build, write_adapters
-from kiln.checkpoint.format import (ENGINE_FORMAT_VERSION, atomic_output_dir, copy_tokenizer_files, rank_file,
-                                    read_config, read_config_dict, write_config)
+from kiln.checkpoint.format import (ENGINE_FORMAT_VERSION, atomic_output_dir, copy_tokenizer_files,
+                                    rank_file, read_config, read_config_dict, write_config)
+from kiln.checkpoint.loader import check_file_tensors
 from kiln.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter
 from kiln.config import BuildConfig, PretrainedConfig
 from kiln.dtypes import DTYPES
-from kiln.errors import BuildError, CheckpointError, preview
+from kiln.errors import BuildError
 from kiln.kernels.library import cpu_flags
 from kiln.models import get_model_class
 from kiln.models.loading import engine_layout_weights
@@ -135,7 +136,7 @@ def build_rank(checkpoint_dir: Path, out: Path, rank: int, model_cls: type, cast
         use_weight_only_layout(model, config.quantization, tile_order=False)
         engine_model = model_cls(config, engine_layout=True)
         use_weight_only_layout(engine_model, config.quantization, tile_order=True)
-    check_tensors(model, reader)
+    check_file_tensors(model, reader)
 
     def target(name: str, dtype: torch.dtype) -> torch.dtype:
         floating = dtype.is_floating_point and torch.empty((), dtype=dtype).element_size() > 1
@@ -156,18 +157,3 @@ def build_rank(checkpoint_dir: Path, out: Path, rank: int, model_cls: type, cast
             writer.write(name, tensor.to(entries[name][0]))
     writer.close()
     reader.close()
-
-
-def check_tensors(model: torch.nn.Module, reader: SafetensorsReader) -> None:
-    """The checkpoint file holds exactly ``model``'s tensors, each of its shape and dtype (a
-    CheckpointError naming the file and the tensors that are not)."""
-    params = {name: p for name, p in model.named_parameters()}
-    missing, unexpected = sorted(set(params) - set(reader.keys())), sorted(set(reader.keys()) - set(params))
-    if missing or unexpected:
-        raise CheckpointError(f"{reader.path}: missing tensors {preview(missing)}, unexpected tensors "
-                              f"{preview(unexpected)}")
-    for name, p in params.items():
-        dtype, shape = reader.dtype(name), reader.shape(name)
-        if tuple(shape) != tuple(p.shape) or dtype != p.dtype:
-            raise CheckpointError(f"{reader.path}: tensor {name!r} is {dtype} {list(shape)}, expected "
-                                  f"{p.dtype} {list(p.shape)}")

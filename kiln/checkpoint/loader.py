@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from kiln.checkpoint.safetensors_io import SafetensorsReader
 from kiln.checkpoint.sources import TensorSource, open_source
 from kiln.errors import CheckpointError, preview
 from kiln.checkpoint.shard_spec import ShardSpec, rank_range
@@ -207,3 +208,18 @@ def fill_parameters(model: nn.Module, weights: dict[str, torch.Tensor], source: 
         for pname, p in list(module._parameters.items()):
             if p is not None and id(p) in replacement:
                 module._parameters[pname] = replacement[id(p)]
+
+
+def check_file_tensors(model: nn.Module, reader: SafetensorsReader) -> None:
+    """The file holds exactly ``model``'s tensors, each of its shape and dtype (a CheckpointError
+    naming the file and the tensors that are not)."""
+    params = dict(model.named_parameters())
+    missing, unexpected = sorted(set(params) - set(reader.keys())), sorted(set(reader.keys()) - set(params))
+    if missing or unexpected:
+        raise CheckpointError(f"{reader.path}: missing tensors {preview(missing)}, unexpected tensors "
+                              f"{preview(unexpected)}")
+    for name, p in params.items():
+        dtype, shape = reader.dtype(name), reader.shape(name)
+        if tuple(shape) != tuple(p.shape) or dtype != p.dtype:
+            raise CheckpointError(f"{reader.path}: tensor {name!r} is {dtype} {list(shape)}, expected "
+                                  f"{p.dtype} {list(p.shape)}")

@@ -74,6 +74,18 @@ class SafetensorsReader:
         whole = self._read_bytes(start, end - start).view(dtype).reshape(shape)
         return whole if index is None else whole[index].clone()
 
+    def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        """Read tensor ``key`` straight into ``out`` (contiguous, of its dtype and size): one copy,
+        from the file into memory the caller placed (huge pages, say)."""
+        dtype, shape, start, end = self._entries[key]
+        if out.dtype != dtype or out.numel() != torch.Size(shape).numel() or not out.is_contiguous():
+            raise CheckpointError(f"{self.path}: {key!r} is {dtype} {list(shape)}, not {out.dtype} {list(out.shape)}")
+        if end > start:
+            self._file.seek(self._base + start)
+            if self._file.readinto(out.view(-1).view(torch.uint8).numpy()) != end - start:
+                raise CheckpointError(f"{self.path}: truncated (a tensor's bytes end past the file)")
+        return out.view(shape)
+
     def _read_bytes(self, offset: int, size: int) -> torch.Tensor:
         out = torch.empty(size, dtype=torch.uint8)
         if size:

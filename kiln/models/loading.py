@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kiln import kernels
-from kiln.checkpoint.format import (atomic_output_dir, rank_file, read_rank_weights, write_config,
-                                    write_rank_weights)
-from kiln.checkpoint.loader import ModelWeightsLoader, fill_parameters, translate_key
+from kiln import host_memory, kernels
+from kiln.checkpoint.format import atomic_output_dir, rank_file, write_config, write_rank_weights
+from kiln.checkpoint.loader import ModelWeightsLoader, check_file_tensors, fill_parameters, translate_key
+from kiln.checkpoint.safetensors_io import SafetensorsReader
 from kiln.checkpoint.sources import open_source
 from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
@@ -79,7 +79,20 @@ def load_checkpoint(model_cls: type, config: PretrainedConfig, checkpoint_dir: s
     with torch.device("meta"):
         model = model_cls(config, engine_layout=engine_layout)
         use_weight_only_layout(model, config.quantization, tile_order=engine_layout)
-    fill_parameters(model, read_rank_weights(checkpoint_dir, rank), source=str(rank_file(checkpoint_dir, rank)))
+    reader = SafetensorsReader(rank_file(checkpoint_dir, rank))
+    try:
+        check_file_tensors(model, reader)
+        params = dict(model.named_parameters())
+        weights = {}
+        # Each tensor is read once, straight into its place in a huge-page arena per dtype (see
+        # kiln.host_memory): no memory map whose pages would count twice, no second copy.
+        for dtype in {p.dtype for p in params.values()}:
+            names = [name for name, p in params.items() if p.dtype == dtype]
+            for name, slot in zip(names, host_memory.empty_many([params[n].numel() for n in names], dtype)):
+                weights[name] = reader.read_into(name, slot)
+    finally:
+        reader.close()
+    fill_parameters(model, weights, source=str(rank_file(checkpoint_dir, rank)))
     return model
 
 

@@ -1,9 +1,9 @@
 """Engine: a built engine directory loaded for execution.
 
-Loading does no conversion work: the model is created on the ``meta`` device and its
-parameters are assigned the tensors of ``rank{N}.safetensors``, then copied once onto huge
-pages (``host_memory``) and, for the AMX kernel, packed once (faster decode for a fraction
-of a second of load time).
+Loading does no conversion work: the model is created on the ``meta`` device and each tensor
+of ``rank{N}.safetensors`` is read once, straight into its place on huge pages
+(``kiln.models.loading.load_checkpoint``, ``host_memory``); bf16 weights the packed kernel
+takes are then packed once (faster decode for a fraction of a second of load time).
 """
 from __future__ import annotations
 
@@ -51,7 +51,6 @@ class Engine:
         model_cls = get_model_class(self.config.architecture, source=str(self.engine_dir / "config.json"))
         self.model = model_cls.from_checkpoint(self.engine_dir, rank, engine_layout=True)
         self.model.eval()
-        host_memory.move_parameters_to_huge_pages(self.model)
         _prepack_linear_weights(self.model)
         self.load_seconds = time.perf_counter() - started
 

@@ -1,10 +1,13 @@
 """Weights and KV cache on huge pages: same values, tied weights stay tied, views do not overlap."""
 import pytest
 import torch
-from torch import nn
 
 from kiln import host_memory
+from kiln.checkpoint.format import read_rank_weights
+from kiln.convert import convert_checkpoint
+from kiln.models import get_model_class
 from kiln.step.kv_cache import allocate_kv_cache
+from tests.utils.tiny_models import make_llama
 
 
 @pytest.fixture
@@ -15,36 +18,24 @@ def no_huge_pages(monkeypatch):
     host_memory.huge_pages_available.cache_clear()
 
 
-def _tied_model() -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 10, bias=True), nn.LayerNorm(6))
-    model[1].weight = model[0].weight  # tied like an lm_head and its embedding table
-    model[2].weight.data = model[2].weight.data.bfloat16()
-    return model.requires_grad_(False)
-
-
-def test_parameters_move_with_their_values_and_ties():
-    model = _tied_model()
-    before = {name: p.clone() for name, p in model.named_parameters()}
-    moved = host_memory.move_parameters_to_huge_pages(model)
+def test_a_loaded_checkpoint_sits_in_one_huge_page_arena_per_dtype(tmp_path):
+    """Loading reads each tensor once, straight into its slot: same values, ties kept."""
+    make_llama(tmp_path / "hf", tie=True)
+    convert_checkpoint(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+    model = get_model_class("LlamaForCausalLM").from_checkpoint(tmp_path / "ckpt")
+    stored = read_rank_weights(tmp_path / "ckpt", 0)
+    params = dict(model.named_parameters())
+    assert sorted(params) == sorted(stored)
+    assert all(torch.equal(p, stored[name]) for name, p in params.items())
+    assert model.lm_head.weight is model.transformer.vocab_embedding.weight
     if not host_memory.huge_pages_available():
-        assert moved == 0
         return
-    assert moved >= sum(p.numel() * p.element_size() for p in before.values())
-    assert model[1].weight is model[0].weight
-    for name, p in model.named_parameters():
-        assert torch.equal(p, before[name]) and p.dtype == before[name].dtype, name
-    for dtype in (torch.float32, torch.bfloat16):  # one arena per dtype, starting on a huge page
-        ptrs = sorted(p.data_ptr() for p in model.parameters() if p.dtype == dtype)
-        assert ptrs[0] % host_memory.HUGE_PAGE_BYTES == 0
-        assert ptrs[-1] - ptrs[0] < moved + 64 * len(ptrs) and all(ptr % 64 == 0 for ptr in ptrs)
+    for dtype in {p.dtype for p in params.values()}:  # one arena per dtype, starting on a huge page
+        ptrs = sorted(p.data_ptr() for p in params.values() if p.dtype == dtype)
+        assert ptrs[0] % host_memory.HUGE_PAGE_BYTES == 0 and all(ptr % 64 == 0 for ptr in ptrs)
 
 
-def test_disabled_leaves_parameters_in_place(no_huge_pages):
-    model = _tied_model()
-    ptrs = [p.data_ptr() for p in model.parameters()]
-    assert host_memory.move_parameters_to_huge_pages(model) == 0
-    assert [p.data_ptr() for p in model.parameters()] == ptrs
+def test_disabled_gives_ordinary_tensors(no_huge_pages):
     assert host_memory.empty((3, 4), torch.float32).shape == (3, 4)
     assert [t.numel() for t in host_memory.empty_many([5, 0, 7], torch.bfloat16)] == [5, 0, 7]
 
