@@ -60,10 +60,12 @@ def run_throughput(engine: str | Path | EngineArgs, *, hf_gguf: str | None = Non
     if hf_gguf or hf_dir:
         hf, _ = load_hf_peer(llm.engine.config.dtype, gguf=hf_gguf, model_dir=hf_dir)
     vocab = llm.engine.config.vocab_size
-    kiln_batch(llm, random_prompts(2, prompt_len, vocab, seed), 4, timer)  # warm-up
     results = []
     for batch in tqdm(batch_sizes, desc="batch sizes", disable=not progress):
         prompts = random_prompts(batch, prompt_len, vocab, seed)
+        # Warm-up at this batch size: the first touch of its KV blocks and first calls of its
+        # kernel shapes would otherwise be timed (a cold batch of 8 measured 16 tok/s, warm 616).
+        kiln_batch(llm, prompts, 4, timer)
         kiln_runs, hf_runs = [], []
         for _ in range(rounds):
             kiln_runs.append(kiln_batch(llm, prompts, new_tokens, timer))
