@@ -39,6 +39,7 @@ from kiln.bench.machine import machine_facts
 from kiln.checkpoint.gguf_source import GGUFSource
 from kiln.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter
 from kiln.examples import smollm2_gguf_path
+from llamacpp_peer import llamacpp_round  # benchmarks/ is on the path: scripts run from it
 
 SHAPES = {  # hidden, layers, FFN, heads, KV heads, tied head, rope theta
     "smollm2-1.7b": (2048, 24, 8192, 32, 32, True, 130000.0),
@@ -198,14 +199,7 @@ def run_llamacpp(gguf_path: str, new_tokens: int) -> dict:
     timed = time.perf_counter()
     llm.eval(long)
     prefill = len(long) / (time.perf_counter() - timed)
-    llm.reset()
-    first = None
-    for i, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1, reset=True)):
-        if i == 0:
-            first = time.perf_counter()
-        if i + 1 == new_tokens:
-            break
-    decode = (new_tokens - 1) / (time.perf_counter() - first)
+    _, decode = llamacpp_round(llm, prompt, new_tokens)
     return {"load_to_first_token_s": load, "prefill_tok_s": prefill, "decode_tok_s": decode,
             "weight_bytes": gguf_bytes_per_token(gguf_path)}
 
