@@ -15,7 +15,8 @@ Then, on this machine, with the same thread count:
 * rounds alternate engines, each round a fresh process per engine (two engines of an 8B model
   would not fit in memory together): load to first token, peak RSS, prefill tok/s at 512 tokens,
   batch-1 greedy decode tok/s (32-token prompt, ``--new_tokens``), and the share of the machine's
-  measured read bandwidth the decode reaches (bytes of weights a token reads x tok/s). Medians.
+  measured read bandwidth the decode reaches (bytes of weights a token reads x tok/s); kiln's
+  batched decode at 8 and 32 sequences too. Medians.
 
 llama.cpp is llama-cpp-python, an optional benchmark dependency (see benchmarks/llamacpp_peer.py
 for the build flags). Records go to ``--output_json`` (benchmarks/results.jsonl by default, kind
@@ -49,6 +50,7 @@ SHAPES = {  # hidden, layers, FFN, heads, KV heads, tied head, rope theta
 VOCAB = 49152  # SmolLM2's tokenizer
 SHARD_BYTES = 2 << 30
 LLAMA_FTYPES = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15}  # llama_ftype values
+BATCHES = (8, 32)  # kiln's batched decode, sequences per step
 ROUND_ENGINES = ("kiln bf16", "llama.cpp bf16", "kiln W8A16", "llama.cpp q8_0", "kiln W4A16", "llama.cpp q4_0",
                  "llama.cpp q4_k_m")
 
@@ -169,7 +171,8 @@ def write_gguf(shape: str, hf_dir: Path, out: Path) -> None:
 # -- one engine in a child process --------------------------------------------------------------
 
 def run_kiln(engine: str, new_tokens: int) -> dict:
-    from kiln.bench.common import stream_round, weight_bytes_per_token
+    from kiln.bench.common import ForwardTimer, stream_round, weight_bytes_per_token
+    from kiln.bench.throughput import kiln_batch
     from kiln.llm import LLM
     from kiln.runtime.sampling_params import SamplingParams
 
@@ -182,8 +185,14 @@ def run_kiln(engine: str, new_tokens: int) -> dict:
     llm.generate(long, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     prefill = len(long) / (time.perf_counter() - timed)
     _, decode = stream_round(llm, prompt, new_tokens)
-    return {"load_to_first_token_s": load, "prefill_tok_s": prefill, "decode_tok_s": decode,
-            "weight_bytes": weight_bytes_per_token(llm.engine.model)}
+    figures = {"load_to_first_token_s": load, "prefill_tok_s": prefill, "decode_tok_s": decode,
+               "weight_bytes": weight_bytes_per_token(llm.engine.model)}
+    timer = ForwardTimer(llm.core.runner.model)
+    for batch in BATCHES:  # batched decode (llama-cpp-python has no batched generate to set beside it)
+        prompts = [prompt] * batch
+        kiln_batch(llm, prompts, 4, timer)  # warm-up at this batch size
+        figures[f"decode_tok_s_batch{batch}"] = kiln_batch(llm, prompts, new_tokens // 2, timer)["decode_tok_s"]
+    return figures
 
 
 def run_llamacpp(gguf_path: str, new_tokens: int) -> dict:
@@ -307,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
         figures = {key: statistics.median(run[key] for run in results)
                    for key in ("load_to_first_token_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb")}
         figures["weight_bytes"] = results[0]["weight_bytes"]
+        for batch in BATCHES:
+            key = f"decode_tok_s_batch{batch}"
+            if key in results[0]:
+                figures[key] = statistics.median(run[key] for run in results)
         if bandwidth:
             figures["bandwidth_share"] = figures["decode_tok_s"] * figures["weight_bytes"] / (bandwidth * 1e9)
         record["engines"][name] = figures
@@ -336,6 +349,10 @@ def format_scale(record: dict) -> str:
         share = f"{100 * f['bandwidth_share']:.0f}%" if "bandwidth_share" in f else "-"
         lines.append(f"  {name:16} {f['decode_tok_s']:12.1f} {share:>11} {f['prefill_tok_s']:13.0f} "
                      f"{f['load_to_first_token_s']:7.2f} {f['peak_rss_mb']:11.0f}")
+    for name, f in record["engines"].items():
+        batched = [f"{b}: {f[f'decode_tok_s_batch{b}']:.1f}" for b in BATCHES if f"decode_tok_s_batch{b}" in f]
+        if batched:
+            lines.append(f"  {name} batched decode tok/s by batch size: {', '.join(batched)}")
     for step in ("convert", "build"):
         for mode, f in record[step].items():
             lines.append(f"  kiln {step} {mode}: {f['seconds']:.1f} s, peak RSS {f['peak_rss_mb']:.0f} MB")
