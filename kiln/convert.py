@@ -71,36 +71,31 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     if hf is None:
         raise ConfigError(f"{model_dir}: no Hugging Face config.json found next to the weights")
     model_cls = get_model_class(hf_architecture(hf, str(model_dir)), source=str(model_dir))
-    if gptq_settings(hf, str(model_dir)) is not None and quantization is not None and quantization.quant_algo:
+    gptq = gptq_settings(hf, str(model_dir))
+    if gptq is not None and quantization is not None and quantization.quant_algo:
         raise ConfigError(f"{model_dir}: a GPTQ checkpoint is already quantized (imported as W4A16_GPTQ); "
                           f"drop --quant_algo {quantization.quant_algo}")
-    if awq_gptq and (quantization is None or quantization.quant_algo != AWQ_ALGO):
-        raise ConfigError(f"--awq_gptq goes with --quant_algo {AWQ_ALGO}, not "
-                          f"{quantization.quant_algo if quantization is not None else None}")
+    algo = quantization.quant_algo if quantization is not None else None
+    if awq_gptq and algo != AWQ_ALGO:
+        raise ConfigError(f"--awq_gptq goes with --quant_algo {AWQ_ALGO}, not {algo}")
     kv_algo = quantization.kv_cache_quant_algo if quantization is not None else None
     if kv_algo is not None and tp_size * pp_size != 1:
         # Calibration runs the whole float model; kiln runs single-rank engines anyway.
         raise ConfigError(f"--kv_cache_quant_algo {kv_algo}: converts a single-rank checkpoint (tp_size = "
                           f"pp_size = 1), got tp_size={tp_size} pp_size={pp_size}")
     world = Mapping(world_size=tp_size * pp_size, tp_size=tp_size, pp_size=pp_size)
-    calibrated = quantization is not None and quantization.quant_algo in (*AWQ_ALGOS, GPTQ_ALGO, SMOOTHQUANT_ALGO,
-                                                                           FP8_ALGO)
-    if calibrated and quantization.quant_algo in AWQ_ALGOS:
-        check_awq_request(quantization, world.world_size, str(model_dir))
-    elif calibrated and quantization.quant_algo == GPTQ_ALGO:
-        check_gptq_request(quantization, world.world_size, str(model_dir))
-    elif calibrated and world.world_size != 1:
-        raise ConfigError(f"--quant_algo {quantization.quant_algo} calibrates the whole model in one process: "
-                          "use --tp_size 1 --pp_size 1")
+    calibrated = _checked_calibration(quantization, world.world_size, str(model_dir))
     calibration = None  # token ids, tokenized once for every calibrated step
     if calibrated or kv_algo is not None:
         calibration = _calibration_tokens(source, Path(model_dir), calib_dataset, calib_size, calib_max_len,
                                           quantization.quant_algo if calibrated else f"KV cache {kv_algo}")
     overrides = {"use_parallel_embedding": use_parallel_embedding, "embedding_sharding_dim": embedding_sharding_dim}
+    # Calibration runs the whole float model and a GPTQ import fills its own layout: in memory.
+    streamable = not (calibrated or kv_algo is not None or gptq is not None)
     with atomic_output_dir(output_dir) as tmp:
         config = None
         for rank in tqdm(range(world.world_size), desc="converting ranks", disable=not progress or world.world_size == 1):
-            if not (calibrated or kv_algo is not None or gptq_settings(hf, str(model_dir)) is not None):
+            if streamable:
                 config = stream_rank(source, model_cls, tmp, rank, dtype, world.with_rank(rank), customized_key_dict,
                                      overrides, quantization, progress)
                 if config is not None:
@@ -120,6 +115,18 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
         write_config(tmp, {**config.to_dict(), **chosen})
         _save_tokenizer(source, Path(model_dir), tmp)
     return Path(output_dir)
+
+
+def _checked_calibration(quantization: QuantConfig | None, world_size: int, where: str) -> bool:
+    """Whether ``quantization`` calibrates (AWQ, GPTQ, SmoothQuant, FP8), after checking it can."""
+    algo = quantization.quant_algo if quantization is not None else None
+    if algo in AWQ_ALGOS:
+        check_awq_request(quantization, world_size, where)
+    elif algo == GPTQ_ALGO:
+        check_gptq_request(quantization, world_size, where)
+    elif algo in (SMOOTHQUANT_ALGO, FP8_ALGO) and world_size != 1:
+        raise ConfigError(f"--quant_algo {algo} calibrates the whole model in one process: use --tp_size 1 --pp_size 1")
+    return algo in (*AWQ_ALGOS, GPTQ_ALGO, SMOOTHQUANT_ALGO, FP8_ALGO)
 
 
 def stream_rank(source, model_cls: type, out: Path, rank: int, dtype: str | None, mapping: Mapping,
@@ -147,15 +154,14 @@ def stream_rank(source, model_cls: type, out: Path, rank: int, dtype: str | None
         layout = model_cls(config)
         use_weight_only_layout(layout, config.quantization, tile_order=False)
     entries = {name: (p.dtype, tuple(p.shape)) for name, p in layout.named_parameters()}
-    writer = SafetensorsWriter(rank_file(out, rank), entries, metadata={"format": "pt"})
     bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo) if quant is not None else None
-    for key, tensor in loader.iter_weights(model, progress=progress):
-        if key not in rounded:
-            writer.write(key, tensor)
-            continue
-        for name, part in quantize_weight(tensor.float(), bits, quant.group_size, quant.has_zero_point).items():
-            writer.write(rounded[key] + name, part)
-    writer.close()
+    with SafetensorsWriter(rank_file(out, rank), entries, metadata={"format": "pt"}) as writer:
+        for key, tensor in loader.iter_weights(model, progress=progress):
+            if key not in rounded:
+                writer.write(key, tensor)
+                continue
+            for name, part in quantize_weight(tensor.float(), bits, quant.group_size, quant.has_zero_point).items():
+                writer.write(rounded[key] + name, part)
     return config
 
 

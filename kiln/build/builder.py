@@ -130,30 +130,32 @@ def build_rank(checkpoint_dir: Path, out: Path, rank: int, model_cls: type, cast
     order), cast, write, so a build never holds more than one layer. Quantization scales and
     zeros stay float32, FP8 codes e4m3."""
     config = read_config(checkpoint_dir, rank)
-    reader = SafetensorsReader(rank_file(checkpoint_dir, rank))
     with torch.device("meta"):
         model = model_cls(config)
         use_weight_only_layout(model, config.quantization, tile_order=False)
         engine_model = model_cls(config, engine_layout=True)
         use_weight_only_layout(engine_model, config.quantization, tile_order=True)
-    check_file_tensors(model, reader)
 
     def target(name: str, dtype: torch.dtype) -> torch.dtype:
         floating = dtype.is_floating_point and torch.empty((), dtype=dtype).element_size() > 1
         return cast if cast is not None and floating and not name.endswith(QUANT_FLOAT32) else dtype
 
-    entries = {name: (target(name, p.dtype), tuple(p.shape)) for name, p in engine_model.named_parameters()}
-    writer = SafetensorsWriter(rank_file(out, rank), entries, metadata={"format": "pt"})
-    modules = list(model.named_modules())
-    layers = [f"transformer.layers.{key}." for key in getattr(model.transformer, "layers", {})]
-    for prefix in tqdm([*layers, None], desc="building layers", disable=not progress, leave=False):
-        def mine(name: str) -> bool:
-            return name.startswith(prefix) if prefix else not name.startswith("transformer.layers.")
+    def layer_of(name: str) -> str | None:  # a decoder layer's prefix, or None for the rest
+        parts = name.split(".")
+        return ".".join(parts[:3]) + "." if parts[:2] == ["transformer", "layers"] and len(parts) > 3 else None
 
-        weights = {name: reader.read(name) for name in reader.keys() if mine(name)}
-        for name, tensor in engine_layout_weights(model, weights, [(n, m) for n, m in modules if mine(n + ".")]).items():
-            if name not in entries:
-                raise BuildError(f"engine layout mismatch for rank {rank}: {name!r} is not an engine tensor")
-            writer.write(name, tensor.to(entries[name][0]))
-    writer.close()
-    reader.close()
+    entries = {name: (target(name, p.dtype), tuple(p.shape)) for name, p in engine_model.named_parameters()}
+    modules = list(model.named_modules())
+    with SafetensorsReader(rank_file(checkpoint_dir, rank)) as reader, \
+            SafetensorsWriter(rank_file(out, rank), entries, metadata={"format": "pt"}) as writer:
+        check_file_tensors(model, reader)
+        groups: dict[str | None, list[str]] = {}
+        for name in reader.keys():
+            groups.setdefault(layer_of(name), []).append(name)
+        for prefix, names in tqdm(groups.items(), desc="building layers", disable=not progress, leave=False):
+            weights = {name: reader.read(name) for name in names}
+            owned = [(n, m) for n, m in modules if layer_of(n + ".x") == prefix]
+            for name, tensor in engine_layout_weights(model, weights, owned).items():
+                if name not in entries:
+                    raise BuildError(f"engine layout mismatch for rank {rank}: {name!r} is not an engine tensor")
+                writer.write(name, tensor.to(entries[name][0]))

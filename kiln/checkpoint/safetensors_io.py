@@ -80,22 +80,28 @@ class SafetensorsReader:
         dtype, shape, start, end = self._entries[key]
         if out.dtype != dtype or out.numel() != torch.Size(shape).numel() or not out.is_contiguous():
             raise CheckpointError(f"{self.path}: {key!r} is {dtype} {list(shape)}, not {out.dtype} {list(out.shape)}")
-        if end > start:
-            self._file.seek(self._base + start)
-            if self._file.readinto(out.view(-1).view(torch.uint8).numpy()) != end - start:
-                raise CheckpointError(f"{self.path}: truncated (a tensor's bytes end past the file)")
+        self._read_at(start, out.view(-1).view(torch.uint8))
         return out.view(shape)
 
     def _read_bytes(self, offset: int, size: int) -> torch.Tensor:
-        out = torch.empty(size, dtype=torch.uint8)
-        if size:
+        return self._read_at(offset, torch.empty(size, dtype=torch.uint8))
+
+    def _read_at(self, offset: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill the bytes ``out`` (uint8) from the data section at ``offset``."""
+        if out.numel():
             self._file.seek(self._base + offset)
-            if self._file.readinto(out.numpy()) != size:
+            if self._file.readinto(out.numpy()) != out.numel():
                 raise CheckpointError(f"{self.path}: truncated (a tensor's bytes end past the file)")
         return out
 
     def close(self) -> None:
         self._file.close()
+
+    def __enter__(self) -> "SafetensorsReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _leading_rows(index: tuple | None, shape: tuple[int, ...]) -> tuple[int, int] | None:
@@ -149,3 +155,12 @@ class SafetensorsWriter:
         missing = sorted(set(self._places) - self._written)
         if missing:
             raise CheckpointError(f"{self.path}: tensors never written: {missing[:5]}")
+
+    def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()  # checks that every tensor came
+        else:
+            self._file.close()  # the caller's atomic output directory goes away with it

@@ -1,7 +1,6 @@
 """``kiln bench latency|throughput``: kiln's speed beside Hugging Face transformers, one run."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 
@@ -60,7 +59,7 @@ def run(args) -> int:
                   rounds=args.rounds, seed=args.seed)
     engine_args = EngineArgs.from_cli_args(args, model=args.engine_dir)
     engine_dir = engine_for(engine_args, tp_size=args.tp_size, pp_size=args.pp_size)
-    engine_args = dataclasses.replace(engine_args, model=engine_dir, quantization=None)  # now built
+    engine_args = engine_args.for_engine(engine_dir)
     with rank_zero(engine_dir, args.tp_size, args.pp_size):  # the other ranks of a split engine follow
         record, text = _measure(args, engine_args, common)
     record["command"] = " ".join(["kiln", *sys.argv[1:]])
@@ -72,7 +71,6 @@ def run(args) -> int:
 
 def _measure(args, engine_args: EngineArgs, common: dict) -> tuple[dict, str]:
     if args.mode == "latency":
-
         record = run_latency(engine_args, prefill_len=args.prefill_len, **common)
         text = format_latency(record)
     else:

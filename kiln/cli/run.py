@@ -1,7 +1,6 @@
 """``kiln run``: generate text from a prompt with an engine (or anything LLM accepts)."""
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -42,9 +41,8 @@ def sampling_params(args) -> SamplingParams:
 def run(args) -> int:
     params = sampling_params(args)
     engine_dir = engine_dir_for(args)
-    engine_args = EngineArgs.from_cli_args(args, model=engine_dir)
     with rank_zero(engine_dir, args.tp_size, args.pp_size):
-        llm = LLM(dataclasses.replace(engine_args, quantization=None))  # quantized (or not) when converted
+        llm = LLM(EngineArgs.from_cli_args(args).for_engine(engine_dir))
         try:
             return _generate(args, llm, params)
         finally:

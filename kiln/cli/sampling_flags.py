@@ -24,20 +24,22 @@ def _json(kind: str):
     return parse
 
 
+_KINDS = {  # argparse keywords by a field's declared type
+    "int": dict(type=int), "int | None": dict(type=int), "float": dict(type=float),
+    "bool": dict(action="store_true"),
+    "list[int]": dict(type=int, nargs="*", metavar="ID"), "list[str]": dict(nargs="*", metavar="TEXT"),
+    "dict[int, float]": dict(type=_json("object"), metavar="JSON"),
+    "list[list[int]]": dict(type=_json("list"), metavar="JSON"),
+    "bool | str": dict(choices=list(_EARLY_STOPPING)),
+}
+
+
 def _flag_options(f: Field, default) -> dict:
     """argparse keywords for field ``f``, by its declared type."""
-    kinds = {
-        "int": dict(type=int), "int | None": dict(type=int), "float": dict(type=float),
-        "bool": dict(action="store_true"),
-        "list[int]": dict(type=int, nargs="*", metavar="ID"), "list[str]": dict(nargs="*", metavar="TEXT"),
-        "dict[int, float]": dict(type=_json("object"), metavar="JSON"),
-        "list[list[int]]": dict(type=_json("list"), metavar="JSON"),
-        "bool | str": dict(choices=list(_EARLY_STOPPING)),
-    }
     if f.type == "bool | str":  # early_stopping: the flag's words for True and False
         default = {True: "true", False: "false"}.get(default, default)
     shown = "" if f.type == "bool" or default in (None, [], {}) else f" (default {default})"
-    return dict(kinds[f.type], default=default, help=f.metadata["help"] + shown)
+    return dict(_KINDS[f.type], default=default, help=f.metadata["help"] + shown)
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser, defaults: dict | None = None) -> dict:
@@ -61,11 +63,11 @@ def sampling_params_from(args: argparse.Namespace, **overrides) -> SamplingParam
     values = {f.name: getattr(args, f.name) for f in fields(SamplingParams) if hasattr(args, f.name)}
     if isinstance(values.get("early_stopping"), str):
         values["early_stopping"] = _EARLY_STOPPING[values["early_stopping"]]
-    bias = values.get("logit_bias")
-    if not isinstance(bias, dict):
-        raise RequestError(f"logit_bias must be a JSON object of token id -> bias, got {bias!r}")
+    given = values.get("logit_bias")
+    if not isinstance(given, dict):
+        raise RequestError(f"logit_bias must be a JSON object of token id -> bias, got {given!r}")
     try:
-        values["logit_bias"] = {int(token): bias for token, bias in bias.items()}
+        values["logit_bias"] = {int(token): bias for token, bias in given.items()}
     except ValueError:
-        raise RequestError(f"logit_bias keys must be token ids, got {sorted(bias)}") from None
+        raise RequestError(f"logit_bias keys must be token ids, got {sorted(given)}") from None
     return SamplingParams(**{**values, **overrides})

@@ -15,6 +15,7 @@ one name, one default and one help text everywhere. Each field says what it is:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -94,9 +95,10 @@ class EngineArgs:
             value, choices = getattr(self, f.name), f.metadata.get("choices")
             if choices and isinstance(value, str) and value not in choices:
                 raise ConfigError(f"{f.name} {value!r} is not one of {list(choices)}")
+            least = 0 if f.name == "max_prompt_embedding_table_size" else 1  # 0: prompt tuning off
             if f.metadata.get("kind") in (BUILD, LIMIT, RUNTIME) and isinstance(value, int) \
-                    and not isinstance(value, bool) and value < (0 if f.name == "max_prompt_embedding_table_size" else 1):
-                raise ConfigError(f"{f.name} must be >= 1, got {value}")
+                    and not isinstance(value, bool) and value < least:
+                raise ConfigError(f"{f.name} must be >= {least}, got {value}")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, command: str) -> None:
@@ -120,6 +122,11 @@ class EngineArgs:
         given = {f.name: getattr(args, f.name) for f in fields(cls) if f.name != "model" and hasattr(args, f.name)}
         return cls(model=model, **given)
 
+    def for_engine(self, engine_dir: str | Path) -> "EngineArgs":
+        """These options aimed at the engine they resolved to (already quantized, or not, when its
+        source was converted)."""
+        return dataclasses.replace(self, model=engine_dir, quantization=None)
+
     def of_kind(self, *kinds: str) -> dict:
         """The options of these kinds that were set (not None)."""
         return {f.name: getattr(self, f.name) for f in fields(self)
@@ -134,11 +141,8 @@ class EngineArgs:
     def build_options(self) -> dict:
         """The build limits an engine built from a source gets: every build option given, and a
         run-time limit only when it is above kiln build's default (otherwise it caps the runtime)."""
-        options = {name: value for name, value in self.build_limits().items() if name not in self.of_kind(LIMIT)}
-        for name, value in self.of_kind(LIMIT).items():
-            if value > getattr(BuildConfig, name):
-                options[name] = value
-        return options
+        return {name: value for name, value in self.build_limits().items()
+                if name not in _LIMITS or value > getattr(BuildConfig, name)}
 
     def check_engine(self, path: Path, build: BuildConfig, dtype: str) -> None:
         """A prebuilt engine at ``path`` (built with ``build`` and ``dtype``) serves these options:
@@ -149,7 +153,10 @@ class EngineArgs:
         if self.dtype == "auto":  # whatever the engine was built with
             del wanted["dtype"]
         for name, value in wanted.items():
-            differs = built[name] < value if name in self.of_kind(LIMIT) else built[name] != value
+            differs = built[name] < value if name in _LIMITS else built[name] != value
             if differs:
                 raise ConfigError(f"{name}={value}: {path} is an engine built with {name}={built[name]}; "
                                   "build another one (kiln build) or pass the model it was built from")
+
+
+_LIMITS = {f.name for f in fields(EngineArgs) if f.metadata.get("kind") == LIMIT}

@@ -79,8 +79,7 @@ def load_checkpoint(model_cls: type, config: PretrainedConfig, checkpoint_dir: s
     with torch.device("meta"):
         model = model_cls(config, engine_layout=engine_layout)
         use_weight_only_layout(model, config.quantization, tile_order=engine_layout)
-    reader = SafetensorsReader(rank_file(checkpoint_dir, rank))
-    try:
+    with SafetensorsReader(rank_file(checkpoint_dir, rank)) as reader:
         check_file_tensors(model, reader)
         params = dict(model.named_parameters())
         weights = {}
@@ -90,8 +89,6 @@ def load_checkpoint(model_cls: type, config: PretrainedConfig, checkpoint_dir: s
             names = [name for name, p in params.items() if p.dtype == dtype]
             for name, slot in zip(names, host_memory.empty_many([params[n].numel() for n in names], dtype)):
                 weights[name] = reader.read_into(name, slot)
-    finally:
-        reader.close()
     fill_parameters(model, weights, source=str(rank_file(checkpoint_dir, rank)))
     return model
 

@@ -86,7 +86,7 @@ class RequestProcessor:
         with the log-probs ``best_of`` ranks its samples by."""
         if params.use_beam_search and (params.stop or params.stop_words_ids):
             raise RequestError("stop strings and multi-token stop words are not supported with beam search")
-        changes: dict = {"stop": []}
+        changes: dict = {"stop": []} if params.stop else {}
         if self.extra_stop_ids and not params.ignore_eos:  # ignore_eos ignores every end id
             changes["stop_token_ids"] = list(params.stop_token_ids) + self.extra_stop_ids
         if params.bad_words:
@@ -101,7 +101,7 @@ class RequestProcessor:
             changes.update(n=1, best_of=None, seed=params.seed_for(sample))
         elif not params.use_beam_search and params.num_samples > params.n and params.logprobs is None:
             changes["logprobs"] = 0
-        return dataclasses.replace(params, **changes)
+        return dataclasses.replace(params, **changes) if changes else params  # a copy re-validates
 
     def text_tracker(self, params: SamplingParams) -> TextTracker:
         """The incremental text of one of ``params``' sequences, with its stop strings."""
