@@ -145,7 +145,9 @@ def test_an_internal_error_fails_that_request_only(server, client, poisoned):
     for t in threads:
         t.start()
     with pytest.raises(openai.InternalServerError) as e:
-        client.completions.create(model=MODEL, prompt=f"{PROMPT} {POISON}", max_tokens=12)
+        # ignore_eos: a sampled end token before the second output token would finish it cleanly
+        client.completions.create(model=MODEL, prompt=f"{PROMPT} {POISON}", max_tokens=12,
+                                  extra_body={"ignore_eos": True})
     assert e.value.status_code == 500 and "injected fault" in e.value.message
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": POISON}], stream=True,
                                             max_tokens=12, extra_body={"ignore_eos": True})
