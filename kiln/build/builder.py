@@ -6,17 +6,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kiln import kernels
 from kiln.build.lora import lora_build, write_adapters
 from kiln.checkpoint.format import (ENGINE_FORMAT_VERSION, atomic_output_dir, copy_tokenizer_files,
                                     rank_file, read_config, read_config_dict, write_config)
 from kiln.checkpoint.loader import check_file_tensors
 from kiln.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter
 from kiln.config import BuildConfig, PretrainedConfig
-from kiln.dtypes import DTYPES
+from kiln.dtypes import DTYPES, torch_dtype
 from kiln.errors import BuildError
 from kiln.kernels.library import cpu_flags
 from kiln.models import get_model_class
-from kiln.models.loading import engine_layout_weights
+from kiln.models.loading import engine_layout_weights, tile_packed_linears
 from kiln.quantization import use_weight_only_layout
 from kiln.quantization.weight_only import BF16_ENGINE_ALGOS
 
@@ -128,7 +129,8 @@ def build_rank(checkpoint_dir: Path, out: Path, rank: int, model_cls: type, cast
     """Write rank ``rank``'s engine file from its checkpoint file one decoder layer at a time:
     read the layer's tensors, rewrite them into the engine layout (fusions, the kernels' tile
     order), cast, write, so a build never holds more than one layer. Quantization scales and
-    zeros stay float32, FP8 codes e4m3."""
+    zeros stay float32, FP8 codes e4m3; a bf16 engine's float linear weights go into the tiles
+    of ``kernels.pack_bf16`` (``tile_packed_linears``)."""
     config = read_config(checkpoint_dir, rank)
     with torch.device("meta"):
         model = model_cls(config)
@@ -145,6 +147,7 @@ def build_rank(checkpoint_dir: Path, out: Path, rank: int, model_cls: type, cast
         return ".".join(parts[:3]) + "." if parts[:2] == ["transformer", "layers"] and len(parts) > 3 else None
 
     entries = {name: (target(name, p.dtype), tuple(p.shape)) for name, p in engine_model.named_parameters()}
+    tiled = {f"{name}.weight" for name, _ in tile_packed_linears(engine_model, cast or torch_dtype(config.dtype))}
     modules = list(model.named_modules())
     with SafetensorsReader(rank_file(checkpoint_dir, rank)) as reader, \
             SafetensorsWriter(rank_file(out, rank), entries, metadata={"format": "pt"}) as writer:
@@ -158,4 +161,5 @@ def build_rank(checkpoint_dir: Path, out: Path, rank: int, model_cls: type, cast
             for name, tensor in engine_layout_weights(model, weights, owned).items():
                 if name not in entries:
                     raise BuildError(f"engine layout mismatch for rank {rank}: {name!r} is not an engine tensor")
-                writer.write(name, tensor.to(entries[name][0]))
+                tensor = tensor.to(entries[name][0])
+                writer.write(name, kernels.pack_bf16(tensor) if name in tiled else tensor)

@@ -22,7 +22,8 @@ from kiln.errors import CheckpointError, ConfigError
 
 # The layout of the tensors ``kiln build`` writes (an engine records it as ``engine_format``;
 # Engine refuses others). 2: 4-bit codes in panels of two blocks (kiln/kernels/quant_linear.c).
-ENGINE_FORMAT_VERSION = 2
+# 3: a bf16 engine's float linear weights in the tiles of kiln.kernels.pack_bf16.
+ENGINE_FORMAT_VERSION = 3
 
 CONFIG_NAME = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

@@ -23,14 +23,14 @@ and callers use their PyTorch path. ``kiln.kernels.library`` builds and loads th
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
 from kiln.kernels.decode_step import (LORA_SLOTS, DecoderDims, DecoderHead, DecoderLayerWeights,
                                       LinearWeights, LoraLinear, LoraStepWeights, decode_step,
                                       decode_step_scratch_size)
-from kiln.kernels.library import DECODE_KERNELS, DECODE_KERNELS_QUANTIZED_KV, DTYPE_SUFFIX, native_library
+from kiln.kernels.library import DECODE_KERNELS, DECODE_KERNELS_QUANTIZED_KV, DTYPE_SUFFIX, native_library, output
+from kiln.kernels.packed_linear import (amx_available, pack_bf16, packed_linear, packed_linear_available,
+                                        packed_supported, tile_packable, unpack_bf16)
 
 
 def release_thread_pool() -> None:
@@ -191,15 +191,6 @@ def _check_decode_arguments(q, k_cache, v_cache, token_index, block_tables, seq_
             raise ValueError(f"{name}: expected a contiguous int64 tensor")
 
 
-def _output(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """``out`` (checked: a contiguous ``[rows, cols]`` tensor of ``dtype``) or a new one."""
-    if out is None:
-        return torch.empty(rows, cols, dtype=dtype)
-    if tuple(out.shape) != (rows, cols) or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"out: expected a contiguous {dtype} [{rows}, {cols}], got {out.dtype} {list(out.shape)}")
-    return out
-
-
 SKINNY_MAX_ROWS = 16  # fp32: beyond this MKL wins (docs/benchmark-log.md)
 
 
@@ -221,60 +212,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          f"[n, k] of their dtype; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
                          f"{weight.dtype}")
     m, n = x.shape[0], weight.shape[0]
-    y = _output(out, m, n, x.dtype)
+    y = output(out, m, n, x.dtype)
     getattr(native_library(), f"kiln_skinny_gemm_{DTYPE_SUFFIX[x.dtype]}")(
         x.contiguous().data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
         m, n, x.shape[1], torch.get_num_threads())
-    return y
-
-
-@lru_cache(maxsize=1)
-def amx_available() -> bool:
-    """Whether AMX bf16 tiles work here (the CPU has them and Linux granted them to us);
-    ``KILN_AMX=0`` turns them off (the packed kernels then use AVX512-BF16 dot products)."""
-    lib = native_library()
-    return lib is not None and bool(lib.kiln_amx_available())
-
-
-@lru_cache(maxsize=1)
-def packed_linear_available() -> bool:
-    """Whether ``packed_linear`` runs in hardware bf16 here: AMX tiles or AVX512-BF16 dot
-    products (without either its plain-C loop is slower than oneDNN)."""
-    lib = native_library()
-    return lib is not None and bool(lib.kiln_amx_available() or lib.kiln_dot_bf16_available())
-
-
-def packed_supported(weight: torch.Tensor) -> bool:
-    """Whether ``pack_bf16`` takes this weight and ``packed_linear`` is fast here: bf16
-    ``[n, k]`` with n % 16 == 0 and k % 32 == 0."""
-    return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % 16 == 0
-            and weight.shape[1] % 32 == 0 and weight.device.type == "cpu" and packed_linear_available())
-
-
-def pack_bf16(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``weight`` ``[n, k]`` repacked into the VNNI tile layout of ``packed_linear`` (see
-    amx_linear.c), in ``out`` (``weight.numel()`` bf16 elements, contiguous) if given."""
-    if not packed_supported(weight):
-        raise ValueError(f"pack_bf16: needs AMX or AVX512-BF16 and a bf16 weight [n, k] with n % 16 == 0 and "
-                         f"k % 32 == 0; got {tuple(weight.shape)} {weight.dtype}")
-    weight = weight.contiguous()
-    packed = torch.empty(weight.numel(), dtype=torch.bfloat16) if out is None else out.view(-1)
-    if packed.numel() != weight.numel() or packed.dtype != torch.bfloat16 or not packed.is_contiguous():
-        raise ValueError(f"pack_bf16: out must be {weight.numel()} contiguous bf16 elements")
-    native_library().kiln_amx_pack_bf16(weight.data_ptr(), packed.data_ptr(), weight.shape[0], weight.shape[1],
-                                        torch.get_num_threads())
-    return packed
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, *,
-                  out: torch.Tensor | None = None, portable: bool = False) -> torch.Tensor:
-    """``F.linear`` of bf16 ``x`` ``[m, k]`` with a weight packed by ``pack_bf16``: on AMX tiles,
-    else AVX512-BF16 dot products (panel_linear.c); ``portable`` forces the plain-C loop."""
-    m, k = x.shape
-    y = _output(out, m, out_features, torch.bfloat16)
-    fn = native_library().kiln_portable_linear_bf16 if portable else native_library().kiln_packed_linear_bf16
-    fn(x.contiguous().data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(), m,
-       out_features, k, torch.get_num_threads())
     return y
 
 
@@ -324,7 +265,7 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zer
     layout: ``codes`` from ``quant_pack``, ``scales`` and ``zeros`` (or None) from
     ``quant_pack_scales`` (see quant_linear.c)."""
     m, k = x.shape
-    y = _output(out, m, out_features, torch.bfloat16)
+    y = output(out, m, out_features, torch.bfloat16)
     native_library().kiln_quant_linear_bf16(
         x.contiguous().data_ptr(), codes.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
         bits, group_size, bias.data_ptr() if bias is not None else None, y.data_ptr(), m, out_features, k,
@@ -349,7 +290,7 @@ def w8a8_linear(x: torch.Tensor, codes: torch.Tensor, weight_scales: torch.Tenso
     Needs ``w8a8_supported``."""
     m, k = x.shape
     n = codes.shape[0]
-    y = _output(out, m, n, torch.bfloat16)
+    y = output(out, m, n, torch.bfloat16)
     native_library().kiln_w8a8_linear_bf16(
         x.contiguous().data_ptr(), codes.data_ptr(), weight_scales.data_ptr(),
         prequant.data_ptr() if prequant is not None else None, bias.data_ptr() if bias is not None else None,
@@ -364,7 +305,7 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, weight_scales: torch.Tensor
     each column's sum times ``act_scale * weight_scales[c]`` (float32 ``[n]``), plus ``bias``."""
     m, k = x.shape
     n = codes.shape[0]
-    y = _output(out, m, n, torch.bfloat16)
+    y = output(out, m, n, torch.bfloat16)
     native_library().kiln_fp8_linear_bf16(
         x.contiguous().data_ptr(), codes.data_ptr(), weight_scales.data_ptr(), act_scale,
         prequant.data_ptr() if prequant is not None else None, bias.data_ptr() if bias is not None else None,

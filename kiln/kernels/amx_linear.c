@@ -233,18 +233,3 @@ void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *b
     abort();
 }
 #endif
-
-/* A tile holds, for 16 k-pairs p and 16 output columns c, the pair (w[c][2p], w[c][2p + 1]):
- * as 32-bit units, a 16 x 16 transpose of the weight's rows. */
-void kiln_amx_pack_bf16(const bf16_t *w, bf16_t *packed, int64_t n, int64_t k, int num_threads) {
-    const int64_t kblocks = k / 32, nblocks = n / 16;
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
-    for (int64_t nb = 0; nb < nblocks; ++nb)
-        for (int64_t kb = 0; kb < kblocks; ++kb) {
-            uint32_t *tile = (uint32_t *)(packed + (nb * kblocks + kb) * 512);
-            for (int c = 0; c < 16; ++c) {
-                const uint32_t *row = (const uint32_t *)(w + (nb * 16 + c) * k + kb * 32);
-                for (int p = 0; p < 16; ++p) tile[p * 16 + c] = row[p];
-            }
-        }
-}

@@ -112,8 +112,9 @@ int64_t kiln_decode_step_scratch(const kiln_decoder_dims *d, int64_t m) {
     return m * (layers > d->hidden + d->head_width ? layers : d->hidden + d->head_width);
 }
 
-/* y [m, n] = x [m, k] W^T + b: AMX tiles when the weight has a packed copy, except for one
- * row, which the skinny GEMM streams faster (the same choice as kiln.layers.linear). */
+/* y [m, n] = x [m, k] W^T + b: the packed tile kernel whenever the weight is in tiles (an
+ * engine's, or a packed copy; one row streams them as fast as the skinny GEMM streams a plain
+ * weight), else the skinny GEMM (the same choice as kiln.layers.linear). */
 static void linear_bf16(const bf16_t *x, const kiln_linear *L, bf16_t *y, int64_t m, int64_t n, int64_t k,
                         int num_threads) {
     if (L->w8a8) {
@@ -129,7 +130,7 @@ static void linear_bf16(const bf16_t *x, const kiln_linear *L, bf16_t *y, int64_
         kiln_quant_linear_bf16(prepared ? prepared : x, L->weight, L->scales, L->zeros, L->bits, L->group, L->bias,
                                y, m, n, k, num_threads);
         free(prepared);
-    } else if (L->packed && m > 1) kiln_packed_linear_bf16(x, L->packed, L->bias, y, m, n, k, num_threads);
+    } else if (L->packed) kiln_packed_linear_bf16(x, L->packed, L->bias, y, m, n, k, num_threads);
     else kiln_skinny_gemm_bf16(x, L->weight, L->bias, y, m, n, k, num_threads);
 }
 

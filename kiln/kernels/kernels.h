@@ -60,7 +60,6 @@ void kiln_gemv_panels(kiln_gemv_tile_fn tile, const void *ctx, const bf16_t *bia
                       bf16_t *y, int64_t m, int64_t n, int64_t unit, int num_threads);
 void kiln_packed_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
                              int64_t n, int64_t k, int num_threads);
-void kiln_amx_pack_bf16(const bf16_t *w, bf16_t *packed, int64_t n, int64_t k, int num_threads);
 void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
                           int64_t n, int64_t k, int num_threads);
 

@@ -134,8 +134,6 @@ def native_library() -> ctypes.CDLL | None:
     lib.kiln_decode_step_scratch.restype = C_INT64
     lib.kiln_amx_available.argtypes = []
     lib.kiln_amx_available.restype = ctypes.c_int
-    lib.kiln_amx_pack_bf16.argtypes = [C_PTR, C_PTR, C_INT64, C_INT64, ctypes.c_int]
-    lib.kiln_amx_pack_bf16.restype = None
     lib.kiln_set_amx.argtypes = [ctypes.c_int]
     lib.kiln_set_amx.restype = None
     lib.kiln_set_amx(int(env.amx_enabled()))
@@ -160,3 +158,11 @@ def native_library() -> ctypes.CDLL | None:
     lib.kiln_w8a8_linear_bf16.restype = None
     return lib
 
+
+def output(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` (checked: a contiguous ``[rows, cols]`` tensor of ``dtype``) or a new one."""
+    if out is None:
+        return torch.empty(rows, cols, dtype=dtype)
+    if tuple(out.shape) != (rows, cols) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous {dtype} [{rows}, {cols}], got {out.dtype} {list(out.shape)}")
+    return out

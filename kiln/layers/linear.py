@@ -20,13 +20,15 @@ from kiln.checkpoint.shard_spec import ShardSpec, rank_range
 from kiln.layers.lora import LoraStep
 from kiln.layers.quantized_matmul import dequantize, fp8_linear, fp8_round_input, w8a8_linear
 
-# bf16 weights: one row through the native skinny GEMM (at the memory bandwidth); more rows,
-# where the CPU has AMX or AVX512-BF16, through kiln's own kernel on a copy packed once into
-# tiles (kiln/kernels/panel_linear.c, amx_linear.c: faster than oneDNN from 2 to 128 rows on
-# AMX, even at 512; docs/benchmark-log.md has the AVX512-BF16 figures); elsewhere oneDNN,
-# whose bf16 matmul re-lays-out a plain weight on every call, on a weight packed once into
-# its blocked format (1.4-2x faster than F.linear). fp32: the native skinny GEMM up to 16
-# rows (faster than MKL), F.linear beyond.
+# bf16 weights: an engine holds them packed into tiles at build time (``tile_order``;
+# kiln/kernels/panel_linear.c, amx_linear.c), multiplied on AMX or with AVX512-BF16 dot
+# products for any number of rows: one row streams the tiles at the memory bandwidth like a
+# plain GEMV, more rows beat oneDNN from 2 to 128 rows on AMX, even at 512
+# (docs/benchmark-log.md). A plain bf16 weight (a checkpoint's, a tied lm_head's) is packed
+# once on first use where the CPU has those instructions, else goes to oneDNN, whose bf16
+# matmul re-lays-out a plain weight on every call, on a weight packed once into its blocked
+# format (1.4-2x faster than F.linear). fp32: the native skinny GEMM up to 16 rows (faster
+# than MKL), F.linear beyond.
 _PACK_BF16 = torch.backends.mkldnn.is_available()
 
 
@@ -53,6 +55,8 @@ class Linear(nn.Module):
     quant_bits: int | None = None  # 8 or 4 once use_weight_only() switched the weight to codes
     act_quant: bool = False  # True once use_w8a8() switched to SmoothQuant W8A8 (int8 activations too)
     fp8: bool = False  # True once use_fp8() switched to FP8 e4m3 weights and activations
+    # The weight (codes, or an engine's float bf16 weight: kernels.pack_bf16) is in the kernels' tile layout.
+    tile_order: bool = False
     # The reference LoRA modules this linear holds (kiln.layers.lora.LoraTarget), set by
     # DecoderModelForCausalLM.assign_lora_targets.
     lora_targets: tuple = ()
@@ -170,14 +174,20 @@ class Linear(nn.Module):
             return fp8_linear(self, x, bias)
         if self.act_quant:
             return w8a8_linear(x, self.weight, self.weights_scaling_factor, self.prequant_scaling_factor, bias)
+        if self.tile_order:  # an engine's bf16 weight, packed by kiln build
+            rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+            y = kernels.packed_linear(rows, self.weight, bias, self.out_features)
+            return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         w = self.weight
-        if (x.dim() == 2 and x.shape[0] <= (kernels.SKINNY_MAX_ROWS if x.dtype == torch.float32 else 1)
-                and kernels.skinny_linear_supported(x, w, bias)):
+        if x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= kernels.SKINNY_MAX_ROWS \
+                and kernels.skinny_linear_supported(x, w, bias):
             return kernels.skinny_linear(x, w, bias, check=False)
         if x.dim() == 2 and x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
             packed = self.packed_weight()
             if packed is not None:
                 return kernels.packed_linear(x, packed, bias, self.out_features)
+            if x.shape[0] == 1 and kernels.skinny_linear_supported(x, w, bias):
+                return kernels.skinny_linear(x, w, bias, check=False)
         if not (_PACK_BF16 and w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and w.device.type == "cpu"):
             return F.linear(x, w, bias)
         key = (w.data_ptr(), tuple(w.shape))  # weights are assigned at load time, so repack if they change
@@ -187,10 +197,12 @@ class Linear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [None], "")
 
     def packed_weight(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The weight packed into tiles for ``kernels.packed_linear`` (packed on first use, into
-        ``out`` if given), or None where that kernel cannot take it. Repacked if the weight is
-        reassigned."""
+        """The weight in tiles for ``kernels.packed_linear``: an engine's own (``tile_order``),
+        else packed on first use (into ``out`` if given) and again if the weight is reassigned;
+        None where that kernel cannot take it."""
         w = self.weight
+        if self.tile_order and w.dtype == torch.bfloat16:
+            return w
         key = (w.data_ptr(), tuple(w.shape), w.dtype)
         if getattr(self, "_packed_tiles_key", None) != key:
             self._packed_tiles = kernels.pack_bf16(w.detach(), out) if kernels.packed_supported(w) else None

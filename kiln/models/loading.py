@@ -5,6 +5,7 @@ these; the model module holds the module tree only."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -16,7 +17,9 @@ from kiln.checkpoint.loader import ModelWeightsLoader, check_file_tensors, fill_
 from kiln.checkpoint.safetensors_io import SafetensorsReader
 from kiln.checkpoint.sources import open_source
 from kiln.config import PretrainedConfig
+from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
+from kiln.layers.linear import Linear
 from kiln.mapping import Mapping
 from kiln.quantization import use_weight_only_layout
 from kiln.quantization.gptq import gptq_settings, use_gptq_layout
@@ -73,12 +76,28 @@ def prepare_hugging_face(model_cls: type, source, dtype: str | None = None, mapp
     return model, loader
 
 
+def tile_packed_linears(model: nn.Module, dtype: torch.dtype) -> list[tuple[str, Linear]]:
+    """The linears whose weight an engine of ``dtype`` holds in the tile layout of
+    ``kernels.pack_bf16`` (so loading is a plain read and the weight is held once): in a bf16
+    engine, every float linear whose shape tiles, except one sharing its weight with another
+    module (a tied lm_head: the embedding reads its rows)."""
+    if dtype != torch.bfloat16:
+        return []
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, Linear) and m.quant_bits is None and not m.fp8 and not m.act_quant
+            and uses[id(m.weight)] == 1 and kernels.tile_packable(tuple(m.weight.shape))]
+
+
 def load_checkpoint(model_cls: type, config: PretrainedConfig, checkpoint_dir: str | Path, rank: int = 0,
                     engine_layout: bool = False) -> nn.Module:
     """Rank ``rank`` of the kiln checkpoint (or, with ``engine_layout``, engine) at ``checkpoint_dir``."""
     with torch.device("meta"):
         model = model_cls(config, engine_layout=engine_layout)
         use_weight_only_layout(model, config.quantization, tile_order=engine_layout)
+    tiled = tile_packed_linears(model, torch_dtype(config.dtype)) if engine_layout else []
+    for _, linear in tiled:
+        linear.tile_order = True
     with SafetensorsReader(rank_file(checkpoint_dir, rank)) as reader:
         check_file_tensors(model, reader)
         params = dict(model.named_parameters())
@@ -90,6 +109,10 @@ def load_checkpoint(model_cls: type, config: PretrainedConfig, checkpoint_dir: s
             for name, slot in zip(names, host_memory.empty_many([params[n].numel() for n in names], dtype)):
                 weights[name] = reader.read_into(name, slot)
     fill_parameters(model, weights, source=str(rank_file(checkpoint_dir, rank)))
+    if tiled and not kernels.packed_linear_available():  # no bf16 tile kernel here: plain weights for oneDNN
+        for _, linear in tiled:
+            linear.weight = nn.Parameter(kernels.unpack_bf16(linear.weight), requires_grad=False)
+            linear.tile_order = False
     return model
 
 

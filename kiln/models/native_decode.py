@@ -249,7 +249,8 @@ def _linear_weights(linear) -> kernels.LinearWeights:
                                      linear.group_size, ptr(linear.weights_scaling_factor),
                                      ptr(getattr(linear, "zero", None)), fp8=0, **extras)
     packed = linear.packed_weight() if linear.weight.dtype == torch.bfloat16 else None
-    return kernels.LinearWeights(ptr(linear.weight), ptr(linear.bias), ptr(packed), 0, 0, None, None)
+    plain = None if linear.tile_order else linear.weight  # an engine's bf16 weight is in tiles only
+    return kernels.LinearWeights(ptr(plain), ptr(linear.bias), ptr(packed), 0, 0, None, None)
 
 
 def native_decode_for(model, kv_caches, metadata) -> NativeDecodeStep | None:

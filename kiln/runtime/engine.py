@@ -2,8 +2,8 @@
 
 Loading does no conversion work: the model is created on the ``meta`` device and each tensor
 of ``rank{N}.safetensors`` is read once, straight into its place on huge pages
-(``kiln.models.loading.load_checkpoint``, ``host_memory``); bf16 weights the packed kernel
-takes are then packed once (faster decode for a fraction of a second of load time).
+(``kiln.models.loading.load_checkpoint``, ``host_memory``), bf16 linear weights already in the
+packed kernel's tiles; the few the build leaves plain (a tied lm_head) are then packed once.
 """
 from __future__ import annotations
 
@@ -81,14 +81,15 @@ def _world_rank(engine_dir: Path, built: Mapping, rank: int | None) -> int:
 
 
 def _prepack_linear_weights(model) -> None:
-    """Pack every bf16 linear weight the packed kernel takes now, into one huge-page arena: done
-    lazily, the copies would land on 4 KiB pages and in the first request's time."""
+    """Pack the bf16 linear weights the build left plain (a tied lm_head, MoE experts) that the
+    packed kernel takes now, into one huge-page arena: done lazily, the copies would land on
+    4 KiB pages and in the first request's time."""
     linears = []
     for module in model.modules():
         if isinstance(module, Linear):
             linears.append(module)
         elif isinstance(module, ExpertLinear):  # each expert's matmul is a Linear viewing its slice
             linears.extend(module.expert_linears())
-    linears = [m for m in linears if kernels.packed_supported(m.weight)]
+    linears = [m for m in linears if not m.tile_order and kernels.packed_supported(m.weight)]
     for linear, buffer in zip(linears, host_memory.empty_many([m.weight.numel() for m in linears], torch.bfloat16)):
         linear.packed_weight(out=buffer)

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kiln import kernels
 from kiln.checkpoint.format import read_rank_weights
 from kiln.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter
 from kiln import convert as convert_module
@@ -20,7 +21,9 @@ from kiln.config import QuantConfig
 from kiln.convert import _quantize, convert_checkpoint
 from kiln.mapping import Mapping
 from kiln.models import get_model_class
+from kiln.layers.linear import Linear
 from kiln.models.loading import engine_layout_weights
+from kiln.runtime.engine import Engine
 from tests.utils.real_model import smollm2_gguf_path
 from tests.utils.tiny_models import make_llama
 
@@ -114,4 +117,8 @@ def test_the_build_streams_layer_by_layer_like_the_in_memory_layout(sharded_hf, 
     expected = {name: tensor.to(torch.bfloat16) if tensor.is_floating_point() and tensor.element_size() > 1
                 and not name.endswith(QUANT_FLOAT32) else tensor
                 for name, tensor in engine_layout_weights(model, model.checkpoint_weights()).items()}
+    tiled = [f"{name}.weight" for name, m in Engine(engine).model.named_modules()  # float bf16 linears in tiles
+             if isinstance(m, Linear) and m.tile_order and m.quant_bits is None]
+    assert "lm_head.weight" in tiled and (len(tiled) > 1) == (quant is None)  # W4A16 keeps lm_head in bf16
+    expected.update({name: kernels.pack_bf16(expected[name]) for name in tiled})
     _assert_same(read_rank_weights(engine, 0), expected)

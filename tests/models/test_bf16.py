@@ -107,3 +107,27 @@ def test_auto_dtype_follows_the_cpu_and_keeps_a_chosen_dtype(monkeypatch):
     assert builder.resolve_engine_dtype("auto", config("float32")) == "float32"
     with pytest.raises(BuildError, match="dtype 'int8'"):
         builder.resolve_engine_dtype("int8", config("float32"))
+
+
+def test_a_bf16_engine_holds_its_linears_in_tiles_once(bf16_case, monkeypatch):
+    """kiln build writes bf16 linear weights in the packed kernel's tiles, so loading is a plain
+    read and each weight is held once; a CPU without that kernel unpacks them at load, to the
+    same weights and logits."""
+    from kiln import kernels
+    from kiln.layers.linear import Linear
+
+    _, engine_dir = bf16_case
+    tiled = Engine(engine_dir).model
+    linears = {name: m for name, m in tiled.named_modules() if isinstance(m, Linear)}
+    assert linears["lm_head"].tile_order and linears["transformer.layers.0.attention.qkv"].tile_order
+    assert not linears["transformer.layers.0.mlp.proj"].tile_order  # 136 inputs do not tile
+    assert all(m.packed_weight() is m.weight for m in linears.values() if m.tile_order)
+    ids = [5, 9, 23, 7, 61, 2, 40, 41, 42]
+    expected = kiln_prompt_logits(engine_dir, ids)
+
+    monkeypatch.setattr(kernels, "packed_linear_available", lambda: False)
+    plain = Engine(engine_dir).model
+    for name, m in plain.named_modules():
+        if isinstance(m, Linear) and linears[name].tile_order:
+            assert not m.tile_order and torch.equal(kernels.pack_bf16(m.weight), linears[name].weight)
+    torch.testing.assert_close(kiln_prompt_logits(engine_dir, ids), expected, atol=0.02, rtol=0.02)

@@ -138,10 +138,15 @@ def test_pack_layout_and_rejections():
     w = torch.arange(32 * 64, dtype=torch.float32).view(32, 64).to(torch.bfloat16)
     packed = kernels.pack_bf16(w).view(2, 2, 16, 16, 2)  # [n block][k block][k pair][column][pair element]
     assert packed[1, 1, 3, 5, 1] == w[16 + 5, 32 + 2 * 3 + 1]
+    assert torch.equal(kernels.unpack_bf16(kernels.pack_bf16(w)), w)
+    out = torch.empty(w.numel(), dtype=torch.bfloat16)
+    got = kernels.pack_bf16(w, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, kernels.pack_bf16(w))
     assert not kernels.packed_supported(torch.zeros(24, 64, dtype=torch.bfloat16))  # n not a multiple of 16
     assert not kernels.packed_supported(torch.zeros(32, 40, dtype=torch.bfloat16))  # k not a multiple of 32
+    assert not kernels.packed_supported(torch.zeros(32, 64, dtype=torch.float32))
     with pytest.raises(ValueError, match="pack_bf16"):
-        kernels.pack_bf16(torch.zeros(32, 64, dtype=torch.float32))
+        kernels.pack_bf16(torch.zeros(24, 64, dtype=torch.bfloat16))
 
 
 def test_kernels_write_into_a_given_output_and_check_it():
