@@ -29,7 +29,8 @@ import torch
 
 from kiln.bench.common import stream_round
 
-FTYPES = {"f32": 0, "f16": 1, "q4_1": 3, "q8_0": 7, "bf16": 32}  # llama_ftype values
+FTYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18,
+          "bf16": 32}  # llama_ftype values
 
 
 def make_gguf(source: Path, kind: str, out_dir: Path) -> Path:

@@ -87,33 +87,37 @@ PAIRS = (("kiln bf16", "llama.cpp bf16"), ("kiln W8A16", "llama.cpp q8_0"), ("ki
 
 
 def _scale(records: list[dict]) -> list[str]:
-    """The newest scale record per shape and CPU: kiln beside llama.cpp, same weights, one run."""
+    """Per shape, CPU and pair, the newest scale record measuring both: kiln beside llama.cpp,
+    same weights, one run."""
     latest: dict[tuple, dict] = {}
     for r in records:
-        if r.get("kind") == "scale":
-            latest[(r["shape"], _cpu(r))] = r
+        for pair in PAIRS if r.get("kind") == "scale" else ():
+            if all(name in r["engines"] for name in pair):
+                latest[(r["shape"], _cpu(r), pair)] = r
     rows = ["| date | CPU | shape | kiln / llama.cpp | decode tok/s | ratio | % of read bandwidth | "
             "prefill 512 tok/s | load to first token s | peak RSS MB |",
             "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     notes = []
-    for r in sorted(latest.values(), key=lambda r: r["date"], reverse=True)[:ROWS]:
-        engines = r["engines"]
-        for kiln_name, peer in PAIRS:
-            if kiln_name not in engines or peer not in engines:
-                continue
-            k, ll = engines[kiln_name], engines[peer]
+    for (_, _, (kiln_name, peer)), r in sorted(latest.items(), key=lambda kv: (kv[1]["date"][:10], kv[0][0]),
+                                               reverse=True)[:ROWS]:
+        k, ll = r["engines"][kiln_name], r["engines"][peer]
 
-            def both(key: str, fmt: str) -> str:
-                return f"{format(k[key], fmt)} / {format(ll[key], fmt)}"
+        def both(key: str, fmt: str) -> str:
+            return f"{format(k[key], fmt)} / {format(ll[key], fmt)}"
 
-            share = (f"{100 * k['bandwidth_share']:.0f}% / {100 * ll['bandwidth_share']:.0f}%"
-                     if "bandwidth_share" in k and "bandwidth_share" in ll else "-")
-            rows.append(f"| {r['date'][:10]} | {_cpu(r)} | {r['shape']} | {kiln_name} / {peer} | "
-                        f"{both('decode_tok_s', '.1f')} | {k['decode_tok_s'] / ll['decode_tok_s']:.2f}x | {share} | "
-                        f"{both('prefill_tok_s', '.0f')} | {both('load_to_first_token_s', '.2f')} | "
-                        f"{both('peak_rss_mb', '.0f')} |")
+        share = (f"{100 * k['bandwidth_share']:.0f}% / {100 * ll['bandwidth_share']:.0f}%"
+                 if "bandwidth_share" in k and "bandwidth_share" in ll else "-")
+        rows.append(f"| {r['date'][:10]} | {_cpu(r)} | {r['shape']} | {kiln_name} / {peer} | "
+                    f"{both('decode_tok_s', '.1f')} | {k['decode_tok_s'] / ll['decode_tok_s']:.2f}x | {share} | "
+                    f"{both('prefill_tok_s', '.0f')} | {both('load_to_first_token_s', '.2f')} | "
+                    f"{both('peak_rss_mb', '.0f')} |")
+        long = [f"{key.rpartition('context')[2]} tokens {both(key, '.1f')}" for key in k
+                if key.startswith("decode_tok_s_context") and key in ll]
+        if long:
+            notes.append(f"- {r['shape']} ({r['date'][:10]}), {kiln_name} / {peer} decode tok/s after a long "
+                         f"prompt: {', '.join(long)}")
         steps = [f"{step} {mode} {f['seconds']:.0f} s / {f['peak_rss_mb']:.0f} MB"
-                 for step in ("convert", "build") for mode, f in r[step].items()]
+                 for step in ("convert", "build") for mode, f in r[step].items() if mode in kiln_name]
         if steps:
             notes.append(f"- {r['shape']} ({r['date'][:10]}): kiln {', '.join(steps)} (time / peak RSS)")
     return ["## Real model sizes: kiln beside llama.cpp (random weights of real shapes, SmolLM2's vocabulary)", "",

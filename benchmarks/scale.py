@@ -170,14 +170,14 @@ def write_gguf(shape: str, hf_dir: Path, out: Path) -> None:
 
 # -- one engine in a child process --------------------------------------------------------------
 
-def run_kiln(engine: str, new_tokens: int) -> dict:
+def run_kiln(engine: str, new_tokens: int, contexts: tuple[int, ...] = ()) -> dict:
     from kiln.bench.common import ForwardTimer, stream_round, weight_bytes_per_token
     from kiln.bench.throughput import kiln_batch
     from kiln.llm import LLM
     from kiln.runtime.sampling_params import SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(engine, progress=False, kv_cache_max_tokens=4096)
+    llm = LLM(engine, progress=False, kv_cache_max_tokens=max(4096, *(c + new_tokens for c in contexts)))
     prompt, long = _prompts(512)
     list(llm.stream(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)))
     load = time.perf_counter() - started
@@ -192,14 +192,17 @@ def run_kiln(engine: str, new_tokens: int) -> dict:
         prompts = [prompt] * batch
         kiln_batch(llm, prompts, 4, timer)  # warm-up at this batch size
         figures[f"decode_tok_s_batch{batch}"] = kiln_batch(llm, prompts, new_tokens // 2, timer)["decode_tok_s"]
+    for context in contexts:  # batch-1 decode after a long prompt: the KV cache read grows with it
+        figures[f"decode_tok_s_context{context}"] = stream_round(llm, _prompts(context)[1], new_tokens // 2)[1]
     return figures
 
 
-def run_llamacpp(gguf_path: str, new_tokens: int) -> dict:
+def run_llamacpp(gguf_path: str, new_tokens: int, contexts: tuple[int, ...] = ()) -> dict:
     import llama_cpp
 
     started = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=1024, n_batch=512, n_threads=torch.get_num_threads(),
+    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=max(1024, *(c + new_tokens for c in contexts)), n_batch=512,
+                          n_threads=torch.get_num_threads(),
                           verbose=False)
     prompt, long = _prompts(512)
     next(iter(llm.generate(prompt, temp=0.0, top_k=1, reset=True)))
@@ -209,8 +212,11 @@ def run_llamacpp(gguf_path: str, new_tokens: int) -> dict:
     llm.eval(long)
     prefill = len(long) / (time.perf_counter() - timed)
     _, decode = llamacpp_round(llm, prompt, new_tokens)
-    return {"load_to_first_token_s": load, "prefill_tok_s": prefill, "decode_tok_s": decode,
-            "weight_bytes": gguf_bytes_per_token(gguf_path)}
+    figures = {"load_to_first_token_s": load, "prefill_tok_s": prefill, "decode_tok_s": decode,
+               "weight_bytes": gguf_bytes_per_token(gguf_path)}
+    for context in contexts:
+        figures[f"decode_tok_s_context{context}"] = llamacpp_round(llm, _prompts(context)[1], new_tokens // 2)[1]
+    return figures
 
 
 def gguf_bytes_per_token(path: str) -> int:
@@ -229,10 +235,10 @@ def _prompts(long_len: int) -> tuple[list[int], list[int]]:
     return ids[:32], ids[32:]
 
 
-def child(kind: str, path: str, new_tokens: int) -> dict:
+def child(kind: str, path: str, new_tokens: int, contexts: tuple[int, ...] = ()) -> dict:
     """Run one engine in a fresh process; its figures plus its peak RSS."""
     code = (f"import sys, json, resource; sys.path.insert(0, {str(Path(__file__).parent)!r}); import scale; "
-            f"r = scale.run_{kind}({path!r}, {new_tokens}); "
+            f"r = scale.run_{kind}({path!r}, {new_tokens}, {tuple(contexts)!r}); "
             "r['peak_rss_mb'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024; print(json.dumps(r))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if done.returncode != 0:
@@ -261,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work_dir", default="/tmp/kiln-scale", help="where the models and engines go (reused)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians (default 3)")
     p.add_argument("--new_tokens", type=int, default=64, help="greedy tokens decoded per round (default 64)")
+    p.add_argument("--contexts", nargs="*", type=int, default=[2048],
+                   help="also decode batch-1 after prompts of these many tokens (default 2048; 8192 "
+                        "takes llama.cpp minutes of prefill a round)")
     p.add_argument("--engines", nargs="+", default=list(ROUND_ENGINES), choices=ROUND_ENGINES,
                    help="engines to measure (default: all)")
     p.add_argument("--output_json", default=str(Path(__file__).parent / "results.jsonl"),
@@ -292,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             record["convert"][mode] = timed_child([*kiln, "convert", "--model_dir", str(hf), "--output_dir",
                                                    str(ckpt), "--dtype", "bfloat16", *flags])
             record["build"][mode] = timed_child([*kiln, "build", "--checkpoint_dir", str(ckpt), "--output_dir",
-                                                 str(engine), "--max_batch_size", "32", "--max_seq_len", "4096"])
+                                                 str(engine), "--max_batch_size", "32", "--max_seq_len", "8448"])
             subprocess.run(["rm", "-rf", str(ckpt)], check=True)
             steps.write_text(json.dumps({"convert": record["convert"], "build": record["build"]}))
         engines[f"kiln {mode}"] = ("kiln", str(engine))
@@ -308,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     for r in range(args.rounds):
         for name, (kind, path) in engines.items():
-            runs[name].append(child(kind, path, args.new_tokens))
+            runs[name].append(child(kind, path, args.new_tokens, tuple(args.contexts)))
             print(f"round {r + 1}: {name}: {runs[name][-1]['decode_tok_s']:.1f} tok/s", flush=True)
     bandwidth = machine.get("read_gbs")
     record["engines"] = {}
@@ -316,9 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         figures = {key: statistics.median(run[key] for run in results)
                    for key in ("load_to_first_token_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb")}
         figures["weight_bytes"] = results[0]["weight_bytes"]
-        for batch in BATCHES:
-            key = f"decode_tok_s_batch{batch}"
-            if key in results[0]:
+        for key in results[0]:
+            if key.startswith(("decode_tok_s_batch", "decode_tok_s_context")):
                 figures[key] = statistics.median(run[key] for run in results)
         if bandwidth:
             figures["bandwidth_share"] = figures["decode_tok_s"] * figures["weight_bytes"] / (bandwidth * 1e9)
@@ -353,6 +361,9 @@ def format_scale(record: dict) -> str:
         batched = [f"{b}: {f[f'decode_tok_s_batch{b}']:.1f}" for b in BATCHES if f"decode_tok_s_batch{b}" in f]
         if batched:
             lines.append(f"  {name} batched decode tok/s by batch size: {', '.join(batched)}")
+        long = [f"{k.rpartition('context')[2]}: {v:.1f}" for k, v in f.items() if k.startswith("decode_tok_s_context")]
+        if long:
+            lines.append(f"  {name} batch-1 decode tok/s after a long prompt, by its tokens: {', '.join(long)}")
     for step in ("convert", "build"):
         for mode, f in record[step].items():
             lines.append(f"  kiln {step} {mode}: {f['seconds']:.1f} s, peak RSS {f['peak_rss_mb']:.0f} MB")

@@ -1,10 +1,12 @@
-"""Host memory on transparent huge pages, for the weights and the KV cache.
+"""Host memory on transparent huge pages, for the KV cache and checkpoints loaded for conversion.
 
-Decode reads every weight once per token, so it runs at memory bandwidth. On 4 KiB pages a
-270 MB model spans ~66,000 pages: TLB misses and the hardware prefetcher stopping at each
-page edge left ~12% of the batch-1 GEMV bandwidth unused here. Memory-mapped file pages
-cannot be huge, so a loaded engine's tensors are read from the file straight into a private
-anonymous mapping advised ``MADV_HUGEPAGE`` (``empty_many``; kiln.models.loading).
+Attention reads a sequence's whole cache every step, and the plain-layout GEMVs of a
+checkpoint stream whole weights: on 4 KiB pages the TLB misses and the hardware prefetcher
+stopping at each page edge left ~12% of a GEMV's bandwidth unused here. So the KV cache and
+a checkpoint's tensors (read from the file straight into it, ``empty_many``;
+kiln.models.loading) live in a private anonymous mapping advised ``MADV_HUGEPAGE``. An
+engine's weights are mapped from its file instead: its tile layout streams each 1 KiB tile
+contiguously, as fast on file pages (kiln.checkpoint.safetensors_io ``mapped``).
 
 Off when the kernel's THP mode is ``never``, off the CPU, or with ``KILN_HUGE_PAGES=0``.
 """

@@ -11,6 +11,7 @@ written at its offset as it is made. The files are ordinary safetensors files (t
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from pathlib import Path
 
@@ -22,7 +23,7 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
-_ALIGN = 8  # the data starts 8-byte aligned, as safetensors' own writer lays it out
+_ALIGN = 64  # the data starts on a cache line (safetensors' own writer aligns it to 8)
 
 
 class SafetensorsReader:
@@ -83,6 +84,23 @@ class SafetensorsReader:
         self._read_at(start, out.view(-1).view(torch.uint8))
         return out.view(shape)
 
+    def mapped(self) -> dict[str, torch.Tensor]:
+        """Every tensor as a view of the file mapped copy-on-write: nothing is read until touched,
+        the pages are the page cache's own (shared with other processes mapping the file, as
+        llama.cpp maps a GGUF), and a tensor written in place copies only the pages it writes.
+        A tensor whose offset does not suit its dtype (no kiln file has one) is read instead."""
+        if self.path.stat().st_size == 0 or not self._entries:
+            return {name: self.read(name) for name in self._entries}
+        mapping = mmap.mmap(self._file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping.madvise(mmap.MADV_WILLNEED)  # start reading a cold file ahead of the first token
+        whole = torch.frombuffer(mapping, dtype=torch.uint8)  # its storage keeps the mapping open
+        out = {}
+        for name, (dtype, shape, start, end) in self._entries.items():
+            at = self._base + start
+            aligned = at % torch.empty((), dtype=dtype).element_size() == 0
+            out[name] = whole[at:self._base + end].view(dtype).view(shape) if aligned else self.read(name)
+        return out
+
     def _read_bytes(self, offset: int, size: int) -> torch.Tensor:
         return self._read_at(offset, torch.empty(size, dtype=torch.uint8))
 
@@ -114,6 +132,10 @@ def _leading_rows(index: tuple | None, shape: tuple[int, ...]) -> tuple[int, int
     return start, max(start, stop)
 
 
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
 class SafetensorsWriter:
     """A safetensors file written tensor by tensor: ``entries`` (name -> (dtype, shape)) fix the
     header up front; ``write`` puts each tensor at its place; ``close`` checks every one came."""
@@ -124,14 +146,15 @@ class SafetensorsWriter:
         header: dict = {"__metadata__": metadata} if metadata else {}
         self._places: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         offset = 0
-        for name in sorted(entries):
+        # Tensors of whole cache lines first, so each of them starts on one (``mapped`` views).
+        for name in sorted(entries, key=lambda n: (_nbytes(*entries[n]) % _ALIGN != 0, n)):
             dtype, shape = entries[name]
-            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            size = _nbytes(dtype, shape)
             header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
             self._places[name] = (dtype, tuple(shape), offset, size)
             offset += size
         encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % _ALIGN)
+        encoded += b" " * (-(8 + len(encoded)) % _ALIGN)
         self._base = 8 + len(encoded)
         self._file = open(self.path, "wb")
         self._file.write(struct.pack("<Q", len(encoded)) + encoded)

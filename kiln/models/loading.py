@@ -100,14 +100,19 @@ def load_checkpoint(model_cls: type, config: PretrainedConfig, checkpoint_dir: s
         linear.tile_order = True
     with SafetensorsReader(rank_file(checkpoint_dir, rank)) as reader:
         check_file_tensors(model, reader)
-        params = dict(model.named_parameters())
-        weights = {}
-        # Each tensor is read once, straight into its place in a huge-page arena per dtype (see
-        # kiln.host_memory): no memory map whose pages would count twice, no second copy.
-        for dtype in {p.dtype for p in params.values()}:
-            names = [name for name, p in params.items() if p.dtype == dtype]
-            for name, slot in zip(names, host_memory.empty_many([params[n].numel() for n in names], dtype)):
-                weights[name] = reader.read_into(name, slot)
+        if engine_layout:
+            # An engine's tensors are already in the kernels' layout: mapped, not read (loading
+            # takes no time and the page cache holds the only copy; decode reads them as fast).
+            weights = reader.mapped()
+        else:
+            # A checkpoint's are read once, straight into their place in a huge-page arena per dtype
+            # (kiln.host_memory), for the conversions that rewrite them.
+            params = dict(model.named_parameters())
+            weights = {}
+            for dtype in {p.dtype for p in params.values()}:
+                names = [name for name, p in params.items() if p.dtype == dtype]
+                for name, slot in zip(names, host_memory.empty_many([params[n].numel() for n in names], dtype)):
+                    weights[name] = reader.read_into(name, slot)
     fill_parameters(model, weights, source=str(rank_file(checkpoint_dir, rank)))
     if tiled and not kernels.packed_linear_available():  # no bf16 tile kernel here: plain weights for oneDNN
         for _, linear in tiled:

@@ -146,7 +146,7 @@ class NativeDecodeStep:
         # Set to a float64 [3] tensor to accumulate seconds in linears / attention / the rest.
         self.profile: torch.Tensor | None = None
         # What the gathered pointers depend on: the cache tensors and the weights' storage (all
-        # weights are assigned together, at load or when moved to huge pages).
+        # weights are assigned together, at load).
         self._kv_caches, self._cache_ptr = kv_caches, k_cache.data_ptr()
         self._weight = first.qkv.weight
         self._weight_ptr = self._weight.data_ptr()

@@ -1,9 +1,9 @@
 """Engine: a built engine directory loaded for execution.
 
-Loading does no conversion work: the model is created on the ``meta`` device and each tensor
-of ``rank{N}.safetensors`` is read once, straight into its place on huge pages
-(``kiln.models.loading.load_checkpoint``, ``host_memory``), bf16 linear weights already in the
-packed kernel's tiles; the few the build leaves plain (a tied lm_head) are then packed once.
+Loading does no conversion work: the model is created on the ``meta`` device and its tensors
+are views of ``rank{N}.safetensors`` mapped copy-on-write (``kiln.models.loading.load_checkpoint``),
+already in the kernels' layout (bf16 linear weights in the packed kernel's tiles); the few the
+build leaves plain (a tied lm_head) are then packed once.
 """
 from __future__ import annotations
 

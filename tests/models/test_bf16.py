@@ -131,3 +131,21 @@ def test_a_bf16_engine_holds_its_linears_in_tiles_once(bf16_case, monkeypatch):
         if isinstance(m, Linear) and linears[name].tile_order:
             assert not m.tile_order and torch.equal(kernels.pack_bf16(m.weight), linears[name].weight)
     torch.testing.assert_close(kiln_prompt_logits(engine_dir, ids), expected, atol=0.02, rtol=0.02)
+
+
+def test_an_engine_is_mapped_from_its_file_and_runs_as_if_read(bf16_case, monkeypatch):
+    """An engine's tensors are views of its file mapped copy-on-write (one storage, the
+    mapping), each whole-cache-line tensor on a cache line; the logits equal those of the same
+    engine read into memory."""
+    from kiln.checkpoint.safetensors_io import SafetensorsReader
+
+    _, bf16_engine_dir = bf16_case
+    params = list(Engine(bf16_engine_dir).model.parameters())
+    file_bytes = (bf16_engine_dir / "rank0.safetensors").stat().st_size
+    assert {p.untyped_storage().nbytes() for p in params} == {file_bytes}
+    assert all(p.data_ptr() % 64 == 0 for p in params if p.numel() * p.element_size() % 64 == 0)
+    ids = [3, 17, 9, 40, 2, 11]
+    mapped = kiln_prompt_logits(bf16_engine_dir, ids)
+    monkeypatch.setattr(SafetensorsReader, "mapped", lambda self: {n: self.read(n) for n in self.keys()})
+    assert {Engine(bf16_engine_dir).model.lm_head.weight.untyped_storage().nbytes()} != {file_bytes}
+    assert torch.equal(kiln_prompt_logits(bf16_engine_dir, ids), mapped)
