@@ -21,8 +21,9 @@ from kiln.config import PretrainedConfig
 from kiln.errors import CheckpointError, ConfigError
 
 # The layout of the tensors ``kiln build`` writes (an engine records it as ``engine_format``;
-# Engine refuses others). 2: 4-bit codes in panels of two blocks (kiln/kernels/quant_linear.c).
-ENGINE_FORMAT_VERSION = 2
+# Engine refuses others). 2: 4-bit codes in panels of two blocks (kiln/kernels/quant_linear.c);
+# 3: float16 group offsets (weights_offset) instead of uint8 zero points.
+ENGINE_FORMAT_VERSION = 3
 
 CONFIG_NAME = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

@@ -122,12 +122,11 @@ def engine_layout_weights(model: nn.Module, weights: dict[str, torch.Tensor],
         return weights
     for key in [k for k in weights if k.endswith(".weight") and f"{k[:-6]}weights_scaling_factor" in weights]:
         codes, prefix = weights[key], key[:-6]
-        bits = 4 if codes.dtype == torch.uint8 else 8
-        weights[key] = kernels.quant_pack(codes, bits)
-        if bits == 4:
-            scales, zeros = kernels.quant_pack_scales(weights[f"{prefix}weights_scaling_factor"],
-                                                      weights.get(f"{prefix}zero"), bits)
-            weights[f"{prefix}weights_scaling_factor"] = scales
-            if zeros is not None:
-                weights[f"{prefix}zero"] = zeros
+        weights[key] = kernels.quant_pack(codes, 4 if codes.dtype == torch.uint8 else 8)
+        scales, offsets = kernels.quant_pack_scales(weights[f"{prefix}weights_scaling_factor"],
+                                                    weights.pop(f"{prefix}zero", None),
+                                                    weights.get(f"{prefix}weights_offset"))
+        weights[f"{prefix}weights_scaling_factor"] = scales
+        if offsets is not None:
+            weights[f"{prefix}weights_offset"] = offsets
     return weights
