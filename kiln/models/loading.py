@@ -12,6 +12,7 @@ from torch import nn
 
 from kiln import host_memory, kernels
 from kiln.checkpoint.format import atomic_output_dir, rank_file, write_config, write_rank_weights
+from kiln.checkpoint.gguf_source import GGUFSource
 from kiln.checkpoint.loader import ModelWeightsLoader, check_file_tensors, fill_parameters, translate_key
 from kiln.checkpoint.safetensors_io import SafetensorsReader
 from kiln.checkpoint.sources import open_source
@@ -19,6 +20,7 @@ from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 from kiln.quantization import use_weight_only_layout
+from kiln.quantization.gguf import use_gguf_layout
 from kiln.quantization.gptq import gptq_settings, use_gptq_layout
 from kiln.quantization.weight_only import SMOOTHQUANT_ALGO
 
@@ -70,6 +72,11 @@ def prepare_hugging_face(model_cls: type, source, dtype: str | None = None, mapp
     if gptq is not None:  # pre-quantized linears load straight into kiln's W4A16 layout
         model.config = dataclasses.replace(model.config, quantization=use_gptq_layout(
             model, gptq, external, loader.key_map, str(source.path)))
+    if isinstance(source, GGUFSource) and source.blocks:  # quantized GGUF linears keep their blocks
+        loader.update_key_mapping(model)
+        quant = use_gguf_layout(model, source, loader.translate)
+        if quant is not None:
+            model.config = dataclasses.replace(model.config, quantization=quant)
     return model, loader
 
 
