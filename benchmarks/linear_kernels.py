@@ -45,7 +45,7 @@ def main() -> None:
         shape = (x.shape[0], lin.out_features)
         out = outputs.setdefault(shape, torch.empty(shape, dtype=x.dtype))
         if lin.quant_bits:
-            return kernels.quant_linear(x, lin.weight, lin.weights_scaling_factor, getattr(lin, "zero", None),
+            return kernels.quant_linear(x, lin.weight, lin.weights_scaling_factor, getattr(lin, "weights_offset", None),
                                         lin.quant_bits, lin.group_size, None, lin.out_features, out=out)
         if x.shape[0] > 1 and lin.packed_weight() is not None:
             return kernels.packed_linear(x, lin.packed_weight(), None, lin.out_features, out=out)

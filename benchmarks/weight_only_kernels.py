@@ -8,7 +8,7 @@ rows, with random codes in each kernel's own packed layout:
 * int8 per output channel: kiln (``kernels.quant_linear``, tile-ordered codes) vs
   ``torch._weight_int8pack_mm`` (row-major int8, bf16 scales);
 * 4-bit, a scale and zero point per 64 inputs: kiln (chunk-ordered codes, float16 scales,
-  uint8 zero points) vs ``torch._weight_int4pack_mm_for_cpu`` (its
+  the zero points as float16 offsets) vs ``torch._weight_int4pack_mm_for_cpu`` (its
   ``_convert_weight_to_int4pack_for_cpu`` layout, bf16 scales and zeros);
 * bf16 through kiln's kernels (the skinny GEMV for one row, the packed panel kernel for more)
   as the unquantized reference.
@@ -44,13 +44,13 @@ def make_layers(seed: int = 0):
             paths["bf16"].append((w, kernels.pack_bf16(w) if kernels.packed_supported(w) else None, n))
             codes8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
             scales8 = torch.rand(n, generator=g) / 127
-            paths["kiln int8"].append((kernels.quant_pack(codes8, 8), *kernels.quant_pack_scales(scales8, None, 8), n))
+            paths["kiln int8"].append((kernels.quant_pack(codes8, 8), *kernels.quant_pack_scales(scales8), n))
             paths["torch int8"].append((codes8, scales8.bfloat16()))
             codes4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
             scales4 = (torch.rand(n, k // GROUP, generator=g) / 8).half().float()
             zeros4 = torch.randint(0, 16, (n, k // GROUP), generator=g).float()
             pairs = codes4[:, 0::2] | (codes4[:, 1::2] << 4)
-            paths["kiln int4"].append((kernels.quant_pack(pairs, 4), *kernels.quant_pack_scales(scales4, zeros4, 4), n))
+            paths["kiln int4"].append((kernels.quant_pack(pairs, 4), *kernels.quant_pack_scales(scales4, zeros4), n))
             # torch's zeros are the float offset of code 8 (w = (q - 8) * scale + zero).
             scale_zero = torch.stack([scales4.t(), ((8 - zeros4) * scales4).t()], dim=-1).bfloat16().contiguous()
             paths["torch int4"].append((torch._convert_weight_to_int4pack_for_cpu(codes4.int(), 1), scale_zero))
@@ -69,10 +69,10 @@ def run_step(name: str, layers: list, xs: dict) -> None:
             else:
                 kernels.packed_linear(x, packed, None, n)
         elif name.startswith("kiln"):
-            codes, scales, zeros, n = entry
+            codes, scales, offsets, n = entry
             bits = 8 if name == "kiln int8" else 4
             k = codes.shape[1] if bits == 8 else 2 * codes.shape[1]
-            kernels.quant_linear(xs[k], codes, scales, zeros, bits, GROUP, None, n)
+            kernels.quant_linear(xs[k], codes, scales, offsets, bits, GROUP, None, n)
         elif name == "torch int8":
             codes, scales = entry
             torch._weight_int8pack_mm(xs[codes.shape[1]], codes, scales)

@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from kiln.checkpoint.format import atomic_output_dir, copy_tokenizer_files, rank_file, write_config, write_rank_weights
+from kiln.checkpoint.gguf_source import GGUFSource
 from kiln.checkpoint.safetensors_io import SafetensorsWriter
 from kiln.checkpoint.sources import open_source
 from kiln.config import PretrainedConfig, QuantConfig
@@ -51,7 +52,10 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
 
     With ``use_parallel_embedding`` the embedding table is split over the tensor-parallel
     ranks along ``embedding_sharding_dim`` (0: vocabulary, 1: hidden), as reference 001
-    describes; otherwise every rank holds it whole. ``quantization`` (a weight-only
+    describes; otherwise every rank holds it whole. A GGUF file converted with no ``dtype`` and no
+    ``quant_algo`` keeps its quantized linears at their own precision (``kiln.quantization.gguf``:
+    a ``MIXED_PRECISION`` checkpoint, float parts float32); a ``dtype`` or ``quant_algo`` given
+    dequantizes them first. ``quantization`` (a weight-only
     ``quant_algo``: W8A16, W4A16) quantizes the linear layers' weights by round-to-nearest
     (``kiln.quantization``). A GPTQ checkpoint (``quantization_config`` in config.json) is
     imported into the same layout as W4A16_GPTQ (``kiln.quantization.gptq``). ``W4A16_AWQ`` and
@@ -66,7 +70,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
     the same texts (``kiln.quantization.kv_cache``). The output appears all at once when everything succeeded
     (nothing half-written).
     """
-    source = open_source(model_dir)
+    source = _at_own_precision(open_source(model_dir), dtype, quantization, tp_size)
     hf = source.hf_config()
     if hf is None:
         raise ConfigError(f"{model_dir}: no Hugging Face config.json found next to the weights")
@@ -115,6 +119,20 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
         write_config(tmp, {**config.to_dict(), **chosen})
         _save_tokenizer(source, Path(model_dir), tmp)
     return Path(output_dir)
+
+
+def _at_own_precision(source, dtype: str | None, quantization: QuantConfig | None, tp_size: int):
+    """``source``, or for a GGUF file converted with no dtype and no quant_algo, the same file
+    read as raw blocks: its quantized linears keep their own precision (kiln.quantization.gguf).
+    A dtype or quant_algo given dequantizes them first, as for any float source."""
+    if not isinstance(source, GGUFSource) or dtype not in (None, "auto") or (
+            quantization is not None and quantization.quant_algo is not None):
+        return source
+    if tp_size > 1:  # the imported blocks are read whole, as GPTQ tensors are
+        logger.warning("%s: tp_size %d: converting the GGUF file dequantized (its own precision needs "
+                       "tp_size 1)", source.path, tp_size)
+        return source
+    return GGUFSource(source.path, blocks=True)
 
 
 def _checked_calibration(quantization: QuantConfig | None, world_size: int, where: str) -> bool:

@@ -53,8 +53,9 @@ def resolve_build_config(config: PretrainedConfig, **options: int | None) -> Bui
 
 
 ENGINE_DTYPES = tuple(DTYPES)
-QUANT_FLOAT32 = (".weights_scaling_factor", ".zero", ".prequant_scaling_factor", ".activation_scaling_factor",
-                 ".kv_cache_scaling_factor")
+# Quantization parameters keep their own dtype (float32, or the kernels' float16) in any engine dtype.
+QUANT_FLOAT32 = (".weights_scaling_factor", ".zero", ".weights_offset", ".prequant_scaling_factor",
+                 ".activation_scaling_factor", ".kv_cache_scaling_factor")
 
 
 def cpu_has_native_bf16() -> bool:

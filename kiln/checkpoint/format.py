@@ -21,9 +21,10 @@ from kiln.config import PretrainedConfig
 from kiln.errors import CheckpointError, ConfigError
 
 # The layout of the tensors ``kiln build`` writes (an engine records it as ``engine_format``;
-# Engine refuses others). 2: 4-bit codes in panels of two blocks (kiln/kernels/quant_linear.c).
-# 3: a bf16 engine's float linear weights in the tiles of kiln.kernels.pack_bf16.
-ENGINE_FORMAT_VERSION = 3
+# Engine refuses others). 2: 4-bit codes in panels of two blocks (kiln/kernels/quant_linear.c);
+# 3 (never released alone): float16 group offsets (weights_offset) instead of uint8 zero points,
+# or bf16 linear weights in tiles; 4: both, and tensors on cache lines for mapping.
+ENGINE_FORMAT_VERSION = 4
 
 CONFIG_NAME = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

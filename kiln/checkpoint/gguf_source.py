@@ -51,6 +51,10 @@ _IGNORED = {"rope_freqs.weight"}
 _PLAIN = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.F64,
           GGMLQuantizationType.I8, GGMLQuantizationType.I16, GGMLQuantizationType.I32,
           GGMLQuantizationType.I64}
+FLOAT_TYPES = (*_PLAIN, GGMLQuantizationType.BF16)  # types stored as plain numbers, not blocks
+# A weight's raw blocks, listed beside it by a source opened with ``blocks=True``:
+# ``model.layers.0.mlp.up_proj.weight`` -> ``model.layers.0.mlp.up_proj.gguf_blocks``.
+BLOCKS = "gguf_blocks"
 
 
 def _hf_name(arch: str, name: str) -> str | None:
@@ -81,10 +85,13 @@ class GGUFSource:
 
     Quantized tensors are dequantized to float32 on read; F32/F16/BF16 keep their dtype.
     Only the most recently read tensor is kept, fully dequantized, for further slices.
+    With ``blocks`` each quantized 2-D weight (a llama-like file's) is also listed as its raw
+    blocks, ``<stem>.gguf_blocks``: uint8 ``[rows, bytes a row]`` in HF row order, read whole
+    (``kiln.quantization.gguf`` imports them without dequantizing).
     """
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
+    def __init__(self, path: Path, blocks: bool = False):
+        self.path, self.blocks = Path(path), blocks
         if not self.path.is_file():
             raise CheckpointError(f"{self.path}: no such file")
         try:
@@ -109,6 +116,9 @@ class GGUFSource:
                 raise CheckpointError(f"{self.path}: tensor {t.name!r} has no Hugging Face counterpart "
                                       f"for architecture {self.arch!r}")
             self._tensors[hf] = t
+        self._blocks = {f"{key[:-len('weight')]}{BLOCKS}": key for key, t in self._tensors.items()
+                        if blocks and self.arch in _LLAMA_LIKE and key.endswith(".weight") and len(t.shape) == 2
+                        and t.tensor_type not in FLOAT_TYPES}
         self._cached: tuple[str, torch.Tensor] | None = None
 
     def _check_size(self, t: ReaderTensor) -> None:
@@ -122,7 +132,11 @@ class GGUFSource:
         return default if field is None else field.contents()
 
     def keys(self) -> Iterable[str]:
-        return self._tensors.keys()
+        return [*self._tensors, *self._blocks]
+
+    def tensor_type(self, key: str) -> GGMLQuantizationType:
+        """The GGUF type of tensor ``key`` (an HF name)."""
+        return self._tensor(key).tensor_type
 
     def _tensor(self, key: str) -> ReaderTensor:
         try:
@@ -147,6 +161,8 @@ class GGUFSource:
         return None
 
     def shape(self, key: str) -> tuple[int, ...]:
+        if key in self._blocks:
+            return tuple(self._tensor(self._blocks[key]).data.shape)
         t = self._tensor(key)
         shape = tuple(int(d) for d in reversed(t.shape))
         return shape[::-1] if self._transposed(key, t) else shape
@@ -166,6 +182,11 @@ class GGUFSource:
             mapped.madvise(mmap.MADV_DONTNEED)
 
     def _read(self, key: str, index: Index | None) -> torch.Tensor:
+        if key in self._blocks:
+            if index is not None:
+                raise CheckpointError(f"{self.path}: {key!r} (raw blocks) is read whole")
+            weight = self._blocks[key]
+            return self._rows(weight, torch.from_numpy(np.array(self._tensor(weight).data))).contiguous()
         t = self._tensor(key)
         plain = self._row_heads(key) is None and not self._transposed(key, t)
         if plain and (t.tensor_type in _PLAIN or t.tensor_type == GGMLQuantizationType.BF16):
@@ -204,15 +225,20 @@ class GGUFSource:
             except NotImplementedError:
                 raise CheckpointError(f"{self.path}: tensor {t.name!r} has type {qtype.name}, "
                                       "which the gguf package cannot dequantize") from None
-        w = w.reshape(shape)
-        if (heads := self._row_heads(key)) is not None:
-            if shape[0] % (2 * heads):
-                raise CheckpointError(f"{self.path}: tensor {t.name!r} has {shape[0]} rows, "
-                                      f"not a multiple of 2 x {heads} heads")
-            w = _unpermute_rows(w, heads)
+        w = self._rows(key, w.reshape(shape))
         if self._transposed(key, t):
             w = w.t()
         return w.contiguous()
+
+    def _rows(self, key: str, w: torch.Tensor) -> torch.Tensor:
+        """``w`` (weight ``key``'s values or raw blocks, a row per output) in HF row order: llama
+        q/k rows un-permuted (whole rows move, so blocks along a row stay intact)."""
+        if (heads := self._row_heads(key)) is not None:
+            if w.shape[0] % (2 * heads):
+                raise CheckpointError(f"{self.path}: tensor {self._tensor(key).name!r} has {w.shape[0]} rows, "
+                                      f"not a multiple of 2 x {heads} heads")
+            w = _unpermute_rows(w, heads)
+        return w
 
     def hf_config(self) -> dict:
         """A Hugging Face ``config.json`` dict built from the GGUF metadata."""

@@ -1,5 +1,5 @@
 """Configs: the checkpoint's model config, its quantization part, and the build limits."""
 from kiln.config.build import BuildConfig
-from kiln.config.pretrained import PretrainedConfig, QuantConfig
+from kiln.config.pretrained import LayerQuant, PretrainedConfig, QuantConfig
 
-__all__ = ["BuildConfig", "PretrainedConfig", "QuantConfig"]
+__all__ = ["BuildConfig", "LayerQuant", "PretrainedConfig", "QuantConfig"]

@@ -11,12 +11,40 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kiln.config.quant_algos import ALGOS, KV_CACHE_QUANT_ALGOS
+from kiln.config.quant_algos import ALGOS, KV_CACHE_QUANT_ALGOS, LAYER_ALGOS, MIXED_PRECISION
 from kiln.dtypes import DTYPES
 from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 
-QUANT_ALGOS = tuple(ALGOS)
+QUANT_ALGOS = (*ALGOS, MIXED_PRECISION)
+
+
+@dataclass(frozen=True)
+class LayerQuant:
+    """One linear's weight-only format in a ``MIXED_PRECISION`` checkpoint: W8A16 or W4A16 codes,
+    ``group_size`` inputs per scale (None: W8A16's scale per output channel), and per group an
+    integer ``zero`` point (``has_zero_point``, W4A16) or a float ``weights_offset``
+    (``has_offset``): ``w = code * scale + offset``."""
+
+    quant_algo: str
+    group_size: int | None = None
+    has_zero_point: bool = False
+    has_offset: bool = False
+
+    def __post_init__(self) -> None:
+        if self.quant_algo not in LAYER_ALGOS:
+            raise ConfigError(f"quantized_layers: quant_algo {self.quant_algo!r} is not one of {LAYER_ALGOS}")
+        if self.group_size is None and (self.bits == 4 or self.has_offset or self.has_zero_point):
+            raise ConfigError(f"quantized_layers: {self.quant_algo} with zero points or offsets needs a group_size")
+        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size <= 0
+                                            or self.group_size % 32):
+            raise ConfigError(f"quantized_layers: group_size must be a positive multiple of 32, got {self.group_size!r}")
+        if self.has_zero_point and (self.has_offset or self.bits == 8):
+            raise ConfigError("quantized_layers: zero points are for W4A16 layers without offsets")
+
+    @property
+    def bits(self) -> int:
+        return ALGOS[self.quant_algo].weight_bits
 
 
 @dataclass(frozen=True)
@@ -29,6 +57,7 @@ class QuantConfig:
     has_zero_point: bool = False
     pre_quant_scale: bool = False
     exclude_modules: list[str] | None = None
+    quantized_layers: dict[str, LayerQuant] | None = None  # MIXED_PRECISION: linear name -> its format
 
     def __post_init__(self) -> None:
         if self.quant_algo is not None and self.quant_algo not in QUANT_ALGOS:
@@ -39,6 +68,8 @@ class QuantConfig:
             )
         if not isinstance(self.group_size, int) or self.group_size <= 0:
             raise ConfigError(f"quantization.group_size must be a positive integer, got {self.group_size!r}")
+        if (self.quant_algo == MIXED_PRECISION) != bool(self.quantized_layers):
+            raise ConfigError(f"quantization.quantized_layers goes with (and only with) quant_algo {MIXED_PRECISION}")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "QuantConfig":
@@ -47,6 +78,15 @@ class QuantConfig:
         unknown = set(d) - known
         if unknown:
             raise ConfigError(f"quantization has unknown fields {sorted(unknown)}")
+        if d.get("quantized_layers") is not None:
+            layers = d["quantized_layers"]
+            if not isinstance(layers, dict) or not all(isinstance(v, (dict, LayerQuant)) for v in layers.values()):
+                raise ConfigError("quantization.quantized_layers must map linear names to formats")
+            try:
+                d["quantized_layers"] = {name: v if isinstance(v, LayerQuant) else LayerQuant(**v)
+                                         for name, v in layers.items()}
+            except TypeError as e:
+                raise ConfigError(f"quantization.quantized_layers: {e}") from None
         return cls(**d)
 
     def to_dict(self) -> dict:

@@ -26,3 +26,7 @@ ALGOS = {a.name: a for a in (
     QuantAlgo("W8A8_SQ_PER_CHANNEL", 8, calibrated=True, weight_only=False, bf16_engine=False),  # SmoothQuant
 )}
 KV_CACHE_QUANT_ALGOS = ("FP8", "INT8")
+# Each quantized linear in its own weight-only format (an imported GGUF file's mix of types), listed
+# in QuantConfig.quantized_layers (TensorRT-LLM's name and shape for per-layer precision).
+MIXED_PRECISION = "MIXED_PRECISION"
+LAYER_ALGOS = ("W8A16", "W4A16")  # the formats a layer of a MIXED_PRECISION checkpoint may have

@@ -219,11 +219,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y
 
 
-def quant_shape_tiles(out_features: int, in_features: int, bits: int, group_size: int) -> bool:
+def quant_shape_tiles(out_features: int, in_features: int, bits: int, group_size: int | None) -> bool:
     """Whether the quantized-linear kernel's tile order fits this shape: 16-column blocks,
-    32-wide k blocks, and (4-bit) groups made of whole k blocks."""
+    32-wide k blocks, and groups made of whole k blocks (``group_size`` None: int8 with a scale
+    per output channel)."""
     return (bits in (4, 8) and out_features % 16 == 0 and in_features % 32 == 0
-            and (bits == 8 or (group_size % 32 == 0 and in_features % group_size == 0)))
+            and (group_size is None and bits == 8 or group_size is not None and group_size % 32 == 0
+                 and in_features % group_size == 0))
 
 
 def quant_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -240,36 +242,41 @@ def quant_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def quant_pack_scales(scales: torch.Tensor, zeros: torch.Tensor | None,
-                      bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A checkpoint's float32 scales (and zero points) in the kernels' layout: int8's ``[n]``
-    unchanged; 4-bit's ``[n, groups]`` as float16 ``[n / 16, groups, 16]`` (zero points as
-    uint8 in the same order), so a block's 16 scales are one vector load. kiln's quantizers
-    give float16-exact scales, so nothing is rounded here."""
-    if bits == 8:
+def quant_pack_scales(scales: torch.Tensor, zeros: torch.Tensor | None = None,
+                      offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A checkpoint's float32 scales and zero points or offsets in the kernels' layout: scales per
+    channel ``[n]`` unchanged; group scales ``[n, groups]`` as float16 ``[n / 16, groups, 16]`` (a
+    block's 16 scales are one vector load), group offsets (``offsets``, or ``-zero * scale``) too.
+    kiln's quantizers give float16-exact scales; GGUF K-quants' products of two scales round."""
+    if scales.dim() == 1:
         return scales.float().contiguous(), None
 
-    def tiled(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def tiled(t: torch.Tensor) -> torch.Tensor:
         n, groups = t.shape
-        return t.reshape(n // 16, 16, groups).transpose(1, 2).to(dtype).contiguous()
+        return t.reshape(n // 16, 16, groups).transpose(1, 2).to(torch.float16).contiguous()
 
-    if zeros is not None and (zeros.min() < 0 or zeros.max() > 15 or not torch.equal(zeros, zeros.round())):
-        raise ValueError("quant_pack_scales: 4-bit zero points must be whole numbers in 0..15")
-    return tiled(scales, torch.float16), None if zeros is None else tiled(zeros, torch.uint8)
+    if zeros is not None:
+        offsets = -zeros.float() * scales.float()
+    return tiled(scales), None if offsets is None else tiled(offsets)
 
 
-def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-                 group_size: int, bias: torch.Tensor | None, out_features: int, *,
+def quant_kernel_group(scales: torch.Tensor, group_size: int | None) -> int:
+    """The kernels' group for engine ``scales``: 0 for int8's scales per channel, else ``group_size``."""
+    return 0 if scales.dim() == 1 else int(group_size)
+
+
+def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int,
+                 group_size: int | None, bias: torch.Tensor | None, out_features: int, *,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` of bf16 ``x`` ``[m, k]`` with a weight-only quantized weight in the kernels'
-    layout: ``codes`` from ``quant_pack``, ``scales`` and ``zeros`` (or None) from
-    ``quant_pack_scales`` (see quant_linear.c)."""
+    layout: ``codes`` from ``quant_pack``, ``scales`` and ``offsets`` (or None) from
+    ``quant_pack_scales`` (see quant_linear.c); ``group_size`` is ignored for scales per channel."""
     m, k = x.shape
     y = output(out, m, out_features, torch.bfloat16)
     native_library().kiln_quant_linear_bf16(
-        x.contiguous().data_ptr(), codes.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
-        bits, group_size, bias.data_ptr() if bias is not None else None, y.data_ptr(), m, out_features, k,
-        torch.get_num_threads())
+        x.contiguous().data_ptr(), codes.data_ptr(), scales.data_ptr(),
+        offsets.data_ptr() if offsets is not None else None, bits, quant_kernel_group(scales, group_size),
+        bias.data_ptr() if bias is not None else None, y.data_ptr(), m, out_features, k, torch.get_num_threads())
     return y
 
 

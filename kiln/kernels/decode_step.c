@@ -43,16 +43,16 @@ enum { LINEAR = 0, ATTENTION = 1, OTHER = 2 };
 #include "kernels.h"
 
 /* A linear's weight, bias (or NULL) and, for bf16, its tile-packed copy (or NULL); a weight-only
- * quantized one (bits 8 or 4) has tile-ordered codes as its weight, float32 scales and zeros (or
- * NULL), and its group size; an FP8 one (fp8 set) e4m3 codes in tile order and float32 scales
- * per column. AWQ's input multiplier `prequant` (float32 [k], or NULL) and a static FP8
+ * quantized one (bits 8 or 4) has tile-ordered codes as its weight, its scales and offsets (or
+ * NULL) and its group size (0: int8 with float32 scales per output channel; quant_linear.c); an
+ * FP8 one (fp8 set) e4m3 codes in tile order and float32 scales per column. AWQ's input multiplier `prequant` (float32 [k], or NULL) and a static FP8
  * activation scale `act_scale` (FP8, W4A8_AWQ; 0 for none) apply to the input first. A
  * SmoothQuant W8A8 one (w8a8 set): row-major int8 codes, float32 scales per column and the
  * smoothing multiplier `prequant` (w8a8_linear.c). */
 typedef struct {
     const void *weight, *bias, *packed;
     int64_t bits, group;
-    const void *scales, *zeros;  /* float32 [n] (int8, FP8), or float16 scales and uint8 zeros (4-bit) */
+    const void *scales, *offsets;  /* float32 [n] (FP8, int8 per channel), or float16 per group */
     const float *prequant;
     int64_t fp8;
     float act_scale;
@@ -127,7 +127,7 @@ static void linear_bf16(const bf16_t *x, const kiln_linear *L, bf16_t *y, int64_
             prepared = malloc(sizeof(bf16_t) * m * k);
             kiln_prepare_quant_input(x, m, k, L->prequant, L->act_scale, prepared, num_threads);
         }
-        kiln_quant_linear_bf16(prepared ? prepared : x, L->weight, L->scales, L->zeros, L->bits, L->group, L->bias,
+        kiln_quant_linear_bf16(prepared ? prepared : x, L->weight, L->scales, L->offsets, L->bits, L->group, L->bias,
                                y, m, n, k, num_threads);
         free(prepared);
     } else if (L->packed) kiln_packed_linear_bf16(x, L->packed, L->bias, y, m, n, k, num_threads);

@@ -13,11 +13,12 @@ from kiln.kernels.library import C_INT64, C_PTR, DTYPE_SUFFIX, native_library
 class LinearWeights(ctypes.Structure):
     """A linear layer for ``decode_step``: weight (tile-ordered codes when ``bits`` is 8 or 4, or
     e4m3 codes when ``fp8``), bias (or NULL), tile-packed bf16 copy (or NULL), for quantized
-    weights the group size, float32 scales and zeros (or NULL), AWQ's ``prequant`` multiplier
+    weights the group size (0: scales per channel), scales and offsets (or NULL) in the kernels'
+    layout (``kernels.quant_pack_scales``), AWQ's ``prequant`` multiplier
     (or NULL) and a static FP8 activation scale (FP8, W4A8_AWQ; 0 for none); ``w8a8``: a
     SmoothQuant layer (row-major int8 codes, scales per column, ``prequant`` its smoothing)."""
     _fields_ = [("weight", C_PTR), ("bias", C_PTR), ("packed", C_PTR), ("bits", C_INT64), ("group", C_INT64),
-                ("scales", C_PTR), ("zeros", C_PTR), ("prequant", C_PTR), ("fp8", C_INT64), ("act_scale", ctypes.c_float),
+                ("scales", C_PTR), ("offsets", C_PTR), ("prequant", C_PTR), ("fp8", C_INT64), ("act_scale", ctypes.c_float),
                 ("w8a8", C_INT64)]
 
 

@@ -64,7 +64,7 @@ void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *b
                           int64_t n, int64_t k, int num_threads);
 
 void kiln_quant_pack(const uint8_t *codes, uint8_t *out, int64_t n, int64_t k, int64_t bits, int num_threads);
-void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const void *scales, const void *zeros,
+void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const void *scales, const void *offsets,
                             int64_t bits, int64_t group, const bf16_t *bias, bf16_t *y, int64_t m, int64_t n,
                             int64_t k, int num_threads);
 

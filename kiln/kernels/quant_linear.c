@@ -1,27 +1,31 @@
-/* Weight-only quantized linear layers: y = x W^T + b with W stored as int8 (per output channel
- * scale, W8A16) or 4-bit codes (a scale, and optionally a zero point, per group of k, W4A16);
- * x, y and b bfloat16.
+/* Weight-only quantized linear layers: y = x W^T + b with W stored as int8 codes (a scale per
+ * output channel, or a scale and optionally an offset per group of k) or 4-bit codes (a scale, and
+ * optionally an offset, per group of k); x, y and b bfloat16.
  *
- *   int8:  w[c][k] = q * scale[c]                         (q signed, -127..127)
- *   4-bit: w[c][k] = (u - zero[c][g]) * scale[c][g]       (u 0..15; zero 8 when not stored;
- *                                                          g = k / group)
+ *   int8, per channel (group 0): w[c][k] = q * scale[c]                 (q signed, -127..127)
+ *   int8, per group:             w[c][k] = q * scale[c][g] + offset[c][g]  (offset 0 when not stored)
+ *   4-bit:                       w[c][k] = u * scale[c][g] + offset[c][g]  (u 0..15; offset
+ *                                                          -8 * scale when not stored; g = k / group)
+ *
+ * A zero point z is the offset -z * scale; GGUF's Q4_1 / K-quant minimums are offsets as they are.
  *
  * Engine layouts (kiln build; kiln.kernels.quant_pack / quant_pack_scales):
  *   int8 codes in the tile order of amx_linear.c, one byte a code (512 bytes a 16 x 32 tile:
- *     tile row p holds each column's pair of k); scales float32 [n].
+ *     tile row p holds each column's pair of k); per-channel scales float32 [n].
  *   4-bit codes in "chunks": per 16-column block, each 8 consecutive k (chunk j) take 64 bytes,
  *     byte 4c + i holding w[c][8j + i] in its low nibble and w[c][8j + 4 + i] in its high nibble.
  *     One 64-byte load and a mask (or a shift) give 16 lanes of 4 codes of one column each: the
  *     operand VPDPBUSD multiplies by 4 bytes of x. Blocks pair up into panels (2P, 2P + 1; the
  *     last alone when n / 16 is odd) whose chunks alternate: j of 2P, j of 2P + 1, j + 1 of 2P...
  *     (chunk_at), so the GEMV reads a panel as one stream; with a few KB a block, separate
- *     streams left ~25% of the memory bandwidth unused. Scales float16 [n / 16][groups][16] and
- *     zero points uint8 in the same order, so a block's 16 scales are one vector load.
+ *     streams left ~25% of the memory bandwidth unused.
+ *   Group scales and offsets (either width) float16 [n / 16][groups][16], so a block's 16 scales
+ *     are one vector load.
  *
  * A few rows of x take a GEMV straight from the codes in integers (quant_gemv); more rows, the
- * codes of a panel dequantized (u * s + (-zero * s) in fp32, rounded to bf16) into the tile
- * layout of the shared panel kernel (AMX, or AVX512-BF16 dot products), which multiplies them
- * for every row of x: each code is read and dequantized once per call.
+ * codes of a panel dequantized (u * s + o in fp32, rounded to bf16) into the tile layout of the
+ * shared panel kernel (AMX, or AVX512-BF16 dot products), which multiplies them for every row of
+ * x: each code is read and dequantized once per call.
  */
 #include <math.h>
 #include <stdint.h>
@@ -35,11 +39,11 @@
 #endif
 
 typedef struct {
-    const uint8_t *codes;      /* see the layouts above */
-    const float *scales8;      /* bits 8: [n] */
-    const uint16_t *scales4;   /* bits 4: float16 [n / 16][groups][16] */
-    const uint8_t *zeros4;     /* bits 4: [n / 16][groups][16], or NULL (8) */
-    int64_t n, k, group, bits;
+    const uint8_t *codes;            /* see the layouts above */
+    const float *channel_scales;     /* int8 per channel: [n]; else NULL */
+    const uint16_t *scales;          /* per group: float16 [n / 16][groups][16] */
+    const uint16_t *offsets;         /* per group: float16 [n / 16][groups][16], or NULL */
+    int64_t n, k, group, bits;       /* group: k for per-channel scales */
 } kiln_qweight;
 
 static inline float half_load(uint16_t h) {
@@ -87,19 +91,22 @@ void kiln_quant_pack(const uint8_t *codes, uint8_t *out, int64_t n, int64_t k, i
     }
 }
 
-/* Scale and offset (-zero * scale) of the 16 columns of block nb in group g (fp32). */
+/* The offset a group has when none is stored: 4-bit codes are centred on 8, int8 codes on 0. */
+static inline float implicit_offset(const kiln_qweight *W, float s) { return W->bits == 4 ? -8.f * s : 0.f; }
+
+/* Scale and offset of the 16 columns of block nb in group g (fp32). */
 static inline void column_scales(const kiln_qweight *W, int64_t nb, int64_t g, float s[16], float o[16]) {
-    if (W->bits == 8) {
+    if (W->channel_scales) {
         for (int c = 0; c < 16; ++c) {
-            s[c] = W->scales8[nb * 16 + c];
+            s[c] = W->channel_scales[nb * 16 + c];
             o[c] = 0.f;
         }
         return;
     }
     const int64_t at = (nb * (W->k / W->group) + g) * 16;
     for (int c = 0; c < 16; ++c) {
-        s[c] = half_load(W->scales4[at + c]);
-        o[c] = -(W->zeros4 ? (float)W->zeros4[at + c] : 8.f) * s[c];
+        s[c] = half_load(W->scales[at + c]);
+        o[c] = W->offsets ? half_load(W->offsets[at + c]) : implicit_offset(W, s[c]);
     }
 }
 
@@ -114,7 +121,7 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
     for (int b = 0; b < blocks; ++b)
         for (int64_t kb = 0; kb < kblocks; ++kb) {
             float s[16], o[16];
-            column_scales(W, nb0 + b, W->bits == 8 ? 0 : kb * 32 / W->group, s, o);
+            column_scales(W, nb0 + b, kb * 32 / W->group, s, o);
             bf16_t *out = scratch + (b * kblocks + kb) * 512;
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
             /* lane i of a 16-lane half is column i / 2 (+ 8 for the upper half) */
@@ -178,8 +185,8 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
  * scaled to 16-bit fixed point (error at most 2^-15 of its largest value, finer than its own
  * bf16 rounding for all but tiny entries). Converting codes to floats instead ran 3x slower
  * than the memory here. The integer sums are flushed to fp32 per span of k (a group, or at
- * most 512 k, before they could overflow), times scale * x's scale; a group's zero point
- * comes in through its sum of x.
+ * most 512 k, before they could overflow), times scale * x's scale; a group's offset
+ * comes in times its sum of x.
  *   int8: VPDPWSSD multiplies the tile order's code pairs (widened to 16 bits) by x pairs.
  *   4-bit: VPDPBUSD multiplies a chunk's 4 codes of a column (unsigned bytes, one mask or
  *   shift from the load) by 4 bytes of x, twice: x = 128 hi + lo with hi signed and lo in
@@ -188,7 +195,7 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
 
 /* k per flush: a divisor of the group (a multiple of 32) of at most 512 k. */
 static inline int64_t flush_span(const kiln_qweight *W) {
-    if (W->bits == 8) return 512;
+    if (W->channel_scales) return 512;
     int64_t blocks = W->group / 32, best = 1;
     for (int64_t d = 1; d <= 16; ++d)
         if (blocks % d == 0) best = d;
@@ -196,17 +203,19 @@ static inline int64_t flush_span(const kiln_qweight *W) {
 }
 
 static inline void load_block_scales(const kiln_qweight *W, int64_t nb, int64_t g, __m512 *s, __m512 *o) {
-    if (W->bits == 8) {
-        *s = _mm512_loadu_ps(W->scales8 + nb * 16);
+    if (W->channel_scales) {
+        *s = _mm512_loadu_ps(W->channel_scales + nb * 16);
         *o = _mm512_setzero_ps();
         return;
     }
     const int64_t at = (nb * (W->k / W->group) + g) * 16;
-    *s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(W->scales4 + at)));
-    const __m512 z = W->zeros4 ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(W->zeros4 + at))))
-                               : _mm512_set1_ps(8.f);
-    *o = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), z), *s);
+    *s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(W->scales + at)));
+    *o = W->offsets ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(W->offsets + at)))
+                    : _mm512_mul_ps(_mm512_set1_ps(implicit_offset(W, 1.f)), *s);
 }
+
+/* Whether a group's offset enters the GEMV (through the span's sum of x). */
+static inline int has_offsets(const kiln_qweight *W) { return W->bits == 4 || W->offsets != NULL; }
 
 static inline __m512i bcast32(const void *p) {
     int32_t v;
@@ -279,7 +288,7 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
                 }
             }
         }
-        const int64_t g = W->bits == 8 ? 0 : k0 / W->group, sp = k0 / span;
+        const int64_t g = k0 / W->group, sp = k0 / span;
         for (int b = 0; b < NB; ++b) {
             __m512 sv, ov;
             load_block_scales(W, nb0 + b, g, &sv, &ov);
@@ -287,7 +296,7 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
                 const __m512i sum = W->bits == 8 ? acc[t][b] : _mm512_add_epi32(_mm512_slli_epi32(acc_hi[t][b], 7), acc[t][b]);
                 const __m512 st = _mm512_mul_ps(sv, _mm512_set1_ps(in->xscale[t0 + t]));
                 total[t][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), st, total[t][b]);
-                if (W->bits == 4)
+                if (has_offsets(W))
                     total[t][b] = _mm512_fmadd_ps(ov, _mm512_set1_ps(in->xsum[(t0 + t) * in->spans + sp]), total[t][b]);
             }
         }
@@ -368,11 +377,13 @@ static void quant_gemv(const bf16_t *x, const kiln_qweight *W, const bf16_t *bia
 }
 #endif
 
-void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const void *scales, const void *zeros,
+/* group 0: int8 codes with float32 scales per output channel; else float16 scales (and offsets,
+ * or NULL) per group of k. */
+void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const void *scales, const void *offsets,
                             int64_t bits, int64_t group, const bf16_t *bias, bf16_t *y, int64_t m, int64_t n,
                             int64_t k, int num_threads) {
-    const kiln_qweight W = {codes, bits == 8 ? scales : NULL, bits == 4 ? scales : NULL, bits == 4 ? zeros : NULL,
-                            n, k, bits == 8 ? k : group, bits};
+    const kiln_qweight W = {codes, group ? NULL : scales, group ? scales : NULL, group ? offsets : NULL,
+                            n, k, group ? group : k, bits};
 #ifdef HAVE_QUANT_GEMV
     if (m <= QUANT_GEMV_MAX_ROWS) {
         quant_gemv(x, &W, bias, y, m, num_threads);

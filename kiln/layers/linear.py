@@ -74,23 +74,28 @@ class Linear(nn.Module):
 
     # -- weight-only quantization (kiln.quantization.weight_only) -----------------------------
 
-    def use_weight_only(self, bits: int, group_size: int, has_zero_point: bool,
-                        tensors: dict[str, torch.Tensor] | None = None, *, tile_order: bool = False) -> None:
-        """Replace the float weight by weight-only quantized parameters: ``weight`` codes,
-        ``weights_scaling_factor`` and (4-bit with a zero point) ``zero``; the given
-        ``tensors``, or empty ones of the right shapes. ``tile_order``: the tensors are in the
-        kernels' layout (an engine's: ``kernels.quant_pack``, ``kernels.quant_pack_scales``)."""
+    def use_weight_only(self, bits: int, group_size: int | None, has_zero_point: bool,
+                        tensors: dict[str, torch.Tensor] | None = None, *, has_offset: bool = False,
+                        tile_order: bool = False) -> None:
+        """Replace the float weight by weight-only quantized parameters (the given ``tensors``, or
+        empty ones of the right shapes): ``weight`` codes, ``weights_scaling_factor`` (8-bit with
+        ``group_size`` None: one per output channel; else one per group) and, per group, the
+        integer ``zero`` (``has_zero_point``, 4-bit) or the float ``weights_offset``
+        (``has_offset``). ``tile_order``: the tensors are in the kernels' layout (an engine's:
+        ``kernels.quant_pack`` and ``quant_pack_scales``, where a zero point becomes an offset)."""
         out_features, in_features = self.weight.shape
-        groups = in_features // group_size
+        grouped = (out_features, in_features // group_size) if group_size is not None else None
         shapes = {"weight": ((out_features, in_features), torch.int8) if bits == 8
                   else ((out_features, in_features // 2), torch.uint8),
-                  "weights_scaling_factor": ((out_features,) if bits == 8 else (out_features, groups), torch.float32)}
-        if bits == 4 and has_zero_point:
-            shapes["zero"] = ((out_features, groups), torch.float32)
-        if bits == 4 and tile_order:  # the kernels' layout (kernels.quant_pack_scales)
-            shapes["weights_scaling_factor"] = ((out_features // 16, groups, 16), torch.float16)
-            if has_zero_point:
-                shapes["zero"] = ((out_features // 16, groups, 16), torch.uint8)
+                  "weights_scaling_factor": (grouped or (out_features,), torch.float32)}
+        if has_zero_point and not tile_order:
+            shapes["zero"] = (grouped, torch.float32)
+        if has_offset or (has_zero_point and tile_order):
+            shapes["weights_offset"] = (grouped, torch.float32)
+        if tile_order and grouped is not None:  # the kernels' layout (kernels.quant_pack_scales)
+            for name in ("weights_scaling_factor", "weights_offset"):
+                if name in shapes:
+                    shapes[name] = ((out_features // 16, grouped[1], 16), torch.float16)
         self._set_parameters(shapes, tensors)
         self.quant_bits, self.group_size, self.tile_order = bits, group_size, tile_order
 
@@ -143,9 +148,8 @@ class Linear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight a quantized layer stands for (row-major codes only)."""
-        tensors = {"weight": self.weight, "weights_scaling_factor": self.weights_scaling_factor}
-        if hasattr(self, "zero"):
-            tensors["zero"] = self.zero
+        tensors = {name: getattr(self, name) for name in ("weight", "weights_scaling_factor", "zero", "weights_offset")
+                   if hasattr(self, name)}
         return dequantize(tensors, self.quant_bits, self.group_size)
 
     def _quantized_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -159,7 +163,7 @@ class Linear(nn.Module):
         if not self.tile_order:  # a checkpoint's layout: a reference path, not a fast one
             return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
         y = kernels.quant_linear(x.reshape(-1, self.in_features).to(torch.bfloat16), self.weight,
-                                 self.weights_scaling_factor, getattr(self, "zero", None), self.quant_bits,
+                                 self.weights_scaling_factor, getattr(self, "weights_offset", None), self.quant_bits,
                                  self.group_size, None if bias is None else bias.to(torch.bfloat16), self.out_features)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 

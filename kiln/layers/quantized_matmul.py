@@ -11,15 +11,25 @@ from kiln import kernels
 E4M3_MAX = 448.0  # the largest finite e4m3 value
 
 
-def dequantize(tensors: dict[str, torch.Tensor], bits: int, group_size: int = 64) -> torch.Tensor:
-    """The float32 weight ``[out, in]`` that row-major ``tensors`` (``quantize_weight``'s) stand for."""
+def dequantize(tensors: dict[str, torch.Tensor], bits: int, group_size: int | None = 64) -> torch.Tensor:
+    """The float32 weight ``[out, in]`` that row-major ``tensors`` (``quantize_weight``'s, or an
+    imported GGUF linear's) stand for: ``code * scale`` per channel; per group ``code * scale +
+    weights_offset``, or ``(code - zero) * scale`` (zero 8 for 4-bit codes, 0 for int8 ones)."""
     codes, scale = tensors["weight"], tensors["weights_scaling_factor"]
-    if bits == 8:
-        return codes.float() * scale[:, None]
-    unpacked = torch.stack([codes & 0x0F, codes >> 4], dim=-1).view(codes.shape[0], -1).float()
+    if bits == 4:
+        codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).view(codes.shape[0], -1)
+    codes = codes.float()
+    if scale.dim() == 1:
+        return codes * scale[:, None]
+    per_input = lambda t: t.repeat_interleave(group_size, dim=1)  # noqa: E731
+    if "weights_offset" in tensors:
+        return codes * per_input(scale) + per_input(tensors["weights_offset"])
     zero = tensors.get("zero")
-    zero = torch.full_like(scale, 8.0) if zero is None else zero
-    return (unpacked - zero.repeat_interleave(group_size, dim=1)) * scale.repeat_interleave(group_size, dim=1)
+    if zero is not None:
+        codes = codes - per_input(zero)
+    elif bits == 4:
+        codes = codes - 8.0
+    return codes * per_input(scale)
 
 
 def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch import nn
 
 from kiln import host_memory, kernels
 from kiln.checkpoint.format import atomic_output_dir, rank_file, write_config, write_rank_weights
+from kiln.checkpoint.gguf_source import GGUFSource
 from kiln.checkpoint.loader import ModelWeightsLoader, check_file_tensors, fill_parameters, translate_key
 from kiln.checkpoint.safetensors_io import SafetensorsReader
 from kiln.checkpoint.sources import open_source
@@ -22,6 +23,7 @@ from kiln.errors import ConfigError
 from kiln.layers.linear import Linear
 from kiln.mapping import Mapping
 from kiln.quantization import use_weight_only_layout
+from kiln.quantization.gguf import use_gguf_layout
 from kiln.quantization.gptq import gptq_settings, use_gptq_layout
 from kiln.quantization.weight_only import SMOOTHQUANT_ALGO
 
@@ -73,6 +75,11 @@ def prepare_hugging_face(model_cls: type, source, dtype: str | None = None, mapp
     if gptq is not None:  # pre-quantized linears load straight into kiln's W4A16 layout
         model.config = dataclasses.replace(model.config, quantization=use_gptq_layout(
             model, gptq, external, loader.key_map, str(source.path)))
+    if isinstance(source, GGUFSource) and source.blocks:  # quantized GGUF linears keep their blocks
+        loader.update_key_mapping(model)
+        quant = use_gguf_layout(model, source, loader.translate)
+        if quant is not None:
+            model.config = dataclasses.replace(model.config, quantization=quant)
     return model, loader
 
 
@@ -150,12 +157,11 @@ def engine_layout_weights(model: nn.Module, weights: dict[str, torch.Tensor],
         return weights
     for key in [k for k in weights if k.endswith(".weight") and f"{k[:-6]}weights_scaling_factor" in weights]:
         codes, prefix = weights[key], key[:-6]
-        bits = 4 if codes.dtype == torch.uint8 else 8
-        weights[key] = kernels.quant_pack(codes, bits)
-        if bits == 4:
-            scales, zeros = kernels.quant_pack_scales(weights[f"{prefix}weights_scaling_factor"],
-                                                      weights.get(f"{prefix}zero"), bits)
-            weights[f"{prefix}weights_scaling_factor"] = scales
-            if zeros is not None:
-                weights[f"{prefix}zero"] = zeros
+        weights[key] = kernels.quant_pack(codes, 4 if codes.dtype == torch.uint8 else 8)
+        scales, offsets = kernels.quant_pack_scales(weights[f"{prefix}weights_scaling_factor"],
+                                                    weights.pop(f"{prefix}zero", None),
+                                                    weights.get(f"{prefix}weights_offset"))
+        weights[f"{prefix}weights_scaling_factor"] = scales
+        if offsets is not None:
+            weights[f"{prefix}weights_offset"] = offsets
     return weights

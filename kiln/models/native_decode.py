@@ -38,7 +38,7 @@ from kiln.layers.normalization import RmsNorm
 
 UNLIMITED = 1 << 62
 # A quantized linear's parameters the native step reads as codes or float32 scales.
-QUANTIZED_PARAMETERS = ("weight", "weights_scaling_factor", "zero", "prequant_scaling_factor",
+QUANTIZED_PARAMETERS = ("weight", "weights_scaling_factor", "weights_offset", "prequant_scaling_factor",
                         "activation_scaling_factor")
 
 
@@ -233,7 +233,7 @@ def _packed(linear, weights: kernels.LinearWeights) -> bool:
 
 def _linear_weights(linear) -> kernels.LinearWeights:
     """A linear layer's pointers: its weight (codes when quantized), bias, tile-packed copy, and
-    a quantized layer's scales, zeros, AWQ multiplier and static FP8 activation scale."""
+    a quantized layer's scales, offsets, AWQ multiplier and static FP8 activation scale."""
     ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     act_scale = getattr(linear, "activation_scaling_factor", None)
     extras = dict(prequant=ptr(getattr(linear, "prequant_scaling_factor", None)),
@@ -245,9 +245,10 @@ def _linear_weights(linear) -> kernels.LinearWeights:
         return kernels.LinearWeights(ptr(linear.weight), ptr(linear.bias), None, 0, 0,
                                      ptr(linear.weights_scaling_factor), None, fp8=1, **extras)
     if linear.quant_bits:
+        scales = linear.weights_scaling_factor
         return kernels.LinearWeights(ptr(linear.weight), ptr(linear.bias), None, linear.quant_bits,
-                                     linear.group_size, ptr(linear.weights_scaling_factor),
-                                     ptr(getattr(linear, "zero", None)), fp8=0, **extras)
+                                     kernels.quant_kernel_group(scales, linear.group_size), ptr(scales),
+                                     ptr(getattr(linear, "weights_offset", None)), fp8=0, **extras)
     packed = linear.packed_weight() if linear.weight.dtype == torch.bfloat16 else None
     plain = None if linear.tile_order else linear.weight  # an engine's bf16 weight is in tiles only
     return kernels.LinearWeights(ptr(plain), ptr(linear.bias), ptr(packed), 0, 0, None, None)

@@ -1,20 +1,25 @@
 """Weight-only quantization: W8A16 (int8, one scale per output channel) and W4A16 (4-bit
 codes, a scale and optionally a zero point per group of ``group_size`` input features),
-by round-to-nearest.
+by round-to-nearest; and the layout of a ``MIXED_PRECISION`` checkpoint, whose linears each
+have their own format (``QuantConfig.quantized_layers``; made by ``kiln.quantization.gguf``).
 
 Checkpoint tensors of a quantized linear (names from reference 002):
 
 * ``weight``: int8 codes ``[out, in]`` (W8A16), or 4-bit codes two a byte ``[out, in / 2]``
   uint8, feature ``2j`` in the low nibble of byte ``j`` (W4A16);
-* ``weights_scaling_factor``: float32 ``[out]`` (W8A16) or ``[out, in / group_size]`` (values
-  float16 can hold: an engine stores them as float16);
-* ``zero`` (W4A16 with ``has_zero_point``): float32 ``[out, in / group_size]``, in code units.
+* ``weights_scaling_factor``: float32 ``[out]`` (W8A16) or ``[out, in / group_size]`` (W4A16, and
+  a mixed-precision layer's W8A16 with a group size; values float16 can hold: an engine stores
+  them as float16);
+* ``zero`` (W4A16 with ``has_zero_point``): float32 ``[out, in / group_size]``, in code units;
+* ``weights_offset`` (a mixed-precision layer with ``has_offset``): float32 ``[out, in /
+  group_size]``.
 
 ``w = code * scale`` (W8A16, codes -127..127); ``w = (code - zero) * scale`` (W4A16, codes
-0..15; zero 8 when not stored). Scales stay float32 (bf16 scales would add more error than
-8-bit rounding; 4-bit group scales are float16 values). An engine keeps the same tensors laid out
-for the kernels (``kiln.kernels.quant_pack`` and ``quant_pack_scales``, done by ``kiln build``):
-codes in tile / chunk order, 4-bit scales as float16 and zero points as uint8 in block order.
+0..15; zero 8 when not stored); ``w = code * scale + offset`` with an offset. Scales stay float32
+(bf16 scales would add more error than 8-bit rounding; group scales are float16 values). An
+engine keeps the same tensors laid out for the kernels (``kiln.kernels.quant_pack`` and
+``quant_pack_scales``, done by ``kiln build``): codes in tile / chunk order, group scales and
+offsets as float16 in block order, a zero point as its offset ``-zero * scale``.
 """
 from __future__ import annotations
 
@@ -26,8 +31,8 @@ import torch
 from torch import nn
 
 from kiln import kernels
-from kiln.config import QuantConfig
-from kiln.config.quant_algos import ALGOS
+from kiln.config import LayerQuant, QuantConfig
+from kiln.config.quant_algos import ALGOS, MIXED_PRECISION
 from kiln.errors import ConfigError
 from kiln.layers.linear import Linear
 
@@ -47,8 +52,9 @@ DEFAULT_EXCLUDED = ("lm_head",)
 SMOOTHQUANT_ALGO = "W8A8_SQ_PER_CHANNEL"  # int8 activations too: kiln.quantization.smoothquant
 FP8_ALGO = "FP8"  # e4m3 weights and activations, per-tensor scales: kiln.quantization.fp8
 ACTIVATION_SCALE_ALGOS = tuple(name for name, a in ALGOS.items() if a.activation_scale)
-IMPLEMENTED_ALGOS = tuple(ALGOS)
-BF16_ENGINE_ALGOS = tuple(name for name, a in ALGOS.items() if a.bf16_engine)  # their kernels take bf16
+IMPLEMENTED_ALGOS = (*ALGOS, MIXED_PRECISION)
+# their kernels take bf16
+BF16_ENGINE_ALGOS = (*(name for name, a in ALGOS.items() if a.bf16_engine), MIXED_PRECISION)
 
 
 def fp16_exact(scale: torch.Tensor) -> torch.Tensor:
@@ -88,7 +94,7 @@ def codes_4bit(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torc
     return torch.round(w / scale + zero).clamp(0, 15)
 
 
-def pack_4bit(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+def pack_4bit(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
               has_zero_point: bool) -> dict[str, torch.Tensor]:
     """W4A16 checkpoint tensors from codes ``[out, in]`` (0..15) and group ``scale``/``zero``
     ``[out, in / group_size]``: feature ``2j`` in the low nibble of byte ``j``."""
@@ -120,12 +126,25 @@ def quantize_weight(weight: torch.Tensor, bits: int, group_size: int = 64, has_z
     return pack_4bit(codes, scale, zero, has_zero_point)
 
 
-def _excluded(name: str, module: nn.Module, patterns) -> bool:
+def _checkpoint_names(name: str, module: nn.Module) -> list[str]:
     # An engine's fused linear (the gated MLP's fused_fc) stands for its checkpoint parts: it is
-    # excluded when they are, so a checkpoint and the engine built from it agree.
+    # excluded (or formatted) as they are, so a checkpoint and the engine built from it agree.
     parent = name.rpartition(".")[0]
-    names = [f"{parent}.{part}" if parent else part for part in getattr(module, "fused_from", ())] or [name]
+    return [f"{parent}.{part}" if parent else part for part in getattr(module, "fused_from", ())] or [name]
+
+
+def _excluded(name: str, module: nn.Module, patterns) -> bool:
+    names = _checkpoint_names(name, module)
     return any(fnmatch.fnmatch(n, p) or fnmatch.fnmatch(n.rsplit(".", 1)[-1], p) for n in names for p in patterns)
+
+
+def layer_format(name: str, module: nn.Module, quant: QuantConfig) -> LayerQuant | None:
+    """A ``MIXED_PRECISION`` linear's format (None: left float); a fused engine linear's parts
+    must share one (the converter gives them the finer of theirs)."""
+    formats = {(quant.quantized_layers or {}).get(n) for n in _checkpoint_names(name, module)}
+    if len(formats) > 1:
+        raise ConfigError(f"{name}: the linears fused into it have different formats {sorted(map(str, formats))}")
+    return formats.pop()
 
 
 def untie_lm_head_for(model: nn.Module, quant: QuantConfig) -> None:
@@ -161,6 +180,9 @@ def quantized_modules(model: nn.Module, quant: QuantConfig) -> list[tuple[str, n
     for module in model.modules():
         for p in module.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
+    if quant.quant_algo == MIXED_PRECISION:
+        return [(name, m) for name, m in model.named_modules()
+                if isinstance(m, Linear) and layer_format(name, m, quant) is not None]
     return [(name, m) for name, m in model.named_modules()
             if isinstance(m, Linear) and not _excluded(name, m, patterns) and owners[id(m.weight)] == 1]
 
@@ -177,9 +199,16 @@ def use_weight_only_layout(model: nn.Module, quant: QuantConfig, tile_order: boo
         for _, linear in quantized_modules(model, quant):
             linear.use_fp8(tile_order=tile_order)
         return
+    if quant.quant_algo == MIXED_PRECISION:
+        for name, linear in quantized_modules(model, quant):
+            f = layer_format(name, linear, quant)
+            linear.use_weight_only(f.bits, f.group_size, f.has_zero_point, has_offset=f.has_offset,
+                                   tile_order=tile_order)
+        return
     bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo)
     for _, linear in quantized_modules(model, quant):
-        linear.use_weight_only(bits, quant.group_size, quant.has_zero_point, tile_order=tile_order)
+        linear.use_weight_only(bits, quant.group_size if bits == 4 else None, quant.has_zero_point,
+                               tile_order=tile_order)
         if quant.quant_algo in PREQUANT_ALGOS:
             linear.use_prequant_scale()
         if quant.quant_algo in ACTIVATION_SCALE_ALGOS:
@@ -208,7 +237,7 @@ def quantizable_modules(model: nn.Module, quant: QuantConfig) -> tuple[list[tupl
         if bits == 4 and in_features % quant.group_size:
             raise ConfigError(f"{name}: in_features {in_features} is not a multiple of group_size "
                               f"{quant.group_size}")
-        if not kernels.quant_shape_tiles(out_features, in_features, bits, quant.group_size):
+        if not kernels.quant_shape_tiles(out_features, in_features, bits, quant.group_size if bits == 4 else None):
             log.warning("%s: shape %s does not tile for the quantized kernels; left unquantized", name,
                         (out_features, in_features))
             excluded.append(name)
@@ -248,7 +277,7 @@ def quantize_model(model: nn.Module, quant: QuantConfig, prequant_scales: dict[s
             weight = weight * prequant_scales[name][None, :]
         clip = clip_ratios.get(name) if clip_ratios else None
         tensors = quantize_weight(weight, bits, quant.group_size, quant.has_zero_point, clip)
-        linear.use_weight_only(bits, quant.group_size, quant.has_zero_point, tensors)
+        linear.use_weight_only(bits, quant.group_size if bits == 4 else None, quant.has_zero_point, tensors)
         if awq:
             linear.use_prequant_scale((1.0 / prequant_scales[name]).float().contiguous())
     if not chosen:

@@ -54,11 +54,42 @@ def test_quant_linear_matches_the_dequantized_matmul(bits, zero_point, m, n, k):
     x = _randn(m, k, seed=m).to(torch.bfloat16)
     bias = _randn(n, seed=1).to(torch.bfloat16)
     codes = kernels.quant_pack(tensors["weight"], bits)
-    scales, zeros = kernels.quant_pack_scales(tensors["weights_scaling_factor"], tensors.get("zero"), bits)
-    got = kernels.quant_linear(x, codes, scales, zeros, bits, 32, bias, n)
+    scales, offsets = kernels.quant_pack_scales(tensors["weights_scaling_factor"], tensors.get("zero"))
+    got = kernels.quant_linear(x, codes, scales, offsets, bits, 32, bias, n)
     expected = x.double() @ reference_w.t() + bias.double()
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     # bf16 output rounding, plus (tile path) bf16 rounding of each dequantized weight
+    torch.testing.assert_close(got.double(), expected, atol=3e-2 * k ** 0.5 * reference_w.abs().max().item(),
+                               rtol=1e-2)
+
+
+def _group_tensors(n: int, k: int, bits: int, offset: bool, group: int = 32) -> dict[str, torch.Tensor]:
+    """Random codes with float16-exact group scales (and offsets): the layouts GGUF files import
+    into (Q8_0: int8 groups; Q4_1 / K-quants: 4-bit with offsets; Q5_1: int8 with offsets)."""
+    g = torch.Generator().manual_seed(n + k + bits)
+    scale = (torch.rand(n, k // group, generator=g) / 16 + 1e-3).half().float()
+    if bits == 8:
+        tensors = {"weight": torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)}
+    else:
+        tensors = {"weight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)}
+    tensors["weights_scaling_factor"] = scale
+    if offset:
+        tensors["weights_offset"] = (torch.randn(n, k // group, generator=g) / 4).half().float()
+    return tensors
+
+
+@pytest.mark.parametrize("bits,offset", [(8, False), (8, True), (4, True)])
+@pytest.mark.parametrize("m", [1, 5, 17])
+@pytest.mark.parametrize("n,k,group", [(16, 64, 32), (80, 576, 32), (48, 256, 128)])
+def test_quant_linear_group_scales_and_offsets(bits, offset, m, n, k, group):
+    tensors = _group_tensors(n, k, bits, offset, group)
+    reference_w = dequantize(tensors, bits, group).double()
+    x = _randn(m, k, seed=m).to(torch.bfloat16)
+    codes = kernels.quant_pack(tensors["weight"], bits)
+    scales, offsets = kernels.quant_pack_scales(tensors["weights_scaling_factor"], None, tensors.get("weights_offset"))
+    assert scales.dtype == torch.float16 and (offsets is None) == (not offset)
+    got = kernels.quant_linear(x, codes, scales, offsets, bits, group, None, n)
+    expected = x.double() @ reference_w.t()
     torch.testing.assert_close(got.double(), expected, atol=3e-2 * k ** 0.5 * reference_w.abs().max().item(),
                                rtol=1e-2)
 

@@ -1,0 +1,104 @@
+"""GGUF files at their own precision: each linear whose GGUF tensors are quantized keeps its
+blocks' codes, scales and offsets (``kiln.quantization.gguf_blocks``) in a weight-only kiln
+format with 32 weights a group, recorded per linear in a ``MIXED_PRECISION`` quantization config
+(``QuantConfig.quantized_layers``), since one file mixes types (Q4_K_M: Q4_K, Q6_K, ...):
+
+* Q4_0 -> W4A16 (zero point 8); Q4_1, Q4_K -> W4A16 with offsets; Q8_0, Q5_0 -> W8A16 with
+  group scales; Q5_1, Q5_K -> W8A16 with offsets: the file's values exactly (an engine rounds
+  K-quant scales and offsets, products of two float16 numbers, to float16);
+* any other quantized type (Q6_K, Q2_K, Q3_K, IQ*) -> W8A16 with group scales, rounded to
+  nearest from the dequantized values;
+* float tensors (F32, F16, BF16), the embedding and a head tied to it stay float.
+
+A fused linear (q, k and v; an engine's gate and up) whose parts come in different types takes
+the finest of their formats, which holds each part exactly (8-bit codes hold 4- and 5-bit
+groups); one float part leaves the whole linear float. Layers the kernels cannot tile (out
+features not a multiple of 16) stay float too.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from kiln import kernels
+from kiln.checkpoint.gguf_source import BLOCKS, FLOAT_TYPES, GGUFSource
+from kiln.config import LayerQuant, QuantConfig
+from kiln.config.quant_algos import MIXED_PRECISION
+from kiln.layers.linear import Linear
+from kiln.layers.mlp import GatedMLP
+from kiln.quantization.gguf_blocks import GROUP, Native, decode, finest, native, to_format
+
+log = logging.getLogger(__name__)
+
+
+def _format(linear: Linear, types: list) -> Native | None:
+    """The kiln format of a linear made of GGUF tensors of ``types`` (None: float)."""
+    plain = not (linear.source_transposed or linear.fused_part is not None
+                 or getattr(linear, "interleaved_heads", False) or getattr(linear, "adjacent_rotary_dims", 0))
+    if not plain or any(t in FLOAT_TYPES for t in types):
+        return None
+    f = finest([native(t) for t in types])
+    return f if kernels.quant_shape_tiles(linear.out_features, linear.in_features, f.bits, GROUP) else None
+
+
+def _plan(model: nn.Module, source: GGUFSource, translate) -> dict[str, tuple[Linear, list, Native]]:
+    """Each linear to import natively -> (module, its GGUF tensors' types, its format)."""
+    embedding, external = set(translate("transformer.vocab_embedding.weight")), set(source.keys())
+    plan = {}
+    for name, linear in model.named_modules():
+        if not isinstance(linear, Linear):
+            continue
+        keys = translate(f"{name}.weight")
+        if embedding & set(keys) or not external.issuperset(keys):
+            continue  # a head tied to the embedding stays float, as the table does
+        types = [source.tensor_type(k) for k in keys]
+        f = _format(linear, types)
+        if f is not None:
+            plan[name] = (linear, types, f)
+    # An engine fuses a gated MLP's fc and gate into one linear: they share the finer format.
+    for name, mlp in model.named_modules():
+        if isinstance(mlp, GatedMLP) and not mlp.fused:
+            pair = [f"{name}.fc", f"{name}.gate"]
+            if not all(p in plan for p in pair):
+                for p in pair:
+                    plan.pop(p, None)
+                continue
+            shared = finest([plan[p][2] for p in pair])
+            for p in pair:
+                plan[p] = (*plan[p][:2], shared)
+    return plan
+
+
+def use_gguf_layout(model: nn.Module, source: GGUFSource, translate) -> QuantConfig | None:
+    """Switch the linears of a meta-device ``model`` whose GGUF tensors are quantized to their
+    weight-only parameters, loaded from the tensors' raw blocks (``source`` opened with
+    ``blocks=True``; ``translate``: the loader's kiln name -> external names); returns the
+    ``MIXED_PRECISION`` config to record, or None when every linear stays float."""
+    plan = _plan(model, source, translate)
+    layers = {}
+    for name, (linear, types, f) in plan.items():
+        algo = "W8A16" if f.bits == 8 else "W4A16"
+        layers[name] = LayerQuant(algo, GROUP, has_offset=f.offset)
+        linear.use_weight_only(f.bits, GROUP, False, has_offset=f.offset)
+        linear.external_key_map = {"weight": BLOCKS}
+        linear.weight_postprocess = _postprocess_for(types, f)
+        if not f.exact:
+            log.info("%s: GGUF %s rounded to nearest into 8-bit codes (a scale per %d weights)", name,
+                     "/".join(t.name for t in types), GROUP)
+    if not layers:
+        return None
+    return QuantConfig(quant_algo=MIXED_PRECISION, group_size=GROUP, quantized_layers=layers)
+
+
+def _postprocess_for(types: list, f: Native):
+    """A ``Linear.weight_postprocess``: the raw blocks of the linear's GGUF tensors (q, k and v
+    one after another) -> its kiln tensors in format ``f``."""
+
+    def postprocess(key: str, weights: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        stem = key.rpartition(".")[0]
+        tensors = to_format([decode(raw, t) for raw, t in zip(weights, types)], f.bits, f.offset)
+        return {f"{stem}.{name}": tensor for name, tensor in tensors.items()}
+
+    return postprocess

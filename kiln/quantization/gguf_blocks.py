@@ -1,0 +1,159 @@
+"""GGUF quantized blocks decoded into integer codes, scales and offsets, without rounding.
+
+Every GGUF block type used by llama.cpp's Q4/Q5/Q8 and K-quant files stores groups of 32 weights
+(K-quants: 256-weight super-blocks of 32-weight sub-blocks) as ``w = code * scale + offset``:
+
+=======  ============================  ==============================  ===============
+type     codes                         scale                           offset
+=======  ============================  ==============================  ===============
+Q8_0     int8 q                        d (fp16)                        none
+Q4_0     u - 8 (u 0..15)               d                               none
+Q4_1     u (0..15)                     d                               m (fp16)
+Q5_0     u - 16 (u 0..31)              d                               none
+Q5_1     u (0..31)                     d                               m
+Q4_K     u (0..15)                     d * sc (6-bit sc)               -dmin * mn (6-bit mn)
+Q5_K     u (0..31)                     d * sc                          -dmin * mn
+=======  ============================  ==============================  ===============
+
+These decode exactly: ``code * scale + offset`` in float32 is, bit for bit, what
+``gguf.quants.dequantize`` computes (every product here is exact in float32). Any other type
+(Q6_K's 16-weight sub-blocks, Q2_K, Q3_K, the IQ types) is dequantized by the gguf package and
+rounded to nearest into int8 codes with a float16-exact scale per 32 weights (absmax / 127): the
+added error is at most half that step.
+
+``Decoded`` parts then go into one kiln format (``to_format``): 8-bit codes hold every 4-bit or
+5-bit group exactly, so the parts of a fused linear take the finest of their formats.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import Q4_K, dequantize
+
+from kiln.quantization.weight_only import fp16_exact, pack_4bit
+
+T = GGMLQuantizationType
+GROUP = 32  # weights per scale in every format imported here
+
+
+@dataclass(frozen=True)
+class Native:
+    """The kiln format a GGUF type maps onto: code bits, a float offset per group, and whether
+    the mapping keeps the file's values exactly."""
+
+    bits: int
+    offset: bool
+    exact: bool = True
+
+
+NATIVE = {T.Q8_0: Native(8, False), T.Q4_0: Native(4, False), T.Q4_1: Native(4, True), T.Q5_0: Native(8, False),
+          T.Q5_1: Native(8, True), T.Q4_K: Native(4, True), T.Q5_K: Native(8, True)}
+ROUNDED = Native(8, False, exact=False)  # any other quantized type: int8 codes rounded to nearest
+
+
+def native(qtype: GGMLQuantizationType) -> Native:
+    """The kiln format blocks of ``qtype`` import into."""
+    return NATIVE.get(qtype, ROUNDED)
+
+
+@dataclass
+class Decoded:
+    """One GGUF tensor as ``w = codes * scale + offset``: integer codes ``[rows, in]`` (int16),
+    float32 ``scale`` and ``offset`` (None: zero) ``[rows, in / 32]``."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte ``at`` of each block, as float32 ``[blocks, 1]``."""
+    return np.ascontiguousarray(blocks[:, at:at + 2]).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Low nibbles, then high nibbles, of ``qs`` ``[..., n]``: ``[..., 2n]`` (llama.cpp's order
+    within a 32-weight block)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1: bit j of the block's little-endian 32-bit ``qh`` as weight j's fifth bit."""
+    bits = np.unpackbits(qh, axis=-1, bitorder="little")  # [blocks, 32]: byte 0's bits first
+    return bits.astype(np.int16) << 4
+
+
+def _decode_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, ...]:
+    """Codes ``[blocks, 32 or 256]``, scales and offsets (or None) ``[blocks, 1 or 8]`` of one
+    exact type's blocks ``[blocks, bytes]``."""
+    if qtype == T.Q8_0:
+        return blocks[:, 2:].view(np.int8).astype(np.int16), _half(blocks, 0), None
+    if qtype == T.Q4_0:
+        return _nibbles(blocks[:, 2:]) - 8, _half(blocks, 0), None
+    if qtype == T.Q4_1:
+        return _nibbles(blocks[:, 4:]), _half(blocks, 0), _half(blocks, 2)
+    if qtype == T.Q5_0:
+        return _nibbles(blocks[:, 6:]) + _fifth_bits(blocks[:, 2:6]) - 16, _half(blocks, 0), None
+    if qtype == T.Q5_1:
+        return _nibbles(blocks[:, 8:]) + _fifth_bits(blocks[:, 4:8]), _half(blocks, 0), _half(blocks, 2)
+    # K-quants: d, dmin, 12 bytes of 6-bit sub-block scales and minimums, then the codes; each
+    # 32 bytes of low nibbles hold two sub-blocks (low nibbles, then high nibbles).
+    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+    scale, offset = _half(blocks, 0) * sc.astype(np.float32), -(_half(blocks, 2) * mn.astype(np.float32))
+    low = blocks[:, 16:144] if qtype == T.Q4_K else blocks[:, 48:176]
+    codes = _nibbles(low.reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    if qtype == T.Q5_K:  # bit j of byte i of qh: the fifth bit of sub-block j's weight i
+        qh = blocks[:, 16:48]
+        codes = codes + (((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1).astype(np.int16) << 4)
+    return codes.reshape(len(blocks), -1), scale, offset
+
+
+def decode(raw: torch.Tensor, qtype: GGMLQuantizationType) -> Decoded:
+    """A 2-D GGUF tensor's raw blocks (uint8 ``[rows, bytes a row]``) as codes, scales and offsets."""
+    rows = raw.shape[0]
+    data = raw.numpy()
+    if qtype not in NATIVE:  # rounded to nearest: int8 codes of the dequantized values
+        w = torch.from_numpy(dequantize(data, qtype)).reshape(rows, -1, GROUP)
+        scale = fp16_exact(w.abs().amax(dim=-1) / 127)
+        codes = torch.round(w / scale[..., None]).clamp(-127, 127).to(torch.int16)
+        return Decoded(codes.reshape(rows, -1), scale, None)
+    block_bytes = GGML_QUANT_SIZES[qtype][1]
+    codes, scale, offset = _decode_blocks(data.reshape(-1, block_bytes), qtype)
+    as_rows = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, -1)  # noqa: E731
+    return Decoded(as_rows(codes), as_rows(scale), None if offset is None else as_rows(offset))
+
+
+def finest(formats: list[Native]) -> Native:
+    """The format holding every one of ``formats`` exactly: the most bits, an offset if any has one."""
+    return Native(max(f.bits for f in formats), any(f.offset for f in formats), all(f.exact for f in formats))
+
+
+def to_format(parts: list[Decoded], bits: int, offset: bool) -> dict[str, torch.Tensor]:
+    """kiln's checkpoint tensors (``weight``, ``weights_scaling_factor``, ``weights_offset`` when
+    ``offset``) of ``parts`` stacked along the rows, in ``bits``-bit codes; exact for parts whose
+    formats ``finest`` gives this one. A 4-bit layout without offsets centres codes on 8."""
+    codes, scales, offsets = [], [], []
+    for part in parts:
+        c, o = part.codes, part.offset
+        if bits == 4 and o is None:  # signed codes -8..7 (Q4_0): kiln's unsigned ones
+            c = c + 8
+            o = -8.0 * part.scale if offset else None
+        if offset and o is None:
+            o = torch.zeros_like(part.scale)
+        codes.append(c)
+        scales.append(part.scale)
+        offsets.append(o)
+    codes_t, scale = torch.cat(codes), torch.cat(scales).float().contiguous()
+    low, high = (0, 15) if bits == 4 else (-128, 127)
+    if codes_t.min() < low or codes_t.max() > high:
+        raise ValueError(f"GGUF codes {int(codes_t.min())}..{int(codes_t.max())} do not fit {bits}-bit codes")
+    if bits == 4:
+        out = pack_4bit(codes_t, scale, None, has_zero_point=False)
+    else:
+        out = {"weight": codes_t.to(torch.int8).contiguous(), "weights_scaling_factor": scale}
+    if offset:
+        out["weights_offset"] = torch.cat(offsets).float().contiguous()
+    return out

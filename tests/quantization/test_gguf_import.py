@@ -1,0 +1,135 @@
+"""GGUF files at their own precision (kiln.quantization.gguf): blocks decoded against the gguf
+package's own dequantization, a mixed-type file's checkpoint holding the file's values with each
+linear in its own format, and engines computing what the dequantized engine of the same file
+computes, their quantized tensors as large as the file's blocks."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+from safetensors import safe_open
+
+from kiln.checkpoint.gguf_source import GGUFSource
+from kiln.config import LayerQuant
+from kiln.quantization import dequantize
+from kiln.quantization.gguf_blocks import NATIVE, decode, native, to_format
+from tests.conftest import convert_and_build
+from tests.utils.compare import kiln_greedy, kiln_prompt_logits
+from tests.utils.tiny_gguf import LINEARS, tensor_bytes, write_llama
+
+EXACT = list(NATIVE)
+
+
+def _wider(qtype: Q) -> list[tuple[int, bool]]:
+    """Every format holding ``qtype``'s blocks: its own, with an offset, and in 8 bits."""
+    f = native(qtype)
+    return sorted({(f.bits, f.offset), (f.bits, True), (8, f.offset), (8, True)})
+
+
+@pytest.mark.parametrize("qtype", [*EXACT, Q.Q6_K], ids=lambda q: q.name)
+def test_blocks_decode_to_the_packages_values(qtype):
+    raw = tensor_bytes((32, 512), qtype, np.random.default_rng(3), None)
+    expected = torch.from_numpy(gguf_dequantize(raw, qtype))
+    decoded = decode(torch.from_numpy(raw), qtype)
+    for bits, offset in _wider(qtype) if qtype in NATIVE else [(8, False)]:
+        tensors = to_format([decoded], bits, offset)
+        got = dequantize(tensors, bits, 32)
+        if qtype in NATIVE:  # bit for bit, in the file's own format or any finer one
+            assert torch.equal(got, expected), (bits, offset)
+        else:  # Q6_K's 16-weight sub-blocks: rounded to nearest into int8 groups of 32
+            step = tensors["weights_scaling_factor"].repeat_interleave(32, dim=1)
+            assert torch.all((got - expected).abs() <= step / 2 * (1 + 1e-6))
+            assert step.max() <= expected.abs().max() / 127 * 1.001
+
+
+# Layer 0: q/k Q4_K with v Q6_K (Q4_K_M's mix), gate/up pairs of different 4-bit types. Layer 1:
+# three types in one qkv, a float gate (its pair stays float too), Q6_K rounded alone.
+TYPES = [dict(attn_q=Q.Q4_K, attn_k=Q.Q4_K, attn_v=Q.Q6_K, attn_output=Q.Q5_0, ffn_gate=Q.Q4_1, ffn_up=Q.Q4_0,
+              ffn_down=Q.Q5_K),
+         dict(attn_q=Q.Q8_0, attn_k=Q.Q5_1, attn_v=Q.Q4_0, attn_output=Q.Q4_K, ffn_gate=Q.F16, ffn_up=Q.Q8_0,
+              ffn_down=Q.Q6_K)]
+W8, W4 = "W8A16", "W4A16"
+EXPECTED_LAYERS = {
+    "transformer.layers.0.attention.qkv": LayerQuant(W8, 32, has_offset=True),
+    "transformer.layers.0.attention.dense": LayerQuant(W8, 32),
+    "transformer.layers.0.mlp.fc": LayerQuant(W4, 32, has_offset=True),
+    "transformer.layers.0.mlp.gate": LayerQuant(W4, 32, has_offset=True),
+    "transformer.layers.0.mlp.proj": LayerQuant(W8, 32, has_offset=True),
+    "transformer.layers.1.attention.qkv": LayerQuant(W8, 32, has_offset=True),
+    "transformer.layers.1.attention.dense": LayerQuant(W4, 32, has_offset=True),
+    "transformer.layers.1.mlp.proj": LayerQuant(W8, 32),
+    "lm_head": LayerQuant(W4, 32),
+}
+PARTS = {"attention.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+         "attention.dense": ["self_attn.o_proj"], "mlp.fc": ["mlp.gate_proj"], "mlp.gate": ["mlp.up_proj"],
+         "mlp.proj": ["mlp.down_proj"]}
+
+
+@pytest.fixture(autouse=True)
+def no_tokenizer(monkeypatch):
+    # The tiny files carry no vocabulary; the engines are run on token ids.
+    monkeypatch.setattr(GGUFSource, "save_tokenizer", lambda self, out: None)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("mixed") / "tiny.gguf"
+    write_llama(path, TYPES, output=Q.Q4_0)
+    return path
+
+
+def test_mixed_file_keeps_each_linear_at_its_precision(mixed, tmp_path):
+    from kiln.convert import convert_checkpoint
+
+    checkpoint = convert_checkpoint(mixed, tmp_path / "ckpt", progress=False)
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["dtype"] == "float32" and config["quantization"]["quant_algo"] == "MIXED_PRECISION"
+    layers = {name: LayerQuant(**f) for name, f in config["quantization"]["quantized_layers"].items()}
+    assert layers == EXPECTED_LAYERS
+    src = GGUFSource(mixed)
+    with safe_open(str(checkpoint / "rank0.safetensors"), "pt") as f:
+        assert f.get_tensor("transformer.layers.1.mlp.gate.weight").dtype == torch.float32  # its pair is F16
+        for name, fmt in layers.items():
+            tensors = {t: f.get_tensor(f"{name}.{t}") for t in ("weight", "weights_scaling_factor", "weights_offset")
+                       if f"{name}.{t}" in f.keys()}
+            got = dequantize(tensors, fmt.bits, 32)
+            parts = ["lm_head"] if name == "lm_head" else [
+                f"model.layers.{name.split('.')[2]}.{p}" for p in PARTS[name.split(".", 3)[3]]]
+            expected = torch.cat([src.read(f"{p}.weight") for p in parts])
+            rounded = [src.tensor_type(f"{p}.weight") == Q.Q6_K for p in parts]
+            rows = torch.cat([torch.full((src.shape(f"{p}.weight")[0],), r) for p, r in zip(parts, rounded)])
+            # The file's values exactly (q/k rows un-permuted), but for Q6_K rows (within half a step).
+            assert torch.equal(got[~rows], expected[~rows]), name
+            step = tensors["weights_scaling_factor"].repeat_interleave(32, dim=1)[rows]
+            assert torch.all((got[rows] - expected[rows]).abs() <= step / 2 * (1 + 1e-6)), name
+
+
+def test_native_engine_computes_the_dequantized_engine(mixed, tmp_path):
+    native_engine = convert_and_build(mixed, tmp_path / "native", {"tokens_per_block": 4}, dtype=None)
+    float_engine = convert_and_build(mixed, tmp_path / "float", {"tokens_per_block": 4}, dtype="bfloat16")
+    assert json.loads((native_engine / "config.json").read_text())["dtype"] == "bfloat16"
+    ids = torch.randint(3, 128, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    ours, ref = kiln_prompt_logits(native_engine, ids), kiln_prompt_logits(float_engine, ids)
+    assert (ours - ref).abs().max() <= 0.02 * ref.abs().max()
+    prompts = [ids[:7], ids[7:]]
+    assert kiln_greedy(native_engine, prompts, 12) == kiln_greedy(float_engine, prompts, 12)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_engine_holds_the_files_blocks_in_as_many_bytes(tmp_path, qtype):
+    path = tmp_path / "tiny.gguf"
+    write_llama(path, [dict.fromkeys(LINEARS, qtype)], output=qtype)
+    engine = convert_and_build(path, tmp_path / "kiln", {"tokens_per_block": 4}, dtype=None)
+    linears = sum(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name != "token_embd.weight"
+                  and t.tensor_type == qtype)
+    with safe_open(str(engine / "rank0.safetensors"), "pt") as f:
+        quantized = [f.get_tensor(k) for k in f.keys() if k.endswith((".weights_scaling_factor", ".weights_offset"))
+                     or (k.endswith(".weight") and f.get_tensor(k).element_size() == 1)]
+    # codes, float16 scales and (Q4_1) offsets: byte for byte what the file's blocks take
+    assert sum(t.numel() * t.element_size() for t in quantized) == linears
