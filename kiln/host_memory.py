@@ -2,11 +2,11 @@
 
 Attention reads a sequence's whole cache every step, and the plain-layout GEMVs of a
 checkpoint stream whole weights: on 4 KiB pages the TLB misses and the hardware prefetcher
-stopping at each page edge left ~12% of a GEMV's bandwidth unused here. So the KV cache and
-a checkpoint's tensors (read from the file straight into it, ``empty_many``;
-kiln.models.loading) live in a private anonymous mapping advised ``MADV_HUGEPAGE``. An
-engine's weights are mapped from its file instead: its tile layout streams each 1 KiB tile
-contiguously, as fast on file pages (kiln.checkpoint.safetensors_io ``mapped``).
+stopping at each page edge left ~12% of a GEMV's bandwidth unused here (~16% of a 4-bit
+GEMV's speed). So the KV cache, a checkpoint's tensors and an engine's 4-bit codes (read from
+the file straight into it, ``empty_many``; kiln.models.loading) live in a private anonymous
+mapping advised ``MADV_HUGEPAGE``. An engine's other weights are mapped from its file: bf16
+tiles and int8 codes decode as fast on file pages (kiln.checkpoint.safetensors_io ``mapped``).
 
 Off when the kernel's THP mode is ``never``, off the CPU, or with ``KILN_HUGE_PAGES=0``.
 """

@@ -109,8 +109,14 @@ def load_checkpoint(model_cls: type, config: PretrainedConfig, checkpoint_dir: s
         check_file_tensors(model, reader)
         if engine_layout:
             # An engine's tensors are already in the kernels' layout: mapped, not read (loading
-            # takes no time and the page cache holds the only copy; decode reads them as fast).
+            # takes no time and the page cache holds the only copy; bf16 tiles and int8 codes
+            # decode as fast from file pages). 4-bit codes decode ~16% slower from 4 KiB pages
+            # than from huge pages (SmolLM2-1.7B shape, docs/benchmark-log.md): those are read.
             weights = reader.mapped()
+            codes = [f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear)
+                     and m.quant_bits == 4]
+            for name, slot in zip(codes, host_memory.empty_many([weights[n].numel() for n in codes], torch.uint8)):
+                weights[name] = reader.read_into(name, slot)
         else:
             # A checkpoint's are read once, straight into their place in a huge-page arena per dtype
             # (kiln.host_memory), for the conversions that rewrite them.
