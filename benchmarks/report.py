@@ -137,9 +137,29 @@ def _short(command: str) -> str:
                     for part in command.split())
 
 
+def _quality(records: list[dict]) -> list[str]:
+    """The newest quality record: every precision's perplexity ratio beside its decode speed."""
+    found = [r for r in records if r.get("kind") == "quality"]
+    if not found:
+        return []
+    r = found[-1]
+    rows = ["| engine | perplexity | ratio to full precision | decode tok/s (batch 1) |", "|---|---:|---:|---:|"]
+    firsts = {}
+    for name, f in r["engines"].items():
+        base = firsts.setdefault(name.split()[0], f["perplexity"])  # kiln's first engine, llama.cpp's first type
+        rows.append(f"| {name} | {f['perplexity']:.3f} | {f['perplexity'] / base:.3f} | {_tok_s(f['decode_tok_s'])} |")
+    return ["## Quality beside speed: every precision of the bundled model, kiln and llama.cpp", "",
+            f"{r['date'][:10]}, {_cpu(r)}, {r['threads']} threads: perplexity on {r['tokens_scored']} tokens of "
+            f"{r['ppl_samples']} held-out ShareGPT replies (window {r['window']}, stride {r['stride']}, the same "
+            "token ids for both engines), batch-1 decode after a 32-token prompt, alternating rounds. The "
+            "bundled file is Q4_1: every type is re-rounded from its values, and formats of 32-wide groups "
+            "with a float minimum hold them exactly; at this model's width (576) llama.cpp's Q4_K_M keeps most "
+            f"linears in Q5_0. `{_short(r['command'])}`", "", *rows]
+
+
 def render(records: list[dict]) -> str:
-    parts = [HEADER.rstrip(), "", *_scale(records), "", *_latency(records), "", *_throughput(records), "",
-             *_robustness(records)]
+    parts = [HEADER.rstrip(), "", *_scale(records), "", *_quality(records), "", *_latency(records), "",
+             *_throughput(records), "", *_robustness(records)]
     return "\n".join(parts) + "\n"
 
 

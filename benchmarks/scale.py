@@ -177,7 +177,7 @@ def run_kiln(engine: str, new_tokens: int, contexts: tuple[int, ...] = ()) -> di
     from kiln.runtime.sampling_params import SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(engine, progress=False, kv_cache_max_tokens=max(4096, *(c + new_tokens for c in contexts)))
+    llm = LLM(engine, progress=False, kv_cache_max_tokens=max([4096, *(c + new_tokens for c in contexts)]))
     prompt, long = _prompts(512)
     list(llm.stream(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)))
     load = time.perf_counter() - started
@@ -201,7 +201,7 @@ def run_llamacpp(gguf_path: str, new_tokens: int, contexts: tuple[int, ...] = ()
     import llama_cpp
 
     started = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=max(1024, *(c + new_tokens for c in contexts)), n_batch=512,
+    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=max([1024, *(c + new_tokens for c in contexts)]), n_batch=512,
                           n_threads=torch.get_num_threads(),
                           verbose=False)
     prompt, long = _prompts(512)
