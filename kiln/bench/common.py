@@ -140,6 +140,12 @@ def _git_commit() -> str | None:
         return None
 
 
+def precision(record: dict) -> str:
+    """A record's compute dtype, and its weights' format when that differs (a quantized engine)."""
+    weights = record.get("weights", record["dtype"])
+    return record["dtype"] if weights == record["dtype"] else f"{record['dtype']}, weights {weights}"
+
+
 def new_record(kind: str, **fields) -> dict:
     return {"kind": kind, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "kiln_commit": _git_commit(), **fields}

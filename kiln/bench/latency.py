@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kiln.bench.common import ForwardTimer, new_record, random_prompts, ratio, weight_bytes_per_token
+from kiln.bench.common import ForwardTimer, new_record, precision, random_prompts, ratio, weight_bytes_per_token
 from kiln.bench.machine import machine_facts, peak_rss_mb
 from kiln.bench.peer import hf_generate, load_hf_peer
 from kiln.config.engine_args import EngineArgs
@@ -88,7 +88,8 @@ def run_latency(engine: str | Path | EngineArgs, *, hf_gguf: str | None = None, 
     kiln["bandwidth_fraction"] = float(f"{weight_bytes * kiln['decode_tok_s'] / (machine['read_gbs'] * 1e9):.3g}")
     mapping = llm.engine.config.mapping
     llm.close()  # releases the other ranks of a split engine
-    record = new_record("latency", engine=str(llm.engine_dir), dtype=llm.engine.config.dtype, prompt_len=prompt_len,
+    record = new_record("latency", engine=str(llm.engine_dir), dtype=llm.engine.config.dtype,
+                        weights=llm.engine.config.quantization.quant_algo or llm.engine.config.dtype, prompt_len=prompt_len,
                         prefill_len=prefill_len, new_tokens=new_tokens, rounds=rounds, machine=machine, kiln=kiln,
                         world={"tp_size": mapping.tp_size, "pp_size": mapping.pp_size})
     if hf is not None:
@@ -106,7 +107,7 @@ def run_latency(engine: str | Path | EngineArgs, *, hf_gguf: str | None = None, 
 def format_latency(record: dict) -> str:
     k, h = record["kiln"], record.get("hf") or {}
     m = record["machine"]
-    lines = [f"latency: {record['dtype']}, {m['threads']} threads, {record['prompt_len']}-token prompt, "
+    lines = [f"latency: {precision(record)}, {m['threads']} threads, {record['prompt_len']}-token prompt, "
              f"{record['new_tokens']} new tokens, prefill {record['prefill_len']} tokens, median of {record['rounds']}",
              f"machine: read {m['read_gbs']} GB/s, matmul {m['matmul_gflops_fp32']} GFLOP/s fp32, "
              f"{m['matmul_gflops_bf16']} bf16",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kiln.bench.common import CollectTimer, ForwardTimer, new_record, random_prompts, ratio
+from kiln.bench.common import CollectTimer, ForwardTimer, new_record, precision, random_prompts, ratio
 from kiln.bench.machine import machine_facts, peak_rss_mb
 from kiln.bench.peer import hf_generate, load_hf_peer
 from kiln.config.engine_args import EngineArgs
@@ -82,7 +82,8 @@ def run_throughput(engine: str | Path | EngineArgs, *, hf_gguf: str | None = Non
     gc.collect()
     mapping = llm.engine.config.mapping
     llm.close()  # releases the other ranks of a split engine
-    return new_record("throughput", engine=str(llm.engine_dir), dtype=llm.engine.config.dtype, prompt_len=prompt_len,
+    return new_record("throughput", engine=str(llm.engine_dir), dtype=llm.engine.config.dtype,
+                      weights=llm.engine.config.quantization.quant_algo or llm.engine.config.dtype, prompt_len=prompt_len,
                       new_tokens=new_tokens, rounds=rounds, machine=machine, batches=results,
                       world={"tp_size": mapping.tp_size, "pp_size": mapping.pp_size},
                       peak_rss_mb=round(peak_rss_mb()))
@@ -96,7 +97,7 @@ def format_throughput(record: dict) -> str:
     m = record["machine"]
     world = record.get("world") or {}
     split = f", tp {world['tp_size']} x pp {world['pp_size']}" if world.get("tp_size", 1) * world.get("pp_size", 1) > 1 else ""
-    lines = [f"throughput: {record['dtype']}{split}, {m['threads']} threads, {record['prompt_len']}-token prompts, "
+    lines = [f"throughput: {precision(record)}{split}, {m['threads']} threads, {record['prompt_len']}-token prompts, "
              f"{record['new_tokens']} new tokens each (median of {record['rounds']})",
              f"machine: read {m['read_gbs']} GB/s, matmul {m['matmul_gflops_fp32']} GFLOP/s fp32, "
              f"{m['matmul_gflops_bf16']} bf16",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.bench.common import precision
 from kiln.cli.main import build_parser
 from tests.utils.fakes import make_tiny_llama_with_tokenizer
 
@@ -176,6 +177,8 @@ def test_bench_latency_and_throughput_record_kiln_beside_hf(work):
     assert throughput.returncode == 0, throughput.stderr
     lat, thr = [json.loads(line) for line in out.read_text().splitlines()]
     assert lat["kind"] == "latency" and thr["kind"] == "throughput"
+    assert lat["weights"] == lat["dtype"] and f"latency: {lat['dtype']}, " in latency.stdout  # a float engine
+    assert precision({"dtype": "bfloat16", "weights": "W4A16"}) == "bfloat16, weights W4A16"
     for side in ("kiln", "hf"):
         assert lat[side]["decode_tok_s"] > 0 and lat[side]["prefill_tok_s"] > 0 and lat[side]["ttft_s"] > 0
     expected_fraction = lat["kiln"]["weight_bytes"] * lat["kiln"]["decode_tok_s"] / (lat["machine"]["read_gbs"] * 1e9)
