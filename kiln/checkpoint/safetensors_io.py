@@ -89,16 +89,16 @@ class SafetensorsReader:
         the pages are the page cache's own (shared with other processes mapping the file, as
         llama.cpp maps a GGUF), and a tensor written in place copies only the pages it writes.
         A tensor whose offset does not suit its dtype (no kiln file has one) is read instead."""
-        if self.path.stat().st_size == 0 or not self._entries:
-            return {name: self.read(name) for name in self._entries}
+        if not self._entries:  # nothing to map (and an empty mapping is an error)
+            return {}
         mapping = mmap.mmap(self._file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         mapping.madvise(mmap.MADV_WILLNEED)  # start reading a cold file ahead of the first token
         whole = torch.frombuffer(mapping, dtype=torch.uint8)  # its storage keeps the mapping open
         out = {}
         for name, (dtype, shape, start, end) in self._entries.items():
             at = self._base + start
-            aligned = at % torch.empty((), dtype=dtype).element_size() == 0
-            out[name] = whole[at:self._base + end].view(dtype).view(shape) if aligned else self.read(name)
+            out[name] = whole[at:self._base + end].view(dtype).view(shape) if at % dtype.itemsize == 0 \
+                else self.read(name)
         return out
 
     def _read_bytes(self, offset: int, size: int) -> torch.Tensor:
@@ -133,7 +133,7 @@ def _leading_rows(index: tuple | None, shape: tuple[int, ...]) -> tuple[int, int
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return torch.Size(shape).numel() * dtype.itemsize
 
 
 class SafetensorsWriter:

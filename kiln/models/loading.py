@@ -113,25 +113,27 @@ def load_checkpoint(model_cls: type, config: PretrainedConfig, checkpoint_dir: s
             # decode as fast from file pages). 4-bit codes decode ~16% slower from 4 KiB pages
             # than from huge pages (SmolLM2-1.7B shape, docs/benchmark-log.md): those are read.
             weights = reader.mapped()
-            codes = [f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear)
-                     and m.quant_bits == 4]
-            for name, slot in zip(codes, host_memory.empty_many([weights[n].numel() for n in codes], torch.uint8)):
-                weights[name] = reader.read_into(name, slot)
-        else:
-            # A checkpoint's are read once, straight into their place in a huge-page arena per dtype
-            # (kiln.host_memory), for the conversions that rewrite them.
-            params = dict(model.named_parameters())
-            weights = {}
-            for dtype in {p.dtype for p in params.values()}:
-                names = [name for name, p in params.items() if p.dtype == dtype]
-                for name, slot in zip(names, host_memory.empty_many([params[n].numel() for n in names], dtype)):
-                    weights[name] = reader.read_into(name, slot)
+            read = [f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear) and m.quant_bits == 4]
+        else:  # a checkpoint's are read, for the conversions that rewrite them
+            weights, read = {}, [name for name, _ in model.named_parameters()]
+        weights.update(_read_to_huge_pages(reader, read))
     fill_parameters(model, weights, source=str(rank_file(checkpoint_dir, rank)))
     if tiled and not kernels.packed_linear_available():  # no bf16 tile kernel here: plain weights for oneDNN
         for _, linear in tiled:
             linear.weight = nn.Parameter(kernels.unpack_bf16(linear.weight), requires_grad=False)
             linear.tile_order = False
     return model
+
+
+def _read_to_huge_pages(reader: SafetensorsReader, names: list[str]) -> dict[str, torch.Tensor]:
+    """Tensors ``names`` read once, straight into their places in a huge-page arena per dtype
+    (kiln.host_memory)."""
+    out = {}
+    for dtype in {reader.dtype(name) for name in names}:
+        group = [name for name in names if reader.dtype(name) == dtype]
+        slots = host_memory.empty_many([torch.Size(reader.shape(name)).numel() for name in group], dtype)
+        out.update((name, reader.read_into(name, slot)) for name, slot in zip(group, slots))
+    return out
 
 
 def save_checkpoint(model: nn.Module, checkpoint_dir: str | Path) -> None:
