@@ -35,6 +35,7 @@ engine AWQ-g192 bfloat16 --quant_algo W4A16_AWQ --group_size 192 --has_zero_poin
 engine GPTQ-g64 bfloat16 --quant_algo W4A16_GPTQ --group_size 64 --has_zero_point --calib_size 128
 engine GPTQ-g192 bfloat16 --quant_algo W4A16_GPTQ --group_size 192 --has_zero_point --calib_size 128
 engine AWQ+GPTQ-g64 bfloat16 --quant_algo W4A16_AWQ --group_size 64 --has_zero_point --awq_gptq --calib_size 128
+engine IMATRIX-g32 bfloat16 --quant_algo W4A16_IMATRIX
 engine FP8 bfloat16 --quant_algo FP8
 engine W4A8_AWQ-g64 bfloat16 --quant_algo W4A8_AWQ --group_size 64 --has_zero_point
 engine SQ bfloat16 --quant_algo W8A8_SQ_PER_CHANNEL --smoothquant_alpha search

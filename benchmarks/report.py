@@ -83,7 +83,7 @@ def _robustness(records: list[dict]) -> list[str]:
 
 
 PAIRS = (("kiln bf16", "llama.cpp bf16"), ("kiln W8A16", "llama.cpp q8_0"), ("kiln W4A16", "llama.cpp q4_0"),
-         ("kiln W4A16", "llama.cpp q4_k_m"))
+         ("kiln W4A16", "llama.cpp q4_k_m"), ("kiln W4A16_IMATRIX", "llama.cpp q4_k_m"))
 
 
 def _scale(records: list[dict]) -> list[str]:
@@ -117,7 +117,7 @@ def _scale(records: list[dict]) -> list[str]:
             notes.append(f"- {r['shape']} ({r['date'][:10]}), {kiln_name} / {peer} decode tok/s after a long "
                          f"prompt: {', '.join(long)}")
         steps = [f"{step} {mode} {f['seconds']:.0f} s / {f['peak_rss_mb']:.0f} MB"
-                 for step in ("convert", "build") for mode, f in r[step].items() if mode in kiln_name]
+                 for step in ("convert", "build") for mode, f in r[step].items() if kiln_name == f"kiln {mode}"]
         if steps:
             notes.append(f"- {r['shape']} ({r['date'][:10]}): kiln {', '.join(steps)} (time / peak RSS)")
     return ["## Real model sizes: kiln beside llama.cpp (random weights of real shapes, SmolLM2's vocabulary)", "",
@@ -138,23 +138,30 @@ def _short(command: str) -> str:
 
 
 def _quality(records: list[dict]) -> list[str]:
-    """The newest quality record: every precision's perplexity ratio beside its decode speed."""
-    found = [r for r in records if r.get("kind") == "quality"]
-    if not found:
+    """Per source file, the newest quality record: every precision's perplexity ratio beside its
+    decode speed (the bundled Q4_1 file, and its dithered float copy, benchmarks/dithered_gguf.py)."""
+    latest = {r["gguf"]: r for r in records if r.get("kind") == "quality"}
+    if not latest:
         return []
-    r = found[-1]
-    rows = ["| engine | perplexity | ratio to full precision | decode tok/s (batch 1) |", "|---|---:|---:|---:|"]
-    firsts = {}
-    for name, f in r["engines"].items():
-        base = firsts.setdefault(name.split()[0], f["perplexity"])  # kiln's first engine, llama.cpp's first type
-        rows.append(f"| {name} | {f['perplexity']:.3f} | {f['perplexity'] / base:.3f} | {_tok_s(f['decode_tok_s'])} |")
-    return ["## Quality beside speed: every precision of the bundled model, kiln and llama.cpp", "",
-            f"{r['date'][:10]}, {_cpu(r)}, {r['threads']} threads: perplexity on {r['tokens_scored']} tokens of "
-            f"{r['ppl_samples']} held-out ShareGPT replies (window {r['window']}, stride {r['stride']}, the same "
-            "token ids for both engines), batch-1 decode after a 32-token prompt, alternating rounds. The "
-            "bundled file is Q4_1: every type is re-rounded from its values, and formats of 32-wide groups "
-            "with a float minimum hold them exactly; at this model's width (576) llama.cpp's Q4_K_M keeps most "
-            f"linears in Q5_0. `{_short(r['command'])}`", "", *rows]
+    out = ["## Quality beside speed: every precision of the bundled model, kiln and llama.cpp", ""]
+    for gguf, r in sorted(latest.items(), key=lambda kv: "dithered" not in kv[0]):
+        rows = ["| engine | perplexity | ratio to full precision | decode tok/s (batch 1) |", "|---|---:|---:|---:|"]
+        firsts = {}
+        for name, f in r["engines"].items():
+            base = firsts.setdefault(name.split()[0], f["perplexity"])  # kiln's first engine, llama.cpp's first type
+            rows.append(f"| {name} | {f['perplexity']:.3f} | {f['perplexity'] / base:.3f} | "
+                        f"{_tok_s(f['decode_tok_s'])} |")
+        source = ("**A float source**: the bundled model with its Q4_1 lattice dithered away (each weight moved "
+                  "uniformly within its Q4_1 step, `python benchmarks/dithered_gguf.py`), so no format holds the "
+                  "weights exactly; every mode starts from the same float32 file" if "dithered" in gguf else
+                  "**The bundled file** is Q4_1: every type is re-rounded from its values, and formats of 32-wide "
+                  "groups with a float minimum hold them exactly")
+        out += [f"{source}. {r['date'][:10]}, {_cpu(r)}, {r['threads']} threads: perplexity on "
+                f"{r['tokens_scored']} tokens of {r['ppl_samples']} held-out ShareGPT replies (window {r['window']}, "
+                f"stride {r['stride']}, the same token ids for both engines), batch-1 decode after a 32-token prompt, "
+                "alternating rounds. At this model's width (576) llama.cpp's Q4_K_M keeps most linears in Q5_0. "
+                f"`{_short(r['command'])}`", "", *rows, ""]
+    return out[:-1]
 
 
 def render(records: list[dict]) -> str:

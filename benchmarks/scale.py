@@ -9,8 +9,9 @@ safetensors directory and as a bf16 GGUF carrying SmolLM2's tokenizer metadata (
 loads it), both holding the same numbers (the GGUF's q/k rows in llama.cpp's rotary order).
 Then, on this machine, with the same thread count:
 
-* kiln convert (HF dir -> bf16, W8A16 and W4A16 g64 zero-point checkpoints) and kiln build:
-  time and peak RSS (a child process each);
+* kiln convert (HF dir -> bf16, W8A16, W4A16 g64 zero-point and W4A16_IMATRIX g32 checkpoints,
+  the last calibrated layer by layer on ShareGPT) and kiln build: time and peak RSS (a child
+  process each);
 * llama.cpp's own quantizer makes Q8_0, Q4_0 and Q4_K_M from the bf16 GGUF;
 * rounds alternate engines, each round a fresh process per engine (two engines of an 8B model
   would not fit in memory together): load to first token, peak RSS, prefill tok/s at 512 tokens,
@@ -52,7 +53,7 @@ SHARD_BYTES = 2 << 30
 LLAMA_FTYPES = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15}  # llama_ftype values
 BATCHES = (8, 32)  # kiln's batched decode, sequences per step
 ROUND_ENGINES = ("kiln bf16", "llama.cpp bf16", "kiln W8A16", "llama.cpp q8_0", "kiln W4A16", "llama.cpp q4_0",
-                 "llama.cpp q4_k_m")
+                 "kiln W4A16_IMATRIX", "llama.cpp q4_k_m")
 
 
 # -- the models ---------------------------------------------------------------------------------
@@ -292,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         record.update(json.loads(steps.read_text()))
     engines = {}
     for mode, flags in (("bf16", []), ("W8A16", ["--quant_algo", "W8A16"]),
-                        ("W4A16", ["--quant_algo", "W4A16", "--group_size", "64", "--has_zero_point"])):
+                        ("W4A16", ["--quant_algo", "W4A16", "--group_size", "64", "--has_zero_point"]),
+                        ("W4A16_IMATRIX", ["--quant_algo", "W4A16_IMATRIX"])):
         if f"kiln {mode}" not in args.engines:
             continue
         ckpt, engine = work / f"ckpt-{mode}", work / f"engine-{mode}"

@@ -25,6 +25,9 @@ from kiln.quantization.calibration import (DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
 from kiln.quantization.fp8 import fp8_quantize_model
 from kiln.quantization.gptq import gptq_settings
 from kiln.quantization.gptq_quantize import GPTQ_ALGO, check_gptq_request, gptq_quantize_model
+from kiln.quantization.imatrix import (IMATRIX_ALGO, check_imatrix_request, imatrix_quantize_model, importance,
+                                       quantize_weight_imatrix, recorded_config, stats_factory)
+from kiln.quantization.sequential import stream_calibrated
 from kiln.quantization.kv_cache import calibrate_kv_cache_scales, set_kv_cache_scales
 from kiln.quantization.smoothquant import DEFAULT_ALPHA, SEARCH_ALPHA, smoothquant_model
 from kiln.quantization.weight_only import (FP8_ALGO, WEIGHT_ONLY_ALGOS, quantizable_modules, quantize_weight,
@@ -94,14 +97,15 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
         calibration = _calibration_tokens(source, Path(model_dir), calib_dataset, calib_size, calib_max_len,
                                           quantization.quant_algo if calibrated else f"KV cache {kv_algo}")
     overrides = {"use_parallel_embedding": use_parallel_embedding, "embedding_sharding_dim": embedding_sharding_dim}
-    # Calibration runs the whole float model and a GPTQ import fills its own layout: in memory.
-    streamable = not (calibrated or kv_algo is not None or gptq is not None)
+    # Calibration runs the whole float model (W4A16_IMATRIX's runs layer by layer as it streams)
+    # and a GPTQ import fills its own layout: in memory.
+    streamable = not ((calibrated and algo != IMATRIX_ALGO) or kv_algo is not None or gptq is not None)
     with atomic_output_dir(output_dir) as tmp:
         config = None
         for rank in tqdm(range(world.world_size), desc="converting ranks", disable=not progress or world.world_size == 1):
             if streamable:
                 config = stream_rank(source, model_cls, tmp, rank, dtype, world.with_rank(rank), customized_key_dict,
-                                     overrides, quantization, progress)
+                                     overrides, quantization, progress, calibration)
                 if config is not None:
                     continue
             model = model_cls.from_hugging_face(source, dtype, world.with_rank(rank), customized_key_dict,
@@ -142,18 +146,21 @@ def _checked_calibration(quantization: QuantConfig | None, world_size: int, wher
         check_awq_request(quantization, world_size, where)
     elif algo == GPTQ_ALGO:
         check_gptq_request(quantization, world_size, where)
+    elif algo == IMATRIX_ALGO:
+        check_imatrix_request(quantization, world_size, where)
     elif algo in (SMOOTHQUANT_ALGO, FP8_ALGO) and world_size != 1:
         raise ConfigError(f"--quant_algo {algo} calibrates the whole model in one process: use --tp_size 1 --pp_size 1")
-    return algo in (*AWQ_ALGOS, GPTQ_ALGO, SMOOTHQUANT_ALGO, FP8_ALGO)
+    return algo in (*AWQ_ALGOS, GPTQ_ALGO, IMATRIX_ALGO, SMOOTHQUANT_ALGO, FP8_ALGO)
 
 
 def stream_rank(source, model_cls: type, out: Path, rank: int, dtype: str | None, mapping: Mapping,
                 customized_key_dict: dict | None, overrides: dict, quantization: QuantConfig | None,
-                progress: bool) -> PretrainedConfig | None:
+                progress: bool, calibration: list[list[int]] | None = None) -> PretrainedConfig | None:
     """Write rank ``rank``'s checkpoint file one tensor at a time (read, cast, round to nearest
     where ``quantization`` asks, write), never holding the model: the file is laid out first
     from a model of the final config on the meta device (what ``from_checkpoint`` reads back).
-    Returns the rank's config, or None (nothing written) when a quantized lm_head shares the
+    W4A16_IMATRIX calibrates on the token lists ``calibration`` layer by layer as the layers
+    stream past (``kiln.quantization.sequential``). Returns the rank's config, or None (nothing written) when a quantized lm_head shares the
     embedding table, which the in-memory path unties first."""
     model, loader = prepare_hugging_face(model_cls, source, dtype, mapping, customized_key_dict, overrides)
     quant = quantization if quantization is not None and quantization.quant_algo is not None else None
@@ -166,15 +173,26 @@ def stream_rank(source, model_cls: type, out: Path, rank: int, dtype: str | None
         if not chosen:
             raise ConfigError(f"{source.path}: --quant_algo {quant.quant_algo} found no linear layer to quantize")
         rounded = {f"{name}.weight": f"{name}." for name, _ in chosen}
-        config = dataclasses.replace(config, quantization=dataclasses.replace(quant, exclude_modules=excluded,
-                                                                              pre_quant_scale=False))
+        recorded = (recorded_config(quant, [name for name, _ in chosen]) if quant.quant_algo == IMATRIX_ALGO
+                    else dataclasses.replace(quant, exclude_modules=excluded, pre_quant_scale=False))
+        config = dataclasses.replace(config, quantization=recorded)
     with torch.device("meta"):
         layout = model_cls(config)
         use_weight_only_layout(layout, config.quantization, tile_order=False)
     entries = {name: (p.dtype, tuple(p.shape)) for name, p in layout.named_parameters()}
     bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo) if quant is not None else None
+    calibrating = quant is not None and quant.quant_algo == IMATRIX_ALGO
+    weights = loader.iter_weights(model, progress=progress and not calibrating)  # else one bar per layer
     with SafetensorsWriter(rank_file(out, rank), entries, metadata={"format": "pt"}) as writer:
-        for key, tensor in loader.iter_weights(model, progress=progress):
+        if calibrating:
+            def quantize(name, linear, stats):
+                return quantize_weight_imatrix(linear.weight, quant.group_size, importance(stats))
+
+            for key, tensor in stream_calibrated(model, weights, calibration or [], [name for name, _ in chosen],
+                                                 stats_factory, quantize, progress):
+                writer.write(key, tensor)
+            return config
+        for key, tensor in weights:
             if key not in rounded:
                 writer.write(key, tensor)
                 continue
@@ -214,6 +232,8 @@ def _quantize(model, quantization: QuantConfig, where: str, calibration: list[li
     elif quantization.quant_algo == GPTQ_ALGO:
         recorded = gptq_quantize_model(model, quantization, calibration or [], gptq_act_order, gptq_sequential,
                                        progress=progress)
+    elif quantization.quant_algo == IMATRIX_ALGO:
+        recorded = imatrix_quantize_model(model, quantization, calibration or [], progress)
     elif quantization.quant_algo == SMOOTHQUANT_ALGO:
         alpha = None if smoothquant_alpha == SEARCH_ALPHA else smoothquant_alpha
         recorded = smoothquant_model(model, quantization, calibration or [], alpha, progress)

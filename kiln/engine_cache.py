@@ -19,6 +19,7 @@ from kiln.build import build_engine, resolve_build_config
 from kiln.build.builder import cpu_has_native_bf16
 from kiln.checkpoint.format import ENGINE_FORMAT_VERSION, read_config, read_config_dict
 from kiln.config import BuildConfig, QuantConfig
+from kiln.config.quant_algos import ALGOS
 from kiln.config.engine_args import EngineArgs
 from kiln.convert import convert_checkpoint
 from kiln.errors import CheckpointError, ConfigError
@@ -72,6 +73,8 @@ def split_quantization(quantization) -> tuple[dict | None, dict]:
     elif not isinstance(quantization, dict):
         raise ConfigError(f"quantization: expected an algorithm name, a QuantConfig or a dict, got "
                           f"{type(quantization).__name__}")
+    if quantization.get("quant_algo") in ALGOS and "group_size" not in quantization:
+        quantization = {**quantization, "group_size": ALGOS[quantization["quant_algo"]].group_size}
     # Every field spelled out (one cache key per setting, however it was given); an unknown
     # field or algorithm is named now, before any work.
     fields = QuantConfig.from_dict({k: v for k, v in quantization.items() if k not in CALIBRATION_OPTIONS}).to_dict()

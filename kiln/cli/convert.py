@@ -64,7 +64,10 @@ def _add_quantization_flags(p) -> None:
                         "--calib_dataset: W4A16_AWQ, W4A16 with activation-aware input scales; W4A16_GPTQ, "
                         "W4A16 by GPTQ, each layer's rounding errors compensated within the layer using its "
                         "inputs, layer after layer; W4A8_AWQ, AWQ's 4-bit weights with activations rounded to "
-                        "FP8 e4m3 on a static scale (emulated); FP8, e4m3 weights and activations with one "
+                        "FP8 e4m3 on a static scale (emulated); W4A16_IMATRIX, 4-bit codes with a float scale and "
+                        "offset per group searched to keep each input channel's weights as close as its "
+                        "activations' energy asks (calibrated layer by layer as the weights stream, never "
+                        "holding the model; kiln's most accurate 4-bit mode); FP8, e4m3 weights and activations with one "
                         "static scale each per layer (emulated exactly: e4m3 products summed in fp32); engines "
                         "built from these compute in bfloat16. W8A8_SQ_PER_CHANNEL: SmoothQuant, int8 weights "
                         "(a scale per output channel) and int8 activations (a scale per token at run time), "
@@ -87,9 +90,10 @@ def _add_quantization_flags(p) -> None:
                         "value for every layer; 'search' picks it per group of linears sharing an input (0 to 1 "
                         "by 0.05, the smallest int8 output error on the calibration rows) (default "
                         f"{DEFAULT_ALPHA}: best on SmolLM2's held-out text, see docs/benchmark-log.md)")
-    p.add_argument("--group_size", type=int, default=64,
-                   help="4-bit modes (W4A16, W4A16_AWQ, W4A8_AWQ, W4A16_GPTQ): input features sharing a scale, "
-                        "a multiple of 32 dividing every quantized layer's input features (default 64)")
+    p.add_argument("--group_size", type=int, default=None,
+                   help="4-bit modes (W4A16, W4A16_AWQ, W4A8_AWQ, W4A16_GPTQ, W4A16_IMATRIX): input features "
+                        "sharing a scale, a multiple of 32 dividing every quantized layer's input features "
+                        f"(default {ALGOS['W4A16_IMATRIX'].group_size} for W4A16_IMATRIX, 64 for the others)")
     p.add_argument("--has_zero_point", action="store_true",
                    help="W4A16, W4A16_AWQ, W4A16_GPTQ: asymmetric codes with a zero point per group, so a "
                         "group's 16 codes span its own min..max (default: symmetric around zero)")
@@ -145,7 +149,8 @@ def run(args) -> int:
                           f"{', '.join(KV_CACHE_QUANT_ALGOS)} (see kiln convert --help)")
     quantization = None
     if args.quant_algo or args.kv_cache_quant_algo:
-        quantization = QuantConfig(quant_algo=args.quant_algo, group_size=args.group_size,
+        group_size = args.group_size or ALGOS[args.quant_algo or "W4A16"].group_size
+        quantization = QuantConfig(quant_algo=args.quant_algo, group_size=group_size,
                                    has_zero_point=args.has_zero_point, exclude_modules=args.exclude_modules,
                                    kv_cache_quant_algo=args.kv_cache_quant_algo)
     out = convert_checkpoint(args.model_dir, args.output_dir, dtype=args.dtype, tp_size=args.tp_size,

@@ -14,6 +14,7 @@ class QuantAlgo:
     prequant: bool = False  # a prequant_scaling_factor (1/s) per linear: AWQ's codes hold W diag(s)
     activation_scale: bool = False  # a static activation_scaling_factor per linear (FP8 inputs)
     bf16_engine: bool = True  # its kernels compute in bf16, so its engines are bfloat16
+    group_size: int = 64  # inputs per scale when the user gives none (4-bit modes)
 
 
 ALGOS = {a.name: a for a in (
@@ -22,6 +23,8 @@ ALGOS = {a.name: a for a in (
     QuantAlgo("W4A16_AWQ", 4, calibrated=True, prequant=True),  # activation-aware scales
     QuantAlgo("W4A8_AWQ", 4, calibrated=True, prequant=True, activation_scale=True),  # + FP8 inputs
     QuantAlgo("W4A16_GPTQ", 4, calibrated=True),  # GPTQ rounding, or imported from a GPTQ checkpoint
+    # importance-weighted scale/offset search; recorded as MIXED_PRECISION (kiln.quantization.imatrix)
+    QuantAlgo("W4A16_IMATRIX", 4, calibrated=True, group_size=32),  # 32 measures far better than 64
     QuantAlgo("FP8", 8, calibrated=True, weight_only=False, activation_scale=True),  # e4m3, per tensor
     QuantAlgo("W8A8_SQ_PER_CHANNEL", 8, calibrated=True, weight_only=False, bf16_engine=False),  # SmoothQuant
 )}

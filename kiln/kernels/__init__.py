@@ -228,6 +228,23 @@ def quant_shape_tiles(out_features: int, in_features: int, bits: int, group_size
                  and in_features % group_size == 0))
 
 
+def fit_offset_groups(weight: torch.Tensor, importance: torch.Tensor, group: int,
+                      stretch: list[float]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """W4A16_IMATRIX's per-group search (quant_search.c) over float32 ``weight`` ``[rows, cols]``
+    with per-column ``importance`` ``[cols]``: float32 ``(scale, offset)`` ``[rows, cols / group]``;
+    None without the native library (``kiln.quantization.imatrix`` searches in PyTorch then)."""
+    lib = native_library()
+    if lib is None:
+        return None
+    rows, cols = weight.shape
+    x, w = weight.float().contiguous(), importance.float().contiguous()
+    s = torch.tensor(stretch, dtype=torch.float32)
+    scale, offset = torch.empty(rows, cols // group), torch.empty(rows, cols // group)
+    lib.kiln_fit_offset_groups(x.data_ptr(), w.data_ptr(), rows, cols, group, s.data_ptr(), len(stretch),
+                               scale.data_ptr(), offset.data_ptr(), torch.get_num_threads())
+    return scale, offset
+
+
 def quant_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Row-major codes (int8 or e4m3 ``[n, k]``, or 4-bit pairs ``[n, k / 2]`` low nibble first)
     in the kernels' order (quant_linear.c: int8 tiles, 4-bit chunks); same dtype and shape."""

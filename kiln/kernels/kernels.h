@@ -63,6 +63,9 @@ void kiln_packed_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t
 void kiln_amx_linear_bf16(const bf16_t *x, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t m,
                           int64_t n, int64_t k, int num_threads);
 
+void kiln_fit_offset_groups(const float *x, const float *importance, int64_t rows, int64_t cols, int64_t group,
+                            const float *stretch, int64_t num_stretch, float *scale_out, float *offset_out,
+                            int num_threads);
 void kiln_quant_pack(const uint8_t *codes, uint8_t *out, int64_t n, int64_t k, int64_t bits, int num_threads);
 void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const void *scales, const void *offsets,
                             int64_t bits, int64_t group, const bf16_t *bias, bf16_t *y, int64_t m, int64_t n,

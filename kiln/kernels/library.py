@@ -143,6 +143,8 @@ def native_library() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = [C_PTR] * 4 + [C_INT64] * 3 + [ctypes.c_int]
         getattr(lib, name).restype = None
     lib.kiln_quant_pack.argtypes = [C_PTR, C_PTR, C_INT64, C_INT64, C_INT64, ctypes.c_int]
+    lib.kiln_fit_offset_groups.argtypes = [C_PTR, C_PTR] + [C_INT64] * 3 + [C_PTR, C_INT64, C_PTR, C_PTR, ctypes.c_int]
+    lib.kiln_fit_offset_groups.restype = None
     lib.kiln_quant_pack.restype = None
     lib.kiln_quant_linear_bf16.argtypes = [C_PTR] * 4 + [C_INT64] * 2 + [C_PTR] * 2 + [C_INT64] * 3 + [ctypes.c_int]
     lib.kiln_quant_linear_bf16.restype = None

@@ -53,15 +53,16 @@ def calibration_token_ids(tokenizer, texts: list[str], max_len: int = DEFAULT_CA
 
 @dataclass
 class InputStats:
-    """Per-input-channel statistics of one linear's inputs: ``absmax`` and ``abs_sum`` over all
-    rows seen (``rows`` of them), plus a sample of every ``stride``-th row seen for a scale
-    search: when it would pass ``max_sample`` rows the stride doubles and every other kept row
-    goes, so the sample (``max_sample / 2`` to ``max_sample`` rows) spans all the text, not
-    its first prompts. ``max_sample`` 0 keeps no sample (range statistics only)."""
+    """Per-input-channel statistics of one linear's inputs: ``absmax``, ``abs_sum`` and
+    ``square_sum`` over all rows seen (``rows`` of them), plus a sample of every ``stride``-th
+    row seen for a scale search: when it would pass ``max_sample`` rows the stride doubles and
+    every other kept row goes, so the sample (``max_sample / 2`` to ``max_sample`` rows) spans
+    all the text, not its first prompts. ``max_sample`` 0 keeps no sample (range statistics only)."""
 
     max_sample: int = 512
     absmax: torch.Tensor | None = None
     abs_sum: torch.Tensor | None = None
+    square_sum: torch.Tensor | None = None
     rows: int = 0
     stride: int = 1
     sample: torch.Tensor | None = None  # [kept, in]: rows 0, stride, 2 * stride, ... of those seen
@@ -71,6 +72,8 @@ class InputStats:
         a = x.abs()
         self.absmax = a.amax(0) if self.absmax is None else torch.maximum(self.absmax, a.amax(0))
         self.abs_sum = a.sum(0) if self.abs_sum is None else self.abs_sum + a.sum(0)
+        squares = (a * a).sum(0)
+        self.square_sum = squares if self.square_sum is None else self.square_sum + squares
         if self.max_sample == 0:
             self.rows += x.shape[0]
             return
@@ -85,6 +88,10 @@ class InputStats:
     @property
     def abs_mean(self) -> torch.Tensor:
         return self.abs_sum / max(self.rows, 1)
+
+    @property
+    def mean_square(self) -> torch.Tensor:
+        return self.square_sum / max(self.rows, 1)
 
     def rows_sample(self) -> torch.Tensor:
         return self.sample
