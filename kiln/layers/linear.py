@@ -200,6 +200,12 @@ class Linear(nn.Module):
             self._packed_key = key
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [None], "")
 
+    def drop_packed_copies(self) -> None:
+        """Forget the packed copies ``matmul`` made of a float weight (a layer-by-layer
+        calibration drops each layer's weights after use: the copies must go with them)."""
+        for name in ("_packed", "_packed_key", "_packed_tiles", "_packed_tiles_key"):
+            self.__dict__.pop(name, None)
+
     def packed_weight(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The weight in tiles for ``kernels.packed_linear``: an engine's own (``tile_order``),
         else packed on first use (into ``out`` if given) and again if the weight is reassigned;

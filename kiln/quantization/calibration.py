@@ -51,6 +51,9 @@ def calibration_token_ids(tokenizer, texts: list[str], max_len: int = DEFAULT_CA
     return [t for t in ids if len(t) >= 2]
 
 
+_OBSERVE_ROWS = 1024
+
+
 @dataclass
 class InputStats:
     """Per-input-channel statistics of one linear's inputs: ``absmax``, ``abs_sum`` and
@@ -68,17 +71,18 @@ class InputStats:
     sample: torch.Tensor | None = None  # [kept, in]: rows 0, stride, 2 * stride, ... of those seen
 
     def observe(self, x: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, x.shape[-1]).float()
-        a = x.abs()
-        self.absmax = a.amax(0) if self.absmax is None else torch.maximum(self.absmax, a.amax(0))
-        self.abs_sum = a.sum(0) if self.abs_sum is None else self.abs_sum + a.sum(0)
-        squares = (a * a).sum(0)
-        self.square_sum = squares if self.square_sum is None else self.square_sum + squares
+        x = x.detach().reshape(-1, x.shape[-1])
+        for start in range(0, x.shape[0], _OBSERVE_ROWS):  # float32 temporaries of a bounded size
+            a = x[start:start + _OBSERVE_ROWS].float().abs()
+            self.absmax = a.amax(0) if self.absmax is None else torch.maximum(self.absmax, a.amax(0))
+            self.abs_sum = a.sum(0) if self.abs_sum is None else self.abs_sum + a.sum(0)
+            squares = (a * a).sum(0)
+            self.square_sum = squares if self.square_sum is None else self.square_sum + squares
         if self.max_sample == 0:
             self.rows += x.shape[0]
             return
         first = -self.rows % self.stride  # this batch's first row whose overall index the stride divides
-        kept = x[first::self.stride]
+        kept = x[first::self.stride].float()
         self.sample = kept.clone() if self.sample is None else torch.cat([self.sample, kept])
         self.rows += x.shape[0]
         while self.sample.shape[0] > self.max_sample:

@@ -29,6 +29,7 @@ from kiln.config import LayerQuant, QuantConfig
 from kiln.config.quant_algos import MIXED_PRECISION
 from kiln.errors import ConfigError
 from kiln.quantization.calibration import InputStats, collect_linear_inputs
+from kiln.quantization.sequential import STEP_TOKENS
 from kiln.quantization.weight_only import check_group_size, pack_4bit, quantizable_modules
 
 IMATRIX_ALGO = "W4A16_IMATRIX"
@@ -143,7 +144,9 @@ def imatrix_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: li
         return None
     if not token_lists:
         raise ConfigError(f"{IMATRIX_ALGO}: no calibration text of at least 2 tokens")
-    stats = collect_linear_inputs(model, token_lists, [name for name, _ in chosen], stats_factory, progress)
+    # Steps of the streamed convert's size: the same arithmetic, so the same statistics
+    stats = collect_linear_inputs(model, token_lists, [name for name, _ in chosen], stats_factory, progress,
+                                  max_step_tokens=STEP_TOKENS)
     for name, linear in chosen:
         tensors = quantize_weight_imatrix(linear.weight, quant.group_size, importance(stats[name]))
         linear.use_weight_only(4, quant.group_size, False, tensors, has_offset=True)

@@ -20,12 +20,16 @@ from tqdm import tqdm
 
 from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
+from kiln.layers.linear import Linear
 from kiln.quantization.calibration import InputStats, prompt_steps
 
 # (linear name, the linear with its float weight placed, its input statistics) -> its checkpoint
 # tensors (names relative to the linear: "weight", "weights_scaling_factor", ...).
 QuantizeLinear = Callable[[str, nn.Module, InputStats], dict[str, torch.Tensor]]
 _LAYERS = "transformer.layers."
+# Tokens a calibration step runs at once: half the in-memory default, as one layer's activations
+# are most of what a streamed convert holds.
+STEP_TOKENS = 2048
 
 
 def _stage(key: str, past_layers: bool) -> str:
@@ -62,7 +66,7 @@ def stream_calibrated(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     if not token_lists:
         raise ConfigError("layer-by-layer calibration: no calibration text of at least 2 tokens")
     t = model.transformer
-    steps = prompt_steps(token_lists)
+    steps = prompt_steps(token_lists, max_step_tokens=STEP_TOKENS)
     attention = next(iter(t.layers.values())).attention
     shape = (max(s.num_blocks for s in steps), steps[0].metadata.block_size, attention.num_kv_heads,
              attention.head_size)
@@ -85,6 +89,7 @@ def stream_calibrated(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
             hidden = [model.first_layer_input(s.input_ids, s.positions, s.metadata.prompts) for s in steps]
             for key in pre:
                 placer.drop(key)
+            pre.clear()
         for key, tensor in tensors.items():
             placer.place(key, tensor)
         prefix = "" if stage == "post" else f"{_LAYERS}{stage}."
@@ -114,6 +119,9 @@ def stream_calibrated(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
                 out[key] = tensor
         for key in tensors:
             placer.drop(key)
+        for module in (t.layers[stage] if stage != "post" else model).modules():
+            if isinstance(module, Linear):
+                module.drop_packed_copies()  # bf16 matmuls pack a copy of each weight on first use
         return iter(out.items())
 
     stage, pending, past_layers = None, {}, False

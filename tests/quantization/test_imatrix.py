@@ -145,3 +145,24 @@ def test_its_default_group_is_32_from_the_cli_and_llm(tiny, tmp_path):
                  IMATRIX_ALGO, "--calib_dataset", str(tiny / "calib.jsonl"), "--calib_size", "2"]) == 0
     layers = read_config(tmp_path / "c").quantization.quantized_layers
     assert {f.group_size for f in layers.values()} == {32}
+
+
+def test_layer_by_layer_calibration_keeps_no_layer(tiny):
+    """After the stream, every weight is back on the meta device and no packed copy of one is
+    left (a bf16 matmul packs its weight on first use)."""
+    from kiln.models.loading import prepare_hugging_face
+    from kiln.quantization.imatrix import importance, stats_factory
+    from kiln.quantization.sequential import stream_calibrated
+
+    model, loader = prepare_hugging_face(get_model_class("LlamaForCausalLM"), open_source(tiny / "hf"), "bfloat16")
+    tokens = _calibration_tokens(open_source(tiny / "hf"), tiny / "hf", str(tiny / "calib.jsonl"), 4, 512,
+                                 IMATRIX_ALGO)
+    chosen = ["transformer.layers.0.mlp.proj", "transformer.layers.1.attention.qkv"]
+    written = dict(stream_calibrated(model, loader.iter_weights(model), tokens, chosen, stats_factory,
+                                     lambda name, linear, stats: quantize_weight_imatrix(linear.weight, 32,
+                                                                                         importance(stats))))
+    assert written["transformer.layers.0.mlp.proj.weight"].dtype == torch.uint8
+    assert "transformer.layers.1.attention.qkv.weights_offset" in written
+    assert written["transformer.layers.1.mlp.proj.weight"].dtype == torch.bfloat16  # not chosen: as read
+    assert all(p.is_meta for p in model.parameters())
+    assert not any(hasattr(m, "_packed_tiles") or hasattr(m, "_packed") for m in model.modules())
