@@ -214,6 +214,15 @@ static void *scratch(size_t bytes) {
     return buffer;
 }
 
+/* Asks for a block's K or V rows of one KV head ahead of use: the rows are token_stride elements
+ * apart (every KV head's row in between), a stride the hardware prefetchers do not follow, so
+ * without this each row's lines are demand misses one after another. */
+static inline void prefetch_rows(const void *first, int64_t ntok, int64_t stride_bytes, int64_t row_bytes) {
+    const char *p = (const char *)first;
+    for (int64_t t = 0; t < ntok; ++t, p += stride_bytes)
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
 /* The optional score adjustments of a block: scale, soft-cap, ALiBi bias (pos0 is the first
  * token's position relative to the query, <= 0). Separate from the plain scaling loop so
  * layers without them keep it as it was. */
@@ -258,6 +267,15 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
         const int64_t t0 = b * block_size < first ? first - b * block_size : 0;                    \
         const int64_t ntok = (len - b * block_size < block_size ? len - b * block_size : block_size) - t0;\
         const int64_t at = (table[b] * block_size + t0) * token_stride + kvh * D;                  \
+        /* This block's V rows come in while its scores are computed, the next block's K rows     \
+         * while its values are summed. */                                                         \
+        prefetch_rows(v_cache + at, ntok, token_stride * sizeof(KT), D * sizeof(KT));              \
+        if (b == b_begin) prefetch_rows(k_cache + at, ntok, token_stride * sizeof(KT), D * sizeof(KT));\
+        if (b + 1 < b_end) {                                                                       \
+            const int64_t n1 = len - (b + 1) * block_size < block_size ? len - (b + 1) * block_size : block_size;\
+            prefetch_rows(k_cache + table[b + 1] * block_size * token_stride + kvh * D, n1,        \
+                          token_stride * sizeof(KT), D * sizeof(KT));                              \
+        }                                                                                          \
         const CT *kb = STAGE(k_cache + at, ntok, token_stride, D, k_rows);                         \
         const CT *vb = STAGE(v_cache + at, ntok, token_stride, D, v_rows);                         \
         for (int64_t g = 0; g < group; ++g) {                                                      \
