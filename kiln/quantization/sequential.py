@@ -56,6 +56,82 @@ class _Placer:
                                                              requires_grad=False)
 
 
+class _Calibration:
+    """The state of one streamed calibration: the prompts' steps and hidden states, the placer,
+    and the one KV cache every layer reuses."""
+
+    def __init__(self, model: nn.Module, token_lists: list[list[int]], chosen: list[str],
+                 make_stats: Callable[[], InputStats], quantize: QuantizeLinear):
+        if not token_lists:
+            raise ConfigError("layer-by-layer calibration: no calibration text of at least 2 tokens")
+        self.model, self.chosen, self.make_stats, self.quantize = model, chosen, make_stats, quantize
+        self.steps = prompt_steps(token_lists, max_step_tokens=STEP_TOKENS)
+        attention = next(iter(model.transformer.layers.values())).attention
+        shape = (max(s.num_blocks for s in self.steps), self.steps[0].metadata.block_size, attention.num_kv_heads,
+                 attention.head_size)
+        dtype = torch_dtype(model.config.dtype)
+        self.cache = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        self.placer = _Placer(model)
+        self.hidden: list[torch.Tensor] | None = None
+        self.pre: dict[str, torch.Tensor] = {}  # tensors before the first layer, until the prompts are embedded
+
+    def embed(self) -> None:
+        """The prompts' first-layer inputs, from the tensors before the layers (then dropped)."""
+        for key, tensor in self.pre.items():
+            self.placer.place(key, tensor)
+        self.hidden = [self.model.first_layer_input(s.input_ids, s.positions, s.metadata.prompts) for s in self.steps]
+        for key in self.pre:
+            self.placer.drop(key)
+        self.pre.clear()
+
+    def run(self, stage: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One stage's checkpoint tensors: the stage placed, the prompts run through it with its
+        chosen linears' inputs observed, those linears quantized, the stage dropped."""
+        if stage == "pre":
+            self.pre.update(tensors)
+            return tensors
+        if self.hidden is None:
+            self.embed()
+        for key, tensor in tensors.items():
+            self.placer.place(key, tensor)
+        stats = self._observe(stage)
+        out = {}
+        for key, tensor in tensors.items():
+            owner = key.rpartition(".")[0]
+            if owner in stats and key.endswith(".weight"):
+                for part, value in self.quantize(owner, self.placer.modules[owner], stats[owner]).items():
+                    out[f"{owner}.{part}"] = value
+            else:
+                out[key] = tensor
+        for key in tensors:
+            self.placer.drop(key)
+        t = self.model.transformer
+        for module in (t.layers[stage] if stage != "post" else self.model).modules():
+            if isinstance(module, Linear):
+                module.drop_packed_copies()  # bf16 matmuls pack a copy of each weight on first use
+        return out
+
+    def _observe(self, stage: str) -> dict[str, InputStats]:
+        """Statistics of the stage's chosen linears' inputs; a layer's outputs become the next input."""
+        t, modules = self.model.transformer, self.placer.modules
+        prefix = "" if stage == "post" else f"{_LAYERS}{stage}."
+        mine = [n for n in self.chosen if n.startswith(prefix) and (stage != "post" or not n.startswith(_LAYERS))]
+        stats = {name: self.make_stats() for name in mine}
+        handles = [modules[name].register_forward_pre_hook(lambda m, args, name=name: stats[name].observe(args[0]))
+                   for name in mine if name != "lm_head"]
+        try:
+            if stage == "post":
+                for h in self.hidden if "lm_head" in stats else ():
+                    stats["lm_head"].observe(t.finish(h))
+            else:
+                layer = t.layers[stage]
+                self.hidden = [layer(h, s.positions, s.metadata, self.cache) for h, s in zip(self.hidden, self.steps)]
+        finally:
+            for handle in handles:
+                handle.remove()
+        return stats
+
+
 @torch.inference_mode()
 def stream_calibrated(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], token_lists: list[list[int]],
                       chosen: list[str], make_stats: Callable[[], InputStats], quantize: QuantizeLinear,
@@ -63,78 +139,18 @@ def stream_calibrated(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     """``(key, tensor)`` of the checkpoint: ``weights`` (a meta-device ``model``'s float tensors,
     streamed in parameter order) with each linear in ``chosen`` replaced by what ``quantize`` makes
     of it, calibrated on ``token_lists`` (statistics ``make_stats()`` per linear)."""
-    if not token_lists:
-        raise ConfigError("layer-by-layer calibration: no calibration text of at least 2 tokens")
-    t = model.transformer
-    steps = prompt_steps(token_lists, max_step_tokens=STEP_TOKENS)
-    attention = next(iter(t.layers.values())).attention
-    shape = (max(s.num_blocks for s in steps), steps[0].metadata.block_size, attention.num_kv_heads,
-             attention.head_size)
-    dtype = torch_dtype(model.config.dtype)
-    cache = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))  # reused by every layer
-    placer = _Placer(model)
-    modules = dict(model.named_modules())
-    hidden: list[torch.Tensor] | None = None
-    pre: dict[str, torch.Tensor] = {}  # the tensors before the first layer, until the prompts are embedded
-    bar = tqdm(total=len(t.layers), desc="calibrating layers", unit="layer", disable=not progress, leave=False)
-
-    def finish(stage: str, tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-        nonlocal hidden
-        if stage == "pre":
-            pre.update(tensors)
-            return iter(tensors.items())
-        if hidden is None:  # the first layer: embed the prompts, then drop the embedding
-            for key, tensor in pre.items():
-                placer.place(key, tensor)
-            hidden = [model.first_layer_input(s.input_ids, s.positions, s.metadata.prompts) for s in steps]
-            for key in pre:
-                placer.drop(key)
-            pre.clear()
-        for key, tensor in tensors.items():
-            placer.place(key, tensor)
-        prefix = "" if stage == "post" else f"{_LAYERS}{stage}."
-        mine = [name for name in chosen if name.startswith(prefix) and (stage != "post" or not name.startswith(_LAYERS))]
-        stats = {name: make_stats() for name in mine}
-        handles = [modules[name].register_forward_pre_hook(lambda m, args, name=name: stats[name].observe(args[0]))
-                   for name in mine if name != "lm_head"]
-        try:
-            if stage == "post":
-                if "lm_head" in stats:
-                    for h in hidden:
-                        stats["lm_head"].observe(t.finish(h))
-            else:
-                layer = t.layers[stage]
-                hidden = [layer(h, s.positions, s.metadata, cache) for h, s in zip(hidden, steps)]
-                bar.update()
-        finally:
-            for handle in handles:
-                handle.remove()
-        out = {}
-        for key, tensor in tensors.items():
-            owner = key.rpartition(".")[0]
-            if owner in stats and key.endswith(".weight"):
-                for part, value in quantize(owner, modules[owner], stats[owner]).items():
-                    out[f"{owner}.{part}"] = value
-            else:
-                out[key] = tensor
-        for key in tensors:
-            placer.drop(key)
-        for module in (t.layers[stage] if stage != "post" else model).modules():
-            if isinstance(module, Linear):
-                module.drop_packed_copies()  # bf16 matmuls pack a copy of each weight on first use
-        return iter(out.items())
-
+    calibration = _Calibration(model, token_lists, chosen, make_stats, quantize)
     stage, pending, past_layers = None, {}, False
-    try:
+    with tqdm(total=len(model.transformer.layers), desc="calibrating layers", unit="layer", disable=not progress,
+              leave=False) as bar:
         for key, tensor in weights:
             now = _stage(key, past_layers)
             past_layers = past_layers or now not in ("pre", "post")
             if stage is not None and now != stage:
-                yield from finish(stage, pending)
+                yield from calibration.run(stage, pending).items()
+                bar.update(stage not in ("pre", "post"))
                 pending = {}
             stage = now
             pending[key] = tensor
         if stage is not None:
-            yield from finish(stage, pending)
-    finally:
-        bar.close()
+            yield from calibration.run(stage, pending).items()
