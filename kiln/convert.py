@@ -27,8 +27,8 @@ from kiln.quantization.gptq import gptq_settings
 from kiln.quantization.gptq_quantize import GPTQ_ALGO, check_gptq_request, gptq_quantize_model
 from kiln.quantization.imatrix import (IMATRIX_ALGO, check_imatrix_request, imatrix_quantize_model, importance,
                                        quantize_weight_imatrix, recorded_config, stats_factory)
-from kiln.quantization.sequential import stream_calibrated
 from kiln.quantization.kv_cache import calibrate_kv_cache_scales, set_kv_cache_scales
+from kiln.quantization.sequential import stream_calibrated
 from kiln.quantization.smoothquant import DEFAULT_ALPHA, SEARCH_ALPHA, smoothquant_model
 from kiln.quantization.weight_only import (FP8_ALGO, WEIGHT_ONLY_ALGOS, quantizable_modules, quantize_weight,
                                            untie_lm_head_for, untie_needed)
@@ -160,8 +160,9 @@ def stream_rank(source, model_cls: type, out: Path, rank: int, dtype: str | None
     where ``quantization`` asks, write), never holding the model: the file is laid out first
     from a model of the final config on the meta device (what ``from_checkpoint`` reads back).
     W4A16_IMATRIX calibrates on the token lists ``calibration`` layer by layer as the layers
-    stream past (``kiln.quantization.sequential``). Returns the rank's config, or None (nothing written) when a quantized lm_head shares the
-    embedding table, which the in-memory path unties first."""
+    stream past (``kiln.quantization.sequential``). Returns the rank's config, or None (nothing
+    written) when a quantized lm_head shares the embedding table, which the in-memory path
+    unties first."""
     model, loader = prepare_hugging_face(model_cls, source, dtype, mapping, customized_key_dict, overrides)
     quant = quantization if quantization is not None and quantization.quant_algo is not None else None
     rounded: dict[str, str] = {}  # a quantized linear's weight name -> its parameters' prefix

@@ -166,3 +166,12 @@ def test_layer_by_layer_calibration_keeps_no_layer(tiny):
     assert written["transformer.layers.1.mlp.proj.weight"].dtype == torch.bfloat16  # not chosen: as read
     assert all(p.is_meta for p in model.parameters())
     assert not any(hasattr(m, "_packed_tiles") or hasattr(m, "_packed") for m in model.modules())
+
+
+def test_with_a_quantized_kv_cache_it_calibrates_in_memory(tiny, tmp_path):
+    quant = QuantConfig(quant_algo=IMATRIX_ALGO, group_size=32, kv_cache_quant_algo="INT8")
+    out = convert_checkpoint(tiny / "hf", tmp_path / "c", quantization=quant, calib_dataset=str(tiny / "calib.jsonl"),
+                             calib_size=2, progress=False)
+    recorded = read_config(out).quantization
+    assert recorded.quant_algo == "MIXED_PRECISION" and recorded.kv_cache_quant_algo == "INT8"
+    assert any(name.endswith("kv_cache_scaling_factor") for name in read_rank_weights(out, 0))
