@@ -106,8 +106,13 @@ def quantize_weight_imatrix(weight: torch.Tensor, group_size: int, channel_impor
         raise ValueError(f"in_features {in_features} is not a multiple of group_size {group_size}")
     scale, offset = fit_groups(w, channel_importance, group_size)
     groups = w.view(out_features, in_features // group_size, group_size)
-    codes = torch.round((groups - offset[..., None]) / scale[..., None]).clamp(0, 15)
-    out = pack_4bit(codes.view(out_features, in_features), scale, None, has_zero_point=False)
+    codes = torch.empty(out_features, in_features, dtype=torch.uint8)
+    rows = max(1, _CHUNK_ELEMENTS * 16 // in_features)  # float32 temporaries of a bounded size
+    for start in range(0, out_features, rows):
+        part = slice(start, start + rows)
+        codes[part] = torch.round((groups[part] - offset[part, :, None]) / scale[part, :, None]).clamp(0, 15).view(
+            -1, in_features).to(torch.uint8)
+    out = pack_4bit(codes, scale, None, has_zero_point=False)
     out["weights_offset"] = offset.contiguous()
     return out
 

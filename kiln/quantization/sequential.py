@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from kiln import host_memory
 from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
 from kiln.layers.linear import Linear
@@ -109,6 +110,7 @@ class _Calibration:
         for module in (t.layers[stage] if stage != "post" else self.model).modules():
             if isinstance(module, Linear):
                 module.drop_packed_copies()  # bf16 matmuls pack a copy of each weight on first use
+        host_memory.release_free_heap()
         return out
 
     def _observe(self, stage: str) -> dict[str, InputStats]:
@@ -125,7 +127,8 @@ class _Calibration:
                     stats["lm_head"].observe(t.finish(h))
             else:
                 layer = t.layers[stage]
-                self.hidden = [layer(h, s.positions, s.metadata, self.cache) for h, s in zip(self.hidden, self.steps)]
+                for i, s in enumerate(self.steps):  # in place: one step's states at a time held twice
+                    self.hidden[i] = layer(self.hidden[i], s.positions, s.metadata, self.cache)
         finally:
             for handle in handles:
                 handle.remove()
