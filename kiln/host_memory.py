@@ -12,6 +12,8 @@ Off when the kernel's THP mode is ``never``, off the CPU, or with ``KILN_HUGE_PA
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import mmap
 import sys
@@ -75,9 +77,6 @@ def empty_many(numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
 
 @lru_cache(maxsize=1)
 def _libc():
-    import ctypes
-    import ctypes.util
-
     name = ctypes.util.find_library("c") if sys.platform == "linux" else None
     return ctypes.CDLL(name) if name else None
 
