@@ -25,10 +25,9 @@ from kiln.quantization.calibration import (DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE
 from kiln.quantization.fp8 import fp8_quantize_model
 from kiln.quantization.gptq import gptq_settings
 from kiln.quantization.gptq_quantize import GPTQ_ALGO, check_gptq_request, gptq_quantize_model
-from kiln.quantization.imatrix import (IMATRIX_ALGO, check_imatrix_request, imatrix_quantize_model, importance,
-                                       quantize_weight_imatrix, recorded_config, stats_factory)
+from kiln.quantization.imatrix import (IMATRIX_ALGO, check_imatrix_request, imatrix_quantize_model, recorded_config,
+                                       stream_imatrix)
 from kiln.quantization.kv_cache import calibrate_kv_cache_scales, set_kv_cache_scales
-from kiln.quantization.sequential import stream_calibrated
 from kiln.quantization.smoothquant import DEFAULT_ALPHA, SEARCH_ALPHA, smoothquant_model
 from kiln.quantization.weight_only import (FP8_ALGO, WEIGHT_ONLY_ALGOS, quantizable_modules, quantize_weight,
                                            untie_lm_head_for, untie_needed)
@@ -181,25 +180,28 @@ def stream_rank(source, model_cls: type, out: Path, rank: int, dtype: str | None
         layout = model_cls(config)
         use_weight_only_layout(layout, config.quantization, tile_order=False)
     entries = {name: (p.dtype, tuple(p.shape)) for name, p in layout.named_parameters()}
-    bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo) if quant is not None else None
     calibrating = quant is not None and quant.quant_algo == IMATRIX_ALGO
     weights = loader.iter_weights(model, progress=progress and not calibrating)  # else one bar per layer
+    if calibrating:
+        tensors = stream_imatrix(model, weights, calibration or [], quant, [name for name, _ in chosen], progress)
+    else:
+        tensors = _rounded_to_nearest(weights, rounded, quant)
     with SafetensorsWriter(rank_file(out, rank), entries, metadata={"format": "pt"}) as writer:
-        if calibrating:
-            def quantize(name, linear, stats):
-                return quantize_weight_imatrix(linear.weight, quant.group_size, importance(stats))
-
-            for key, tensor in stream_calibrated(model, weights, calibration or [], [name for name, _ in chosen],
-                                                 stats_factory, quantize, progress):
-                writer.write(key, tensor)
-            return config
-        for key, tensor in weights:
-            if key not in rounded:
-                writer.write(key, tensor)
-                continue
-            for name, part in quantize_weight(tensor.float(), bits, quant.group_size, quant.has_zero_point).items():
-                writer.write(rounded[key] + name, part)
+        for key, tensor in tensors:
+            writer.write(key, tensor)
     return config
+
+
+def _rounded_to_nearest(weights, rounded: dict[str, str], quant: QuantConfig | None):
+    """``weights`` with each weight of ``rounded`` (name -> its parameters' prefix) replaced by
+    its round-to-nearest tensors."""
+    bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo) if quant is not None else None
+    for key, tensor in weights:
+        if key not in rounded:
+            yield key, tensor
+            continue
+        for name, part in quantize_weight(tensor.float(), bits, quant.group_size, quant.has_zero_point).items():
+            yield rounded[key] + name, part
 
 
 def _calibration_tokens(source, model_dir: Path, dataset: str, size: int, max_len: int,

@@ -52,8 +52,7 @@ def test_search_beats_the_groups_range_under_its_weighting():
 def test_the_native_search_is_the_pytorch_one():
     w, importance = _randn(256, 128, seed=5), _randn(128, seed=6).abs() + 0.1
     native = kernels.fit_offset_groups(w, importance, 32, STRETCH)
-    if native is None:
-        pytest.skip("no native kernel library")
+    assert native is not None  # the suite builds the kernel library, as every native-kernel test needs
     torch_scale, torch_offset = _search(w.view(256, 4, 32), importance.view(1, 4, 32))
     assert (native[0] == torch_scale).float().mean() > 0.98  # float32 vs float64 sums part near-ties
     groups, weight = w.view(256, 4, 32), importance.view(1, 4, 32)
