@@ -19,16 +19,17 @@ from kiln.mapping import Mapping
 from kiln.models import get_model_class
 from kiln.models.loading import prepare_hugging_face
 from kiln.quantization import SMOOTHQUANT_ALGO, quantize_model, use_weight_only_layout
-from kiln.quantization.awq import AWQ_ALGO, AWQ_ALGOS, awq_quantize_model, check_awq_request
+from kiln.quantization.awq import AWQ_ALGO, AWQ_ALGOS, check_awq_request
+from kiln.quantization.calibrated import (CALIBRATED_ALGOS, CalibrationOptions, calibrate_model, calibration_plan,
+                                          stream_calibration)
 from kiln.quantization.calibration import (DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE, calibration_texts,
                                            calibration_token_ids)
-from kiln.quantization.fp8 import fp8_quantize_model
-from kiln.quantization.gptq import gptq_settings
-from kiln.quantization.gptq_quantize import GPTQ_ALGO, check_gptq_request, gptq_quantize_model
-from kiln.quantization.imatrix import (IMATRIX_ALGO, check_imatrix_request, imatrix_quantize_model, recorded_config,
-                                       stream_imatrix)
+from kiln.quantization.gptq import GPTQ_ALGO, gptq_settings
+from kiln.quantization.gptq_quantize import check_gptq_request
+from kiln.quantization.imatrix import IMATRIX_ALGO, check_imatrix_request
 from kiln.quantization.kv_cache import calibrate_kv_cache_scales, set_kv_cache_scales
-from kiln.quantization.smoothquant import DEFAULT_ALPHA, SEARCH_ALPHA, smoothquant_model
+from kiln.quantization.sequential import KVCacheCalibration
+from kiln.quantization.smoothquant import DEFAULT_ALPHA
 from kiln.quantization.weight_only import (FP8_ALGO, WEIGHT_ONLY_ALGOS, quantizable_modules, quantize_weight,
                                            untie_lm_head_for, untie_needed)
 from kiln.tokenizer import load_tokenizer
@@ -96,22 +97,22 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
         calibration = _calibration_tokens(source, Path(model_dir), calib_dataset, calib_size, calib_max_len,
                                           quantization.quant_algo if calibrated else f"KV cache {kv_algo}")
     overrides = {"use_parallel_embedding": use_parallel_embedding, "embedding_sharding_dim": embedding_sharding_dim}
-    # Calibration runs the whole float model (W4A16_IMATRIX's runs layer by layer as it streams)
-    # and a GPTQ import fills its own layout: in memory.
-    streamable = not ((calibrated and algo != IMATRIX_ALGO) or kv_algo is not None or gptq is not None)
+    options = CalibrationOptions(smoothquant_alpha, gptq_act_order, gptq_sequential, awq_gptq)
+    # A GPTQ import fills its own layout: in memory. Everything else streams, calibration (of
+    # linears and of KV cache scales) layer by layer.
+    streamable = gptq is None
     with atomic_output_dir(output_dir) as tmp:
         config = None
         for rank in tqdm(range(world.world_size), desc="converting ranks", disable=not progress or world.world_size == 1):
             if streamable:
                 config = stream_rank(source, model_cls, tmp, rank, dtype, world.with_rank(rank), customized_key_dict,
-                                     overrides, quantization, progress, calibration)
+                                     overrides, quantization, progress, calibration, options)
                 if config is not None:
                     continue
             model = model_cls.from_hugging_face(source, dtype, world.with_rank(rank), customized_key_dict,
                                                 progress=progress, config_overrides=overrides)
             if quantization is not None and quantization.quant_algo is not None:
-                model.config = _quantize(model, quantization, str(model_dir), calibration, smoothquant_alpha,
-                                         progress, gptq_act_order, gptq_sequential, awq_gptq)
+                model.config = _quantize(model, quantization, str(model_dir), calibration, options, progress)
             if kv_algo is not None:  # calibrated on the model the engine runs (weights quantized already)
                 _calibrate_kv_cache(model, kv_algo, calibration, calib_dataset, progress)
             write_rank_weights(tmp, rank, model.checkpoint_weights())
@@ -149,43 +150,47 @@ def _checked_calibration(quantization: QuantConfig | None, world_size: int, wher
         check_imatrix_request(quantization, world_size, where)
     elif algo in (SMOOTHQUANT_ALGO, FP8_ALGO) and world_size != 1:
         raise ConfigError(f"--quant_algo {algo} calibrates the whole model in one process: use --tp_size 1 --pp_size 1")
-    return algo in (*AWQ_ALGOS, GPTQ_ALGO, IMATRIX_ALGO, SMOOTHQUANT_ALGO, FP8_ALGO)
+    return algo in CALIBRATED_ALGOS
 
 
 def stream_rank(source, model_cls: type, out: Path, rank: int, dtype: str | None, mapping: Mapping,
                 customized_key_dict: dict | None, overrides: dict, quantization: QuantConfig | None,
-                progress: bool, calibration: list[list[int]] | None = None) -> PretrainedConfig | None:
+                progress: bool, calibration: list[list[int]] | None = None,
+                options: CalibrationOptions = CalibrationOptions()) -> PretrainedConfig | None:
     """Write rank ``rank``'s checkpoint file one tensor at a time (read, cast, round to nearest
     where ``quantization`` asks, write), never holding the model: the file is laid out first
     from a model of the final config on the meta device (what ``from_checkpoint`` reads back).
-    W4A16_IMATRIX calibrates on the token lists ``calibration`` layer by layer as the layers
-    stream past (``kiln.quantization.sequential``). Returns the rank's config, or None (nothing
-    written) when a quantized lm_head shares the embedding table, which the in-memory path
-    unties first."""
+    Calibrated algorithms and KV cache scales calibrate on the token lists ``calibration`` layer
+    by layer as the layers stream past (``kiln.quantization.calibrated``). Returns the rank's
+    config, or None (nothing written) when a quantized lm_head shares the embedding table, which
+    the in-memory path unties first."""
     model, loader = prepare_hugging_face(model_cls, source, dtype, mapping, customized_key_dict, overrides)
     quant = quantization if quantization is not None and quantization.quant_algo is not None else None
-    rounded: dict[str, str] = {}  # a quantized linear's weight name -> its parameters' prefix
-    config = model.config
+    kv_algo = quantization.kv_cache_quant_algo if quantization is not None else None
+    calibrating = quant is not None and quant.quant_algo in CALIBRATED_ALGOS
+    names, recorded = [], quantization
     if quant is not None:
         if untie_needed(model, quant):
             return None
-        chosen, excluded = quantizable_modules(model, quant)
-        if not chosen:
-            raise ConfigError(f"{source.path}: --quant_algo {quant.quant_algo} found no linear layer to quantize")
-        rounded = {f"{name}.weight": f"{name}." for name, _ in chosen}
-        recorded = (recorded_config(quant, [name for name, _ in chosen]) if quant.quant_algo == IMATRIX_ALGO
-                    else dataclasses.replace(quant, exclude_modules=excluded, pre_quant_scale=False))
-        config = dataclasses.replace(config, quantization=recorded)
+        if calibrating:
+            names, recorded = calibration_plan(model, quant, options)
+        else:
+            chosen, excluded = quantizable_modules(model, quant)
+            if not chosen:
+                raise ConfigError(f"{source.path}: --quant_algo {quant.quant_algo} found no linear layer to quantize")
+            names = [name for name, _ in chosen]
+            recorded = dataclasses.replace(quant, exclude_modules=excluded, pre_quant_scale=False)
+    config = dataclasses.replace(model.config, quantization=recorded) if recorded is not None else model.config
     with torch.device("meta"):
         layout = model_cls(config)
         use_weight_only_layout(layout, config.quantization, tile_order=False)
     entries = {name: (p.dtype, tuple(p.shape)) for name, p in layout.named_parameters()}
-    calibrating = quant is not None and quant.quant_algo == IMATRIX_ALGO
-    weights = loader.iter_weights(model, progress=progress and not calibrating)  # else one bar per layer
-    if calibrating:
-        tensors = stream_imatrix(model, weights, calibration or [], quant, [name for name, _ in chosen], progress)
+    weights = loader.iter_weights(model, progress=progress and not (calibrating or kv_algo))  # else a bar per layer
+    if calibrating or kv_algo is not None:
+        kv = KVCacheCalibration(kv_algo, recorded) if kv_algo is not None else None
+        tensors = stream_calibration(model, weights, calibration or [], quantization, names, options, progress, kv)
     else:
-        tensors = _rounded_to_nearest(weights, rounded, quant)
+        tensors = _rounded_to_nearest(weights, {f"{name}.weight": f"{name}." for name in names}, quant)
     with SafetensorsWriter(rank_file(out, rank), entries, metadata={"format": "pt"}) as writer:
         for key, tensor in tensors:
             writer.write(key, tensor)
@@ -222,27 +227,13 @@ def _calibration_tokens(source, model_dir: Path, dataset: str, size: int, max_le
 
 
 def _quantize(model, quantization: QuantConfig, where: str, calibration: list[list[int]] | None = None,
-              smoothquant_alpha: float | str = DEFAULT_ALPHA, progress: bool = False, gptq_act_order: bool = True,
-              gptq_sequential: bool = True, awq_gptq: bool = False):
-    """Quantize ``model`` in place (AWQ, GPTQ and SmoothQuant: calibrated on the token lists
-    ``calibration``); its config records what was quantized (see ``quantize_model``)."""
-    untie_lm_head_for(model, quantization)  # a quantized head gets its own copy of a tied table
-    if quantization.quant_algo == AWQ_ALGO and awq_gptq:
-        recorded = gptq_quantize_model(model, quantization, calibration or [], gptq_act_order, gptq_sequential,
-                                       awq_scales=True, progress=progress)
-    elif quantization.quant_algo in AWQ_ALGOS:
-        recorded = awq_quantize_model(model, quantization, calibration, progress=progress)
-    elif quantization.quant_algo == GPTQ_ALGO:
-        recorded = gptq_quantize_model(model, quantization, calibration or [], gptq_act_order, gptq_sequential,
-                                       progress=progress)
-    elif quantization.quant_algo == IMATRIX_ALGO:
-        recorded = imatrix_quantize_model(model, quantization, calibration or [], progress)
-    elif quantization.quant_algo == SMOOTHQUANT_ALGO:
-        alpha = None if smoothquant_alpha == SEARCH_ALPHA else smoothquant_alpha
-        recorded = smoothquant_model(model, quantization, calibration or [], alpha, progress)
-    elif quantization.quant_algo == FP8_ALGO:
-        recorded = fp8_quantize_model(model, quantization, calibration or [], progress)
+              options: CalibrationOptions = CalibrationOptions(), progress: bool = False):
+    """Quantize ``model`` in place (calibrated algorithms on the token lists ``calibration``);
+    its config records what was quantized (see ``quantize_model``)."""
+    if quantization.quant_algo in CALIBRATED_ALGOS:
+        recorded = calibrate_model(model, quantization, calibration or [], options, progress)
     else:
+        untie_lm_head_for(model, quantization)  # a quantized head gets its own copy of a tied table
         recorded = quantize_model(model, quantization)
     if recorded is None:
         raise ConfigError(f"{where}: --quant_algo {quantization.quant_algo} found no linear layer to quantize")

@@ -23,7 +23,9 @@ Checkpoint tensors: W4A16's (``weight`` codes of ``W diag(s)``, ``weights_scalin
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -31,10 +33,10 @@ from torch import nn
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.layers.quantized_matmul import dequantize, round_to_e4m3
-from kiln.quantization.calibration import InputStats, collect_linear_inputs
+from kiln.quantization.calibration import InputStats
 from kiln.quantization.fp8 import activation_scale
-from kiln.quantization.weight_only import (check_group_size, codes_4bit, group_params, quantizable_modules,
-                                           quantize_model, quantize_weight)
+from kiln.quantization.sequential import KVCacheCalibration, stream_calibrated
+from kiln.quantization.weight_only import check_group_size, codes_4bit, group_params, quantize_weight
 
 log = logging.getLogger(__name__)
 
@@ -145,51 +147,61 @@ def check_awq_request(quant: QuantConfig, world_size: int, where: str) -> None:
                           f"--pp_size 1 (got {world_size} ranks)")
 
 
-def awq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[list[int]],
-                       grid: int = DEFAULT_GRID, progress: bool = False, clip: bool = True) -> QuantConfig | None:
-    """Calibrate ``model`` (float, one rank) on ``token_lists``, search each input group's AWQ
-    scale and (``clip``) each linear's clipping ratios, and quantize its linears in place
-    (W4A8_AWQ: with each linear's static FP8 activation scale, ``max|x / s| / 448``). Returns
-    what ``quantize_model`` returns."""
-    chosen, _ = quantizable_modules(model, quant)  # raises for a group size not dividing a layer
-    names = [name for name, _ in chosen]
-    if not names:
-        return None
-    if not token_lists:
-        raise ConfigError(f"{quant.quant_algo}: no calibration text of 2 tokens or more")
-    stats = collect_linear_inputs(model, token_lists, names, progress=progress)
-    modules = dict(chosen)
-    fp8_inputs = quant.quant_algo == W4A8_AWQ_ALGO
-    scales: dict[str, torch.Tensor] = {}
-    clips: dict[str, torch.Tensor] = {}
-    gains = []
-    for group in input_groups(names, stats):
-        st = stats[group[0]]
-        rows = st.rows_sample()
-        s, alpha, error, rtn_error = search_scale([modules[n].weight for n in group], rows, st.abs_mean,
-                                                  quant.group_size, quant.has_zero_point, grid,
-                                                  absmax=st.absmax if fp8_inputs else None)
-        for name in group:
-            scales[name] = s
-            if clip:
-                scaled_rows = rows.float() / s
-                clips[name] = search_clip(modules[name].weight.float() * s, scaled_rows.t() @ scaled_rows,
-                                          quant.group_size, quant.has_zero_point)
-        if clip:
-            error = _group_error(group, modules, rows, s, clips, quant)
-        log.debug("AWQ %s: alpha %.2f, output error %.4g (round-to-nearest %.4g)", "+".join(group), alpha, error,
-                  rtn_error)
-        gains.append(error / rtn_error if rtn_error > 0 else 1.0)
-    log.info("AWQ: %d input groups, output error %.1f%% of round-to-nearest's on average%s", len(gains),
-             100 * sum(gains) / len(gains), " (scales and clipping)" if clip else "")
-    recorded = quantize_model(model, quant, prequant_scales=scales, clip_ratios=clips or None)
-    if fp8_inputs:
-        for name in names:
-            modules[name].use_activation_scale(activation_scale(stats[name].absmax / scales[name]))
-    return recorded
+class AwqStage:
+    """AWQ's ``QuantizeStage`` (``kiln.quantization.sequential``): per input group of a stage's
+    linears, the scale search, then per linear the clipping search and the rounding of ``W diag(s)``
+    (W4A8_AWQ: with the static FP8 activation scale ``max|x / s| / 448``). Keeps each group's
+    output error relative to round-to-nearest's for the log."""
+
+    def __init__(self, quant: QuantConfig, grid: int = DEFAULT_GRID, clip: bool = True):
+        self.quant, self.grid, self.clip = quant, grid, clip
+        self.gains: list[float] = []
+
+    def __call__(self, linears: dict[str, nn.Module], stats: dict[str, InputStats]) -> dict[str, dict[str, torch.Tensor]]:
+        quant, fp8_inputs = self.quant, self.quant.quant_algo == W4A8_AWQ_ALGO
+        out, clips = {}, {}
+        for group in input_groups(list(linears), stats):
+            st = stats[group[0]]
+            rows = st.rows_sample()
+            s, alpha, error, rtn_error = search_scale([linears[n].weight for n in group], rows, st.abs_mean,
+                                                      quant.group_size, quant.has_zero_point, self.grid,
+                                                      absmax=st.absmax if fp8_inputs else None)
+            for name in group:
+                weight = linears[name].weight.float() * s[None, :]
+                if self.clip:
+                    scaled_rows = rows.float() / s
+                    clips[name] = search_clip(weight, scaled_rows.t() @ scaled_rows, quant.group_size,
+                                              quant.has_zero_point)
+                out[name] = quantize_weight(weight, 4, quant.group_size, quant.has_zero_point, clips.get(name))
+                out[name]["prequant_scaling_factor"] = (1.0 / s).float().contiguous()
+                if fp8_inputs:
+                    out[name]["activation_scaling_factor"] = activation_scale(stats[name].absmax / s)
+            if self.clip:
+                error = _group_error(group, linears, rows, s, clips, quant)
+            log.debug("AWQ %s: alpha %.2f, output error %.4g (round-to-nearest %.4g)", "+".join(group), alpha, error,
+                      rtn_error)
+            self.gains.append(error / rtn_error if rtn_error > 0 else 1.0)
+        return out
 
 
-def _group_error(group: list[str], modules: dict, rows: torch.Tensor, s: torch.Tensor, clips: dict[str, torch.Tensor],
+def stream_awq(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], token_lists: list[list[int]],
+               quant: QuantConfig, names: list[str], progress: bool = False, grid: int = DEFAULT_GRID,
+               clip: bool = True, kv_cache: KVCacheCalibration | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors of a meta-device ``model`` whose float ``weights`` stream in, the
+    linears ``names`` AWQ-quantized, calibrated layer by layer on ``token_lists``."""
+    stage = AwqStage(quant, grid, clip)
+    yield from stream_calibrated(model, weights, token_lists, names, InputStats, stage, progress, kv_cache=kv_cache)
+    if stage.gains:
+        log.info("AWQ: %d input groups, output error %.1f%% of round-to-nearest's on average%s", len(stage.gains),
+                 100 * sum(stage.gains) / len(stage.gains), " (scales and clipping)" if clip else "")
+
+
+def awq_recorded(quant: QuantConfig, excluded: list[str]) -> QuantConfig:
+    """The checkpoint's config: ``quant`` with the linears left in float and AWQ's prequant factors."""
+    return dataclasses.replace(quant, exclude_modules=excluded, pre_quant_scale=True)
+
+
+def _group_error(group: list[str], modules: dict[str, nn.Module], rows: torch.Tensor, s: torch.Tensor, clips: dict[str, torch.Tensor],
                  quant: QuantConfig) -> float:
     """Summed squared output error on ``rows`` of the group's linears, scaled by ``s`` and clipped."""
     x = rows.float()
@@ -200,4 +212,3 @@ def _group_error(group: list[str], modules: dict, rows: torch.Tensor, s: torch.T
                        quant.group_size)
         total += ((x / s) @ q.t() - x @ w.t()).pow(2).sum().item()
     return total
-

@@ -101,7 +101,9 @@ class InputStats:
         return self.sample
 
 
-DEFAULT_STEP_TOKENS = 4096  # tokens of one packed calibration step (whole prompts; a longer one alone)
+# Tokens of one packed calibration step (whole prompts; a longer one alone): a streamed convert
+# holds little more than one layer's activations for a step.
+DEFAULT_STEP_TOKENS = 2048
 _BLOCK_SIZE = 16  # KV cache block size of a calibration step (prompts are whole: any size works)
 
 

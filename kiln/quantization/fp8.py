@@ -19,17 +19,16 @@ rounded to the e4m3 grid of its own static scale before the 4-bit matmul (emulat
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 
-from kiln.config import QuantConfig
-from kiln.errors import ConfigError
 from kiln.layers.quantized_matmul import E4M3_MAX
-from kiln.quantization.calibration import InputStats, collect_linear_inputs
-from kiln.quantization.weight_only import FP8_ALGO, quantizable_modules
+from kiln.quantization.calibration import InputStats
+from kiln.quantization.sequential import KVCacheCalibration, per_linear, stream_calibrated
+from kiln.quantization.weight_only import FP8_ALGO
 
 log = logging.getLogger(__name__)
 
@@ -57,27 +56,18 @@ def activation_scale(absmax: torch.Tensor) -> torch.Tensor:
     return (ACTIVATION_HEADROOM * absmax.float().max() / E4M3_MAX).clamp(min=_TINY).reshape(1)
 
 
-@torch.inference_mode()
-def fp8_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[list[int]],
-                       progress: bool = False) -> QuantConfig | None:
-    """Calibrate float ``model`` on ``token_lists`` (each linear's input range), then quantize its
-    linears to FP8 in place. Returns ``quant`` as the checkpoint must record it
-    (``exclude_modules`` names every linear left in float), None if none was quantized."""
-    if model.config.mapping.world_size != 1:
-        raise ConfigError(f"{FP8_ALGO} calibrates the whole model in one process: convert with tp_size 1 and pp_size 1")
-    chosen, excluded = quantizable_modules(model, quant)
-    if not chosen:
-        return None
-    if not token_lists:
-        raise ConfigError(f"{FP8_ALGO}: the calibration texts gave no prompt of 2 or more tokens")
-    longest = model.config.max_position_embeddings
-    if longest:  # positions beyond the model's would calibrate on activations it never sees
-        token_lists = [ids[:longest] for ids in token_lists]
-    stats = collect_linear_inputs(model, token_lists, [name for name, _ in chosen],
-                                  make=lambda: InputStats(max_sample=0), progress=progress)
-    for name, linear in chosen:
-        tensors = quantize_fp8_weight(linear.weight)
-        tensors["activation_scaling_factor"] = activation_scale(stats[name].absmax)
-        linear.use_fp8(tensors)
-    log.info("%s: %d linears quantized", FP8_ALGO, len(chosen))
-    return dataclasses.replace(quant, exclude_modules=excluded)
+def _quantize_linear(name: str, linear: nn.Module, stats: InputStats) -> dict[str, torch.Tensor]:
+    tensors = quantize_fp8_weight(linear.weight)
+    tensors["activation_scaling_factor"] = activation_scale(stats.absmax)
+    return tensors
+
+
+def stream_fp8(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], token_lists: list[list[int]],
+               names: list[str], progress: bool = False,
+               kv_cache: KVCacheCalibration | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors of a meta-device ``model`` whose float ``weights`` stream in, the
+    linears ``names`` quantized to FP8 with static activation scales calibrated layer by layer
+    on ``token_lists``."""
+    yield from stream_calibrated(model, weights, token_lists, names, lambda: InputStats(max_sample=0),
+                                 per_linear(_quantize_linear), progress, kv_cache=kv_cache)
+    log.info("%s: %d linears quantized", FP8_ALGO, len(names))

@@ -44,21 +44,19 @@ then GPTQ rounds ``W diag(s)`` against ``diag(1/s) H diag(1/s)``, the Hessian of
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.layers.quantized_matmul import dequantize
 from kiln.quantization.awq import input_groups, search_clip, search_scale
-from kiln.quantization.calibration import InputStats, prompt_steps, step_kv_caches
-from kiln.quantization.gptq import GPTQ_ALGO
-from kiln.quantization.weight_only import (check_group_size, codes_4bit, group_params, pack_4bit,
-                                           quantizable_modules, quantize_weight)
+from kiln.quantization.calibration import InputStats
+from kiln.quantization.sequential import KVCacheCalibration, stream_calibrated
+from kiln.quantization.weight_only import check_group_size, codes_4bit, group_params, pack_4bit, quantize_weight
 
 log = logging.getLogger(__name__)
 
@@ -194,37 +192,58 @@ def _awq_scales(names: list[str], stats: dict, modules: dict[str, nn.Module], qu
     return scales
 
 
-def _quantize_linears(modules: dict[str, nn.Module], hessians: dict[str, HessianAccumulator], quant: QuantConfig,
-                      act_order: bool, damp: float, clip_ranges: bool, done: dict[str, dict[str, torch.Tensor]],
-                      stats: dict | None = None) -> list[float]:
-    """GPTQ each of ``modules`` (their accumulators leave ``hessians``) into ``done`` (name ->
-    W4A16 tensors, plus ``prequant_scaling_factor`` 1/s when ``stats`` are given for AWQ's
-    scales: then ``W diag(s)`` is quantized against ``diag(1/s) H diag(1/s)``, the Hessian of
-    the inputs ``x / s`` it will see). With ``clip_ranges`` each group's range is first searched
-    (``awq.search_clip`` against ``H``). Each float weight becomes the weight its tensors stand
-    for meanwhile, so later passes see the quantized layer at float speed. Returns each one's
-    output error relative to round-to-nearest's (``tr((W - Q) H (W - Q)^T)``: the squared error
-    on the calibration rows)."""
-    scales = _awq_scales(list(modules), stats, modules, quant) if stats is not None else {}
-    ratios = []
-    for name, linear in modules.items():
-        h = hessians.pop(name).hessian(linear.in_features)  # popped: its hook stops collecting
-        weight = linear.weight.detach().float()
-        s = scales.get(name)
-        w, hw = (weight, h) if s is None else (weight * s, h / (s.double()[:, None] * s.double()[None, :]))
-        clip = search_clip(w, hw, quant.group_size, quant.has_zero_point) if clip_ranges else None
-        tensors = gptq_quantize_weight(w, hw, quant.group_size, quant.has_zero_point, act_order, damp, clip=clip)
-        effective = dequantize(tensors, 4, quant.group_size)
-        if s is not None:
-            effective = effective / s
-            tensors["prequant_scaling_factor"] = (1.0 / s).float().contiguous()
-        rtn = dequantize(quantize_weight(weight, 4, quant.group_size, quant.has_zero_point), 4, quant.group_size)
-        errors = [_output_error(weight - q, h) for q in (effective, rtn)]
-        ratios.append(errors[0] / errors[1] if errors[1] > 0 else 1.0)
-        log.debug("GPTQ %s: output error %.4g (round-to-nearest %.4g)", name, *errors)
-        linear.weight.data.copy_(effective)
-        done[name] = tensors
-    return ratios
+class _Observer:
+    """A linear's Hessian and, for AWQ's scales, its input statistics."""
+
+    def __init__(self, awq_scales: bool):
+        self.hessian = HessianAccumulator()
+        self.inputs = InputStats() if awq_scales else None
+
+    def observe(self, x: torch.Tensor) -> None:
+        self.hessian.add(x)
+        if self.inputs is not None:
+            self.inputs.observe(x)
+
+
+class GptqStage:
+    """GPTQ's ``QuantizeStage`` (``kiln.quantization.sequential``): each of a stage's linears
+    rounded by GPTQ against its Hessian (after AWQ's scales ``s`` when asked: then ``W diag(s)``
+    is rounded against ``diag(1/s) H diag(1/s)``, the Hessian of the inputs ``x / s`` it meets, and
+    the tensors carry ``prequant_scaling_factor`` 1/s). With ``clip_ranges`` each group's range is
+    first searched (``awq.search_clip`` against ``H``). Each float weight is replaced by the weight
+    its tensors stand for, so later stages calibrate on the quantized ones' outputs. Keeps each
+    linear's output error relative to round-to-nearest's (``tr((W - Q) H (W - Q)^T)``: the
+    squared error on the calibration rows)."""
+
+    def __init__(self, quant: QuantConfig, act_order: bool, damp: float, clip_ranges: bool, awq_scales: bool):
+        self.quant, self.act_order, self.damp, self.clip_ranges = quant, act_order, damp, clip_ranges
+        self.awq_scales = awq_scales
+        self.ratios: list[float] = []
+
+    def __call__(self, linears: dict[str, nn.Module], observers: dict[str, _Observer]) -> dict[str, dict[str, torch.Tensor]]:
+        quant = self.quant
+        scales = (_awq_scales(list(linears), {n: o.inputs for n, o in observers.items()}, linears, quant)
+                  if self.awq_scales else {})
+        out = {}
+        for name, linear in linears.items():
+            h = observers[name].hessian.hessian(linear.in_features)
+            weight = linear.weight.detach().float()
+            s = scales.get(name)
+            w, hw = (weight, h) if s is None else (weight * s, h / (s.double()[:, None] * s.double()[None, :]))
+            clip = search_clip(w, hw, quant.group_size, quant.has_zero_point) if self.clip_ranges else None
+            tensors = gptq_quantize_weight(w, hw, quant.group_size, quant.has_zero_point, self.act_order, self.damp,
+                                           clip=clip)
+            effective = dequantize(tensors, 4, quant.group_size)
+            if s is not None:
+                effective = effective / s
+                tensors["prequant_scaling_factor"] = (1.0 / s).float().contiguous()
+            rtn = dequantize(quantize_weight(weight, 4, quant.group_size, quant.has_zero_point), 4, quant.group_size)
+            errors = [_output_error(weight - q, h) for q in (effective, rtn)]
+            self.ratios.append(errors[0] / errors[1] if errors[1] > 0 else 1.0)
+            log.debug("GPTQ %s: output error %.4g (round-to-nearest %.4g)", name, *errors)
+            linear.weight = nn.Parameter(effective.to(linear.weight.dtype), requires_grad=False)
+            out[name] = tensors
+        return out
 
 
 def _output_error(delta: torch.Tensor, hessian: torch.Tensor) -> float:
@@ -233,84 +252,20 @@ def _output_error(delta: torch.Tensor, hessian: torch.Tensor) -> float:
     return ((d @ hessian.float()) * d).sum().item()
 
 
-def _stage_of(name: str) -> str:
-    """Which part of the model runs linear ``name``: ``pre`` (before the first decoder layer:
-    OPT-350m's ``project_in``), a layer index, or ``post`` (``project_out``, ``lm_head``)."""
-    if name.startswith("transformer.layers."):
-        return name.split(".")[2]
-    return "pre" if name.startswith("transformer.project_in") else "post"
-
-
-@torch.inference_mode()
-def gptq_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[list[int]], act_order: bool = True,
-                        sequential: bool = True, damp: float = DEFAULT_DAMP, awq_scales: bool = False,
-                        clip_ranges: bool = True, progress: bool = False) -> QuantConfig | None:
-    """Calibrate ``model`` (float, one rank) on ``token_lists`` and GPTQ its linears in place
-    (part after part on the quantized parts' outputs, or all on the float model's with
-    ``sequential=False``). With ``awq_scales`` (``quant`` a W4A16_AWQ one) each linear first
-    gets AWQ's input scales, searched on the same inputs, and GPTQ rounds the scaled weights.
-    ``clip_ranges``: each group's range first searched on the output error (see the module doc).
-    Returns ``quant`` as the checkpoint must record it (see ``weight_only.quantize_model``);
-    None if no linear was chosen."""
-    check_gptq_request(quant, model.config.mapping.world_size, quant.quant_algo)
-    chosen, excluded = quantizable_modules(model, quant)
-    if not chosen:
-        return None
-    if not token_lists:
-        raise ConfigError(f"{GPTQ_ALGO}: no calibration text of 2 tokens or more (--calib_dataset)")
-    modules = dict(chosen)
-    hessians = {name: HessianAccumulator() for name in modules}
-    stats = {name: InputStats() for name in modules} if awq_scales else None
-
-    def collect(name: str, x: torch.Tensor) -> None:
-        if name in hessians:  # not yet quantized
-            hessians[name].add(x)
-            if stats is not None:
-                stats[name].observe(x)
-
-    handles = [modules[name].register_forward_pre_hook(lambda m, args, name=name: collect(name, args[0]))
-               for name in modules]
-    steps = prompt_steps(token_lists)
-    caches = step_kv_caches(model, steps)
-    t = model.transformer
-
-    def post(step, h: torch.Tensor) -> None:  # the lm_head's input, without computing [tokens, vocab] logits
-        x = t.finish(h)
-        if "lm_head" in hessians:
-            collect("lm_head", x)
-
-    # Each stage: (name, run(step, its input) -> its output); linears are quantized stage by stage.
-    stages = [("pre", lambda step, _: model.first_layer_input(step.input_ids, step.positions))]
-    stages += [(index, lambda step, h, layer=layer, cache=cache: layer(h, step.positions, step.metadata, cache))
-               for (index, layer), cache in zip(t.layers.items(), caches)]
-    stages.append(("post", post))
-    ratios: list[float] = []
-    done: dict[str, dict[str, torch.Tensor]] = {}
-    try:
-        if not sequential:  # one float pass gives every Hessian
-            for step in tqdm(steps, desc="calibrating", unit="step", disable=not progress):
-                h = None
-                for _, run in stages:
-                    h = run(step, h)
-            ratios = _quantize_linears(modules, hessians, quant, act_order, damp, clip_ranges, done, stats)
-        else:
-            hidden = [None] * len(steps)
-            for stage, run in tqdm(stages, desc="GPTQ", unit="stage", disable=not progress):
-                mine = {n: m for n, m in modules.items() if _stage_of(n) == stage}
-                if mine:  # a pass for the Hessians, then the linears quantized, then their outputs
-                    for step, h in zip(steps, hidden):
-                        run(step, h)
-                    ratios += _quantize_linears(mine, hessians, quant, act_order, damp, clip_ranges, done, stats)
-                if stage != "post":
-                    hidden = [run(step, h) for step, h in zip(steps, hidden)]
-    finally:
-        for handle in handles:
-            handle.remove()
-    for name, tensors in done.items():
-        prequant = tensors.pop("prequant_scaling_factor", None)
-        modules[name].use_weight_only(4, quant.group_size, quant.has_zero_point, tensors)
-        if prequant is not None:
-            modules[name].use_prequant_scale(prequant)
-    log.info("GPTQ%s: %d linears, output error %.1f%% of round-to-nearest's on average (calibration rows)",
-             " with AWQ scales" if awq_scales else "", len(ratios), 100 * sum(ratios) / len(ratios))
-    return dataclasses.replace(quant, exclude_modules=excluded, pre_quant_scale=awq_scales)
+def stream_gptq(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], token_lists: list[list[int]],
+                quant: QuantConfig, names: list[str], act_order: bool = True, sequential: bool = True,
+                damp: float = DEFAULT_DAMP, awq_scales: bool = False, clip_ranges: bool = True,
+                progress: bool = False, kv_cache: KVCacheCalibration | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors of a meta-device ``model`` whose float ``weights`` stream in, the
+    linears ``names`` rounded by GPTQ, calibrated on ``token_lists`` stage by stage: each on the
+    outputs of the stages before it as quantized, or all on the float model's with
+    ``sequential=False``. ``awq_scales`` (``quant`` a W4A16_AWQ one): each linear first gets
+    AWQ's input scales, searched on the same inputs. ``clip_ranges``: each group's range
+    searched on the output error first (see the module doc)."""
+    stage = GptqStage(quant, act_order, damp, clip_ranges, awq_scales)
+    yield from stream_calibrated(model, weights, token_lists, names, lambda: _Observer(awq_scales), stage, progress,
+                                 quantized_outputs=sequential, kv_cache=kv_cache)
+    if stage.ratios:
+        log.info("GPTQ%s: %d linears, output error %.1f%% of round-to-nearest's on average (calibration rows)",
+                 " with AWQ scales" if awq_scales else "", len(stage.ratios),
+                 100 * sum(stage.ratios) / len(stage.ratios))

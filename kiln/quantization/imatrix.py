@@ -30,9 +30,9 @@ from kiln import kernels
 from kiln.config import LayerQuant, QuantConfig
 from kiln.config.quant_algos import MIXED_PRECISION
 from kiln.errors import ConfigError
-from kiln.quantization.calibration import InputStats, collect_linear_inputs
-from kiln.quantization.sequential import STEP_TOKENS, stream_calibrated
-from kiln.quantization.weight_only import check_group_size, pack_4bit, quantizable_modules
+from kiln.quantization.calibration import InputStats
+from kiln.quantization.sequential import KVCacheCalibration, per_linear, stream_calibrated
+from kiln.quantization.weight_only import check_group_size, pack_4bit
 
 IMATRIX_ALGO = "W4A16_IMATRIX"
 STRETCH = [15 + 0.05 * i for i in range(-18, 19)]  # candidate code ranges over the group's range
@@ -142,31 +142,11 @@ def stats_factory() -> InputStats:
     return InputStats(max_sample=0)
 
 
-def _quantize_linear(linear: nn.Module, stats: InputStats, group_size: int) -> dict[str, torch.Tensor]:
-    return quantize_weight_imatrix(linear.weight, group_size, importance(stats))
-
-
 def stream_imatrix(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], token_lists: list[list[int]],
-                   quant: QuantConfig, names: list[str], progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                   quant: QuantConfig, names: list[str], progress: bool = False,
+                   kv_cache: KVCacheCalibration | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint tensors of a meta-device ``model`` whose float ``weights`` stream in, the
     linears ``names`` quantized, calibrated layer by layer (``kiln.quantization.sequential``)."""
-    return stream_calibrated(model, weights, token_lists, names, stats_factory,
-                             lambda name, linear, stats: _quantize_linear(linear, stats, quant.group_size), progress)
-
-
-def imatrix_quantize_model(model: nn.Module, quant: QuantConfig, token_lists: list[list[int]],
-                           progress: bool = False) -> QuantConfig | None:
-    """Calibrate ``model`` (float, one rank, in memory) on ``token_lists`` and quantize its
-    linears in place; returns the config to record (None: no linear quantized)."""
-    chosen, _ = quantizable_modules(model, quant)
-    if not chosen:
-        return None
-    if not token_lists:
-        raise ConfigError(f"{IMATRIX_ALGO}: no calibration text of at least 2 tokens")
-    # Steps of the streamed convert's size: the same arithmetic, so the same statistics
-    stats = collect_linear_inputs(model, token_lists, [name for name, _ in chosen], stats_factory, progress,
-                                  max_step_tokens=STEP_TOKENS)
-    for name, linear in chosen:
-        tensors = _quantize_linear(linear, stats[name], quant.group_size)
-        linear.use_weight_only(4, quant.group_size, False, tensors, has_offset=True)
-    return recorded_config(quant, [name for name, _ in chosen])
+    return stream_calibrated(model, weights, token_lists, names, stats_factory, per_linear(
+        lambda name, linear, stats: quantize_weight_imatrix(linear.weight, quant.group_size, importance(stats))),
+        progress, kv_cache=kv_cache)

@@ -17,29 +17,34 @@ from kiln.step.attention import TorchPagedAttention
 from kiln.step.kv_cache import KV_CACHE_DTYPES, kv_code_max
 
 
-class _KVRangeObserver(TorchPagedAttention):
-    """The reference backend, recording max|K| and max|V| of each layer it runs (the layer
-    announced by a pre-hook on its attention module)."""
+class KVRangeObserver(TorchPagedAttention):
+    """The reference backend, recording max|K| and max|V| of the layer it runs (``layer``, set
+    by whoever runs the layers; None records nothing)."""
 
     def __init__(self, num_layers: int):
-        self.layer = 0
+        self.layer: int | None = None
         self.absmax = torch.zeros(num_layers, 2)
 
     def forward(self, q, k, v, kv_cache, md, scale, **options):
-        row = self.absmax[self.layer]
-        row[0] = torch.maximum(row[0], k.detach().abs().max().float())
-        row[1] = torch.maximum(row[1], v.detach().abs().max().float())
+        if self.layer is not None:
+            row = self.absmax[self.layer]
+            row[0] = torch.maximum(row[0], k.detach().abs().max().float())
+            row[1] = torch.maximum(row[1], v.detach().abs().max().float())
         return super().forward(q, k, v, kv_cache, md, scale, **options)
+
+    def scales(self, algo: str) -> torch.Tensor:
+        """float32 ``[num_layers, 2]``: the ranges seen divided by the largest code of ``algo``'s
+        cache type (INT8: 127, FP8: 448); a range never seen keeps a usable scale of 1 / code max."""
+        return torch.where(self.absmax > 0, self.absmax, torch.ones(())) / kv_code_max(KV_CACHE_DTYPES[algo])
 
 
 def calibrate_kv_cache_scales(model: nn.Module, token_lists: list[list[int]], algo: str,
                               progress: bool = False) -> torch.Tensor:
     """float32 ``[num_layers, 2]``: each layer's ``max|K|`` and ``max|V|`` over the prompts, run
-    through the float model (its cache unquantized), divided by the largest code of ``algo``'s
-    cache type (INT8: 127, FP8: 448)."""
-    code_max = kv_code_max(KV_CACHE_DTYPES[algo])
+    through ``model`` (its cache unquantized), divided by the largest code of ``algo``'s cache
+    type (``KVRangeObserver.scales``)."""
     layers = list(model.transformer.layers.values())
-    observer = _KVRangeObserver(len(layers))
+    observer = KVRangeObserver(len(layers))
     handles = [layer.attention.register_forward_pre_hook(lambda m, args, i=i: setattr(observer, "layer", i))
                for i, layer in enumerate(layers)]
     try:
@@ -47,8 +52,7 @@ def calibrate_kv_cache_scales(model: nn.Module, token_lists: list[list[int]], al
     finally:
         for handle in handles:
             handle.remove()
-    # An all-zero range (never seen) keeps a usable scale rather than dividing by zero.
-    return torch.where(observer.absmax > 0, observer.absmax, torch.ones(())) / code_max
+    return observer.scales(algo)
 
 
 def set_kv_cache_scales(model: nn.Module, scales: torch.Tensor) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -38,7 +39,8 @@ from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.layers.mlp import GatedMLP
 from kiln.layers.quantized_matmul import w8a8_linear
-from kiln.quantization.calibration import collect_linear_inputs
+from kiln.quantization.calibration import InputStats
+from kiln.quantization.sequential import KVCacheCalibration, stream_calibrated
 from kiln.quantization.weight_only import DEFAULT_EXCLUDED, SMOOTHQUANT_ALGO, quantized_modules
 
 log = logging.getLogger(__name__)
@@ -112,42 +114,43 @@ def smoothing_groups(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> 
     return groups
 
 
-@torch.inference_mode()
-def smoothquant_model(model: nn.Module, quant: QuantConfig, token_lists: list[list[int]],
-                      alpha: float | None = None, progress: bool = False) -> QuantConfig | None:
-    """Calibrate float ``model`` on ``token_lists``, then smooth and quantize its linears in place
-    (with ``alpha``, or each group's searched one when None).
+def smoothquant_recorded(quant: QuantConfig) -> QuantConfig:
+    """The checkpoint's config: ``exclude_modules`` names every linear left in float."""
+    return dataclasses.replace(quant, exclude_modules=list(DEFAULT_EXCLUDED if quant.exclude_modules is None
+                                                           else quant.exclude_modules))
 
-    Returns ``quant`` as the checkpoint must record it (``exclude_modules`` names every linear
-    left in float), None if no linear was quantized.
-    """
-    if model.config.mapping.world_size != 1:
-        raise ConfigError(f"{SMOOTHQUANT_ALGO} calibrates the whole model in one process: convert with "
-                          "tp_size 1 and pp_size 1")
-    if not token_lists:
-        raise ConfigError(f"{SMOOTHQUANT_ALGO}: the calibration texts gave no prompt of 2 or more tokens")
-    longest = model.config.max_position_embeddings
-    if longest:  # a prompt beyond the model's positions would calibrate on activations it never sees
-        token_lists = [ids[:longest] for ids in token_lists]
+
+def stream_smoothquant(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], token_lists: list[list[int]],
+                       quant: QuantConfig, alpha: float | None = None, progress: bool = False,
+                       kv_cache: KVCacheCalibration | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors of a meta-device ``model`` whose float ``weights`` stream in, its
+    linears smoothed (with ``alpha``, or each group's searched one when None) and quantized,
+    calibrated layer by layer on ``token_lists``."""
     groups = smoothing_groups(model, quantized_modules(model, quant))
-    if not groups:
-        return None
-    # One observer per group: its members see the same input.
-    stats = collect_linear_inputs(model, token_lists, [group[0][0] for group in groups],
-                                  progress=progress)
-    chosen_alphas = []
-    for group in groups:
-        st, weights = stats[group[0][0]], [linear.weight for _, linear in group]
-        if alpha is None:
-            s, best, error = search_alpha(weights, st.rows_sample(), st.absmax)
-            log.debug("SmoothQuant %s: alpha %.2f, output error %.4g", "+".join(n for n, _ in group), best, error)
-        else:
-            s, best = smoothing_factors(st.absmax, weights, alpha), alpha
-        chosen_alphas.append(best)
-        for _, linear in group:
-            linear.use_w8a8(quantize_w8a8_weight(linear.weight, s))
-    excluded = list(DEFAULT_EXCLUDED if quant.exclude_modules is None else quant.exclude_modules)
-    log.info("%s: %d linears smoothed (alpha %s) and quantized", SMOOTHQUANT_ALGO, sum(len(g) for g in groups),
-             f"{alpha:.2f}" if alpha is not None else
-             f"searched: {min(chosen_alphas):.2f}..{max(chosen_alphas):.2f}, mean {sum(chosen_alphas) / len(chosen_alphas):.2f}")
-    return dataclasses.replace(quant, exclude_modules=excluded)
+    group_of = {name: [n for n, _ in group] for group in groups for name, _ in group}
+    chosen_alphas: list[float] = []
+
+    def quantize(linears: dict[str, nn.Module], stats: dict[str, InputStats]) -> dict[str, dict[str, torch.Tensor]]:
+        out = {}
+        for name in linears:
+            if name in out:
+                continue
+            group = group_of[name]  # its members see the same input: the first one's statistics
+            st, weights = stats[group[0]], [linears[n].weight for n in group]
+            if alpha is None:
+                s, best, error = search_alpha(weights, st.rows_sample(), st.absmax)
+                log.debug("SmoothQuant %s: alpha %.2f, output error %.4g", "+".join(group), best, error)
+            else:
+                s, best = smoothing_factors(st.absmax, weights, alpha), alpha
+            chosen_alphas.append(best)
+            out.update((n, quantize_w8a8_weight(linears[n].weight, s)) for n in group)
+        return out
+
+    # The row sample only feeds the alpha search.
+    make = InputStats if alpha is None else lambda: InputStats(max_sample=0)
+    yield from stream_calibrated(model, weights, token_lists, list(group_of), make, quantize, progress,
+                                 kv_cache=kv_cache)
+    if chosen_alphas:
+        log.info("%s: %d linears smoothed (alpha %s) and quantized", SMOOTHQUANT_ALGO, len(group_of),
+                 f"{alpha:.2f}" if alpha is not None else f"searched: {min(chosen_alphas):.2f}.."
+                 f"{max(chosen_alphas):.2f}, mean {sum(chosen_alphas) / len(chosen_alphas):.2f}")

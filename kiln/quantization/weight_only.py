@@ -191,28 +191,33 @@ def use_weight_only_layout(model: nn.Module, quant: QuantConfig, tile_order: boo
     """Give the quantized linears of a model built on the meta device their quantized
     parameters (shapes only), so a quantized checkpoint or (``tile_order``) engine loads into it.
     SmoothQuant W8A8 and FP8 linears get theirs too."""
-    if quant.quant_algo == SMOOTHQUANT_ALGO:
-        for _, linear in quantized_modules(model, quant):
-            linear.use_w8a8()
+    for name, linear in quantized_modules(model, quant):
+        use_quantized_layout(name, linear, quant, tile_order)
+
+
+def use_quantized_layout(name: str, linear: Linear, quant: QuantConfig, tile_order: bool,
+                         tensors: dict[str, torch.Tensor] | None = None) -> None:
+    """Switch one linear ``quant`` quantizes to its quantized parameters: ``tensors`` (its
+    checkpoint tensors, as the quantizers make them) or empty ones of the right shapes."""
+    algo = quant.quant_algo
+    if algo == SMOOTHQUANT_ALGO:
+        linear.use_w8a8(tensors)
         return
-    if quant.quant_algo == FP8_ALGO:
-        for _, linear in quantized_modules(model, quant):
-            linear.use_fp8(tile_order=tile_order)
+    if algo == FP8_ALGO:
+        linear.use_fp8(tensors, tile_order=tile_order)
         return
-    if quant.quant_algo == MIXED_PRECISION:
-        for name, linear in quantized_modules(model, quant):
-            f = layer_format(name, linear, quant)
-            linear.use_weight_only(f.bits, f.group_size, f.has_zero_point, has_offset=f.has_offset,
-                                   tile_order=tile_order)
-        return
-    bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo)
-    for _, linear in quantized_modules(model, quant):
-        linear.use_weight_only(bits, quant.group_size if bits == 4 else None, quant.has_zero_point,
+    if algo == MIXED_PRECISION:
+        f = layer_format(name, linear, quant)
+        linear.use_weight_only(f.bits, f.group_size, f.has_zero_point, tensors, has_offset=f.has_offset,
                                tile_order=tile_order)
-        if quant.quant_algo in PREQUANT_ALGOS:
-            linear.use_prequant_scale()
-        if quant.quant_algo in ACTIVATION_SCALE_ALGOS:
-            linear.use_activation_scale()
+        return
+    bits = WEIGHT_ONLY_ALGOS.get(algo)
+    linear.use_weight_only(bits, quant.group_size if bits == 4 else None, quant.has_zero_point, tensors,
+                           tile_order=tile_order)
+    if algo in PREQUANT_ALGOS:
+        linear.use_prequant_scale(None if tensors is None else tensors["prequant_scaling_factor"])
+    if algo in ACTIVATION_SCALE_ALGOS:
+        linear.use_activation_scale(None if tensors is None else tensors["activation_scaling_factor"])
 
 
 def check_group_size(quant: QuantConfig, where: str = "quantization") -> None:
@@ -246,40 +251,23 @@ def quantizable_modules(model: nn.Module, quant: QuantConfig) -> tuple[list[tupl
     return chosen, excluded
 
 
-def quantize_model(model: nn.Module, quant: QuantConfig, prequant_scales: dict[str, torch.Tensor] | None = None,
-                   clip_ratios: dict[str, torch.Tensor] | None = None) -> QuantConfig | None:
+def quantize_model(model: nn.Module, quant: QuantConfig) -> QuantConfig | None:
     """Quantize the float weights of ``model``'s linears in place (round to nearest).
 
-    ``prequant_scales`` (W4A16_AWQ, from ``kiln.quantization.awq``): each linear's per input
-    channel ``s``; its codes then hold ``W diag(s)`` and its ``prequant_scaling_factor`` is 1/s.
-    ``clip_ratios`` (4-bit, AWQ's clipping search): a linear's ``[out, in / group_size]`` share
-    of each group's range kept (``group_params``).
     Returns ``quant`` as the checkpoint must record it: ``exclude_modules`` names every linear
     left in float (see ``quantizable_modules``), so a model built from it gets the same layout;
     None if no linear was quantized.
     """
-    if quant.quant_algo in (SMOOTHQUANT_ALGO, FP8_ALGO):
-        raise ConfigError(f"quantization.quant_algo {quant.quant_algo} needs calibration: use "
-                          "kiln.quantization.smoothquant.smoothquant_model or kiln.quantization.fp8.fp8_quantize_model "
-                          "(kiln convert does)")
-    awq = quant.quant_algo in PREQUANT_ALGOS
-    if quant.quant_algo in WEIGHT_ONLY_ALGOS and quant.quant_algo not in ROUND_TO_NEAREST_ALGOS and not (
-            awq and prequant_scales is not None):
-        raise ConfigError(f"quantization.quant_algo {quant.quant_algo!r}: round-to-nearest quantization makes "
-                          f"{list(ROUND_TO_NEAREST_ALGOS)}; W4A16_GPTQ comes from a GPTQ checkpoint or a "
-                          "calibrated convert (kiln.quantization.gptq_quantize), W4A16_AWQ and W4A8_AWQ from "
-                          "a calibrated convert (kiln.quantization.awq)")
+    if quant.quant_algo not in ROUND_TO_NEAREST_ALGOS:
+        raise ConfigError(f"quantization.quant_algo {quant.quant_algo!r} needs calibration: round-to-nearest "
+                          f"quantization makes {list(ROUND_TO_NEAREST_ALGOS)}; W4A16_GPTQ also comes from a GPTQ "
+                          "checkpoint, and the calibrated algorithms from kiln.quantization.calibrated (kiln "
+                          "convert runs them)")
     bits = WEIGHT_ONLY_ALGOS.get(quant.quant_algo)
     chosen, excluded = quantizable_modules(model, quant)
     for name, linear in chosen:
-        weight = linear.weight.float()
-        if awq:
-            weight = weight * prequant_scales[name][None, :]
-        clip = clip_ratios.get(name) if clip_ratios else None
-        tensors = quantize_weight(weight, bits, quant.group_size, quant.has_zero_point, clip)
+        tensors = quantize_weight(linear.weight.float(), bits, quant.group_size, quant.has_zero_point)
         linear.use_weight_only(bits, quant.group_size if bits == 4 else None, quant.has_zero_point, tensors)
-        if awq:
-            linear.use_prequant_scale((1.0 / prequant_scales[name]).float().contiguous())
     if not chosen:
         return None
-    return dataclasses.replace(quant, exclude_modules=excluded, pre_quant_scale=awq)
+    return dataclasses.replace(quant, exclude_modules=excluded, pre_quant_scale=False)

@@ -14,7 +14,8 @@ from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.quantization import dequantize, quantize_weight
 from kiln.quantization.awq import search_clip
-from kiln.quantization.gptq_quantize import gptq_quantize_model, gptq_quantize_weight
+from kiln.quantization.calibrated import CalibrationOptions, calibrate_model
+from kiln.quantization.gptq_quantize import gptq_quantize_weight
 from kiln.quantization.weight_only import codes_4bit, group_params
 from tests.conftest import convert_and_build
 from tests.utils.compare import kiln_prompt_logits
@@ -147,7 +148,7 @@ def test_sequential_and_float_calibration_agree_on_the_first_layer(tmp_path):
     models = {}
     for sequential in (True, False):
         model = LlamaForCausalLM.from_hugging_face(tmp_path / "hf", dtype="float32")
-        recorded = gptq_quantize_model(model, quant, prompts, sequential=sequential)
+        recorded = calibrate_model(model, quant, prompts, CalibrationOptions(gptq_sequential=sequential))
         assert recorded.quant_algo == "W4A16_GPTQ" and recorded.exclude_modules == ["lm_head"]
         models[sequential] = model.transformer.layers
     for name in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj"):
@@ -257,5 +258,5 @@ def test_bad_gptq_requests_are_clear_errors(tmp_path):
                            quantization=QuantConfig(quant_algo="W4A16"))
     model = LlamaForCausalLM.from_hugging_face(tmp_path / "hf", dtype="float32")
     with pytest.raises(ConfigError, match="no calibration text"):
-        gptq_quantize_model(model, QuantConfig(quant_algo="W4A16_GPTQ"), [])
+        calibrate_model(model, QuantConfig(quant_algo="W4A16_GPTQ"), [])
     assert not any((tmp_path / d).exists() for d in "abc")

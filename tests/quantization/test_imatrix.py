@@ -1,6 +1,6 @@
-"""W4A16_IMATRIX: the importance-weighted scale/offset search against range rounding, the
-layer-by-layer streamed convert against the same calibration on a model in memory (bit for bit),
-and an engine of it against the float model."""
+"""W4A16_IMATRIX: the importance-weighted scale/offset search against range rounding, and an
+engine of it against the float model (tests/quantization/test_calibrated.py checks its streamed
+convert)."""
 from __future__ import annotations
 
 import json
@@ -8,15 +8,11 @@ import json
 import pytest
 import torch
 
-from kiln import convert as convert_module
 from kiln import kernels
-from kiln.checkpoint.format import read_config, read_rank_weights
-from kiln.checkpoint.sources import open_source
+from kiln.checkpoint.format import read_config
 from kiln.config import QuantConfig
-from kiln.convert import _calibration_tokens, _quantize, convert_checkpoint
+from kiln.convert import convert_checkpoint
 from kiln.errors import ConfigError
-from kiln.mapping import Mapping
-from kiln.models import get_model_class
 from kiln.quantization.imatrix import IMATRIX_ALGO, STRETCH, _search, fit_groups, quantize_weight_imatrix
 from tests.conftest import convert_and_build
 from tests.utils.compare import kiln_prompt_logits
@@ -93,26 +89,6 @@ def tiny(tmp_path_factory):
     return root
 
 
-def test_streamed_convert_equals_the_in_memory_calibration(tiny, tmp_path, monkeypatch):
-    streamed = []
-    stream = convert_module.stream_rank
-    monkeypatch.setattr(convert_module, "stream_rank", lambda *a, **k: streamed.append(stream(*a, **k)) or streamed[-1])
-    out = convert_checkpoint(tiny / "hf", tmp_path / "ckpt", dtype="float32", quantization=QUANT,
-                             calib_dataset=str(tiny / "calib.jsonl"), calib_size=8, progress=False)
-    assert streamed and streamed[0] is not None  # layer by layer as the weights streamed
-    config = read_config(out).quantization
-    assert config.quant_algo == "MIXED_PRECISION" and len(config.quantized_layers) == 2 * 5  # qkv, dense, fc, gate, proj
-    assert all(f.has_offset and f.group_size == 32 for f in config.quantized_layers.values())
-    source = open_source(tiny / "hf")
-    model = get_model_class("LlamaForCausalLM").from_hugging_face(source, "float32", Mapping())
-    tokens = _calibration_tokens(source, tiny / "hf", str(tiny / "calib.jsonl"), 8, 512, IMATRIX_ALGO)
-    model.config = _quantize(model, QUANT, "in memory", tokens)
-    expected, got = model.checkpoint_weights(), read_rank_weights(out, 0)
-    assert sorted(got) == sorted(expected)
-    for name, tensor in expected.items():
-        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
-
-
 def test_engine_is_closer_to_float_than_round_to_nearest(tiny):
     calib = {"calib_dataset": str(tiny / "calib.jsonl"), "calib_size": 8}
     imatrix = convert_and_build(tiny / "hf", tiny / "im", {"tokens_per_block": 4}, quantization=QUANT, **calib)
@@ -144,33 +120,3 @@ def test_its_default_group_is_32_from_the_cli_and_llm(tiny, tmp_path):
                  IMATRIX_ALGO, "--calib_dataset", str(tiny / "calib.jsonl"), "--calib_size", "2"]) == 0
     layers = read_config(tmp_path / "c").quantization.quantized_layers
     assert {f.group_size for f in layers.values()} == {32}
-
-
-def test_layer_by_layer_calibration_keeps_no_layer(tiny):
-    """After the stream, every weight is back on the meta device and no packed copy of one is
-    left (a bf16 matmul packs its weight on first use)."""
-    from kiln.models.loading import prepare_hugging_face
-    from kiln.quantization.imatrix import importance, stats_factory
-    from kiln.quantization.sequential import stream_calibrated
-
-    model, loader = prepare_hugging_face(get_model_class("LlamaForCausalLM"), open_source(tiny / "hf"), "bfloat16")
-    tokens = _calibration_tokens(open_source(tiny / "hf"), tiny / "hf", str(tiny / "calib.jsonl"), 4, 512,
-                                 IMATRIX_ALGO)
-    chosen = ["transformer.layers.0.mlp.proj", "transformer.layers.1.attention.qkv"]
-    written = dict(stream_calibrated(model, loader.iter_weights(model), tokens, chosen, stats_factory,
-                                     lambda name, linear, stats: quantize_weight_imatrix(linear.weight, 32,
-                                                                                         importance(stats))))
-    assert written["transformer.layers.0.mlp.proj.weight"].dtype == torch.uint8
-    assert "transformer.layers.1.attention.qkv.weights_offset" in written
-    assert written["transformer.layers.1.mlp.proj.weight"].dtype == torch.bfloat16  # not chosen: as read
-    assert all(p.is_meta for p in model.parameters())
-    assert not any(hasattr(m, "_packed_tiles") or hasattr(m, "_packed") for m in model.modules())
-
-
-def test_with_a_quantized_kv_cache_it_calibrates_in_memory(tiny, tmp_path):
-    quant = QuantConfig(quant_algo=IMATRIX_ALGO, group_size=32, kv_cache_quant_algo="INT8")
-    out = convert_checkpoint(tiny / "hf", tmp_path / "c", quantization=quant, calib_dataset=str(tiny / "calib.jsonl"),
-                             calib_size=2, progress=False)
-    recorded = read_config(out).quantization
-    assert recorded.quant_algo == "MIXED_PRECISION" and recorded.kv_cache_quant_algo == "INT8"
-    assert any(name.endswith("kv_cache_scaling_factor") for name in read_rank_weights(out, 0))
