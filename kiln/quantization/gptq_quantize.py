@@ -30,11 +30,12 @@ Before the columns are rounded, each group's range is clipped by AWQ's search
 channel's whole error), the ranges taken from the float weights. On SmolLM2 this alone takes
 GPTQ's perplexity loss at group size 64 from +15% to +10% (float-calibrated, in a quick check).
 
-Layers are quantized in order: each layer's linears are calibrated on the inputs the already
-quantized layers before it produce (the model run layer by layer over packed steps), so a
-layer also corrects what the earlier ones lost. Within a layer one pass calibrates all its
-linears (the MLP's on the attention's float-computed output). ``sequential=False`` calibrates
-every layer on the float model instead (one pass over the whole model).
+Layers are quantized in order as their weights stream in (``kiln.quantization.sequential``):
+each layer's linears are calibrated on the inputs the already quantized layers before it
+produce, so a layer also corrects what the earlier ones lost. Within a layer one pass
+calibrates all its linears (the MLP's on the attention's float-computed output), and a second
+runs it with its quantized weights for the next. ``sequential=False`` calibrates every layer on
+the float model's inputs instead.
 
 With AWQ's scales (``W4A16_AWQ`` with ``awq_scales``) each layer's linears first get their
 per input channel scale ``s`` (``kiln.quantization.awq.search_scale``, on the same inputs),
