@@ -86,40 +86,51 @@ PAIRS = (("kiln bf16", "llama.cpp bf16"), ("kiln W8A16", "llama.cpp q8_0"), ("ki
          ("kiln W4A16", "llama.cpp q4_k_m"), ("kiln W4A16_IMATRIX", "llama.cpp q4_k_m"))
 
 
+SCALE_SHAPES = 3  # shapes in the real-size table: the newest measured
+
+
 def _scale(records: list[dict]) -> list[str]:
     """Per shape, CPU and pair, the newest scale record measuring both: kiln beside llama.cpp,
-    same weights, one run."""
+    same weights, one run; a note line per shape for long-context decode and one for convert/build."""
     latest: dict[tuple, dict] = {}
     for r in records:
         for pair in PAIRS if r.get("kind") == "scale" else ():
             if all(name in r["engines"] for name in pair):
                 latest[(r["shape"], _cpu(r), pair)] = r
+    shapes = sorted({key[:2] for key in latest}, key=lambda s: max(r["date"] for k, r in latest.items() if k[:2] == s),
+                    reverse=True)[:SCALE_SHAPES]
     rows = ["| date | CPU | shape | kiln / llama.cpp | decode tok/s | ratio | % of read bandwidth | "
             "prefill 512 tok/s | load to first token s | peak RSS MB |",
             "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     notes = []
-    for (_, _, (kiln_name, peer)), r in sorted(latest.items(), key=lambda kv: (kv[1]["date"][:10], kv[0][0]),
-                                               reverse=True)[:ROWS]:
-        k, ll = r["engines"][kiln_name], r["engines"][peer]
+    for shape, cpu in shapes:
+        long, steps = [], {}
+        for pair in PAIRS:
+            r = latest.get((shape, cpu, pair))
+            if r is None:
+                continue
+            (kiln_name, peer), k, ll = pair, r["engines"][pair[0]], r["engines"][pair[1]]
 
-        def both(key: str, fmt: str) -> str:
-            return f"{format(k[key], fmt)} / {format(ll[key], fmt)}"
+            def both(key: str, fmt: str) -> str:
+                return f"{format(k[key], fmt)} / {format(ll[key], fmt)}"
 
-        share = (f"{100 * k['bandwidth_share']:.0f}% / {100 * ll['bandwidth_share']:.0f}%"
-                 if "bandwidth_share" in k and "bandwidth_share" in ll else "-")
-        rows.append(f"| {r['date'][:10]} | {_cpu(r)} | {r['shape']} | {kiln_name} / {peer} | "
-                    f"{both('decode_tok_s', '.1f')} | {k['decode_tok_s'] / ll['decode_tok_s']:.2f}x | {share} | "
-                    f"{both('prefill_tok_s', '.0f')} | {both('load_to_first_token_s', '.2f')} | "
-                    f"{both('peak_rss_mb', '.0f')} |")
-        long = [f"{key.rpartition('context')[2]} tokens {both(key, '.1f')}" for key in k
-                if key.startswith("decode_tok_s_context") and key in ll]
+            share = (f"{100 * k['bandwidth_share']:.0f}% / {100 * ll['bandwidth_share']:.0f}%"
+                     if "bandwidth_share" in k and "bandwidth_share" in ll else "-")
+            rows.append(f"| {r['date'][:10]} | {cpu} | {shape} | {kiln_name} / {peer} | "
+                        f"{both('decode_tok_s', '.1f')} | {k['decode_tok_s'] / ll['decode_tok_s']:.2f}x | {share} | "
+                        f"{both('prefill_tok_s', '.0f')} | {both('load_to_first_token_s', '.2f')} | "
+                        f"{both('peak_rss_mb', '.0f')} |")
+            long += [f"{kiln_name} / {peer} {both(key, '.1f')} ({key.rpartition('context')[2]} tokens)" for key in k
+                     if key.startswith("decode_tok_s_context") and key in ll]
+            mode = kiln_name.partition(" ")[2]
+            if mode in r["convert"] and mode in r["build"]:
+                c, b = r["convert"][mode], r["build"][mode]
+                steps[mode] = (f"{mode} {c['seconds']:.0f} s / {c['peak_rss_mb']:.0f} MB, "
+                               f"{b['seconds']:.0f} s / {b['peak_rss_mb']:.0f} MB")
         if long:
-            notes.append(f"- {r['shape']} ({r['date'][:10]}), {kiln_name} / {peer} decode tok/s after a long "
-                         f"prompt: {', '.join(long)}")
-        steps = [f"{step} {mode} {f['seconds']:.0f} s / {f['peak_rss_mb']:.0f} MB"
-                 for step in ("convert", "build") for mode, f in r[step].items() if kiln_name == f"kiln {mode}"]
+            notes.append(f"- {shape}, decode tok/s after a long prompt: {'; '.join(long)}")
         if steps:
-            notes.append(f"- {r['shape']} ({r['date'][:10]}): kiln {', '.join(steps)} (time / peak RSS)")
+            notes.append(f"- {shape}, kiln convert, build (time / peak RSS): {'; '.join(steps.values())}")
     return ["## Real model sizes: kiln beside llama.cpp (random weights of real shapes, SmolLM2's vocabulary)", "",
             "`python benchmarks/scale.py --shape smollm2-1.7b|llama-3.2-3b|llama-3.1-8b`: the same weights as a "
             "sharded HF directory (kiln) and a bf16 GGUF (llama.cpp, quantized by its own quantizer); batch-1 "

@@ -173,7 +173,7 @@ def stream_rank(source, model_cls: type, out: Path, rank: int, dtype: str | None
         if untie_needed(model, quant):
             return None
         if calibrating:
-            names, recorded = calibration_plan(model, quant, options)
+            names, recorded = calibration_plan(model, quant)
         else:
             chosen, excluded = quantizable_modules(model, quant)
             if not chosen:

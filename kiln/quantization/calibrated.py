@@ -41,8 +41,7 @@ class CalibrationOptions:
     awq_gptq: bool = False  # W4A16_AWQ's scales, then GPTQ's rounding
 
 
-def calibration_plan(model: nn.Module, quant: QuantConfig,
-                     options: CalibrationOptions = CalibrationOptions()) -> tuple[list[str], QuantConfig]:
+def calibration_plan(model: nn.Module, quant: QuantConfig) -> tuple[list[str], QuantConfig]:
     """The linears of ``model`` (any device) that ``quant`` calibrates and quantizes, and the
     quantization config its checkpoint records. Raises a ConfigError when none is chosen."""
     algo = quant.quant_algo
@@ -102,7 +101,7 @@ def calibrate_model(model: nn.Module, quant: QuantConfig, token_lists: list[list
         raise ConfigError(f"--quant_algo {quant.quant_algo} calibrates the whole model in one process: convert "
                           "with --tp_size 1 --pp_size 1")
     untie_lm_head_for(model, quant)
-    names, recorded = calibration_plan(model, quant, options)
+    names, recorded = calibration_plan(model, quant)
     quantize_in_memory(model, recorded, lambda twin, weights: stream_calibration(twin, weights, token_lists, quant,
                                                                                  names, options, progress))
     return recorded

@@ -77,16 +77,21 @@ class _Placer:
         owner, _, name = key.rpartition(".")
         self.modules[owner]._parameters[name] = nn.Parameter(tensor, requires_grad=False)
 
+    def drop_packed_copies(self) -> None:
+        """Forget the copies bf16 matmuls pack of a weight on first use."""
+        for module in self.modules.values():
+            if isinstance(module, Linear):
+                module.drop_packed_copies()
+
     def drop_all(self) -> None:
-        """Every parameter back on the meta device (a quantized linear's new ones too), and the
-        copies bf16 matmuls pack of a weight on first use gone."""
+        """Every parameter back on the meta device (a quantized linear's new ones too), no packed
+        copy left."""
         for module in self.modules.values():
             for name, param in module._parameters.items():
                 if param is not None and not param.is_meta:
                     module._parameters[name] = nn.Parameter(torch.empty_like(param, device="meta"),
                                                             requires_grad=False)
-            if isinstance(module, Linear):
-                module.drop_packed_copies()
+        self.drop_packed_copies()
 
 
 class _Calibration:
@@ -129,6 +134,7 @@ class _Calibration:
         observers = {name: self.make_observer() if self.make_observer else None for name in mine}
         if self.make_observer is not None:
             self._observe(stage, observers, keep=not (self.quantized_outputs and mine))
+        self.placer.drop_packed_copies()  # the quantizer's float32 temporaries take their place
         made = self.quantize({name: self.placer.modules[name] for name in mine}, observers) if mine else {}
         if self.make_observer is not None and self.quantized_outputs and mine and stage != "post":
             self._pass(stage, self.hidden, keep=True)
