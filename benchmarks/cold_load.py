@@ -69,10 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (engine / "config.json").is_file():
         if not (hf / "config.json").is_file():
             scale.write_hf(args.shape, hf)
-        subprocess.run([*kiln, "convert", "--model_dir", str(hf), "--output_dir", str(work / "ckpt"), "--dtype",
-                        "bfloat16"], check=True, stdout=subprocess.DEVNULL)
-        subprocess.run([*kiln, "build", "--checkpoint_dir", str(work / "ckpt"), "--output_dir", str(engine)],
-                       check=True, stdout=subprocess.DEVNULL)
+        for argv in (["convert", "--model_dir", str(hf), "--output_dir", str(work / "ckpt"), "--dtype", "bfloat16"],
+                     ["build", "--checkpoint_dir", str(work / "ckpt"), "--output_dir", str(engine)]):
+            done = subprocess.run([*kiln, *argv], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"kiln {argv[0]} failed:\n{done.stderr[-2000:]}")
         subprocess.run(["rm", "-rf", str(work / "ckpt")], check=True)
     if not gguf.is_file():
         scale.write_gguf(args.shape, hf, gguf)
