@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             record["convert"][mode] = timed_child([*kiln, "convert", "--model_dir", str(hf), "--output_dir",
                                                    str(ckpt), "--dtype", "bfloat16", *flags])
             record["build"][mode] = timed_child([*kiln, "build", "--checkpoint_dir", str(ckpt), "--output_dir",
-                                                 str(engine), "--max_batch_size", "32", "--max_seq_len", "8448"])
+                                                 str(engine), "--max_batch_size", "32", "--max_seq_len", "8448",
+                                                 "--max_input_len", "8192"])
             subprocess.run(["rm", "-rf", str(ckpt)], check=True)
             steps.write_text(json.dumps({"convert": record["convert"], "build": record["build"]}))
         engines[f"kiln {mode}"] = ("kiln", str(engine))
