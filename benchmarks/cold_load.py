@@ -69,11 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (engine / "config.json").is_file():
         if not (hf / "config.json").is_file():
             scale.write_hf(args.shape, hf)
-        for argv in (["convert", "--model_dir", str(hf), "--output_dir", str(work / "ckpt"), "--dtype", "bfloat16"],
-                     ["build", "--checkpoint_dir", str(work / "ckpt"), "--output_dir", str(engine)]):
-            done = subprocess.run([*kiln, *argv], capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"kiln {argv[0]} failed:\n{done.stderr[-2000:]}")
+        scale.timed_child([*kiln, "convert", "--model_dir", str(hf), "--output_dir", str(work / "ckpt"), "--dtype",
+                           "bfloat16"])
+        scale.timed_child([*kiln, "build", "--checkpoint_dir", str(work / "ckpt"), "--output_dir", str(engine)])
         subprocess.run(["rm", "-rf", str(work / "ckpt")], check=True)
     if not gguf.is_file():
         scale.write_gguf(args.shape, hf, gguf)

@@ -20,7 +20,7 @@ from kiln.models import get_model_class
 from kiln.models.loading import prepare_hugging_face
 from kiln.quantization import SMOOTHQUANT_ALGO, quantize_model, use_weight_only_layout
 from kiln.quantization.awq import AWQ_ALGO, AWQ_ALGOS, check_awq_request
-from kiln.quantization.calibrated import (CALIBRATED_ALGOS, CalibrationOptions, calibrate_model, calibration_plan,
+from kiln.quantization.calibrated import (CALIBRATED_ALGOS, CalibrationOptions, calibrate_model, quantization_plan,
                                           stream_calibration)
 from kiln.quantization.calibration import (DEFAULT_CALIB_LEN, DEFAULT_CALIB_SIZE, calibration_texts,
                                            calibration_token_ids)
@@ -30,8 +30,8 @@ from kiln.quantization.imatrix import IMATRIX_ALGO, check_imatrix_request
 from kiln.quantization.kv_cache import calibrate_kv_cache_scales, set_kv_cache_scales
 from kiln.quantization.sequential import KVCacheCalibration
 from kiln.quantization.smoothquant import DEFAULT_ALPHA
-from kiln.quantization.weight_only import (FP8_ALGO, WEIGHT_ONLY_ALGOS, quantizable_modules, quantize_weight,
-                                           untie_lm_head_for, untie_needed)
+from kiln.quantization.weight_only import (FP8_ALGO, WEIGHT_ONLY_ALGOS, quantize_weight, untie_lm_head_for,
+                                           untie_needed)
 from kiln.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -172,14 +172,7 @@ def stream_rank(source, model_cls: type, out: Path, rank: int, dtype: str | None
     if quant is not None:
         if untie_needed(model, quant):
             return None
-        if calibrating:
-            names, recorded = calibration_plan(model, quant)
-        else:
-            chosen, excluded = quantizable_modules(model, quant)
-            if not chosen:
-                raise ConfigError(f"{source.path}: --quant_algo {quant.quant_algo} found no linear layer to quantize")
-            names = [name for name, _ in chosen]
-            recorded = dataclasses.replace(quant, exclude_modules=excluded, pre_quant_scale=False)
+        names, recorded = quantization_plan(model, quant)
     config = dataclasses.replace(model.config, quantization=recorded) if recorded is not None else model.config
     with torch.device("meta"):
         layout = model_cls(config)

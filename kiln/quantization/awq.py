@@ -23,7 +23,6 @@ Checkpoint tensors: W4A16's (``weight`` codes of ``W diag(s)``, ``weights_scalin
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Iterable, Iterator
 
@@ -194,11 +193,6 @@ def stream_awq(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], to
     if stage.gains:
         log.info("AWQ: %d input groups, output error %.1f%% of round-to-nearest's on average%s", len(stage.gains),
                  100 * sum(stage.gains) / len(stage.gains), " (scales and clipping)" if clip else "")
-
-
-def awq_recorded(quant: QuantConfig, excluded: list[str]) -> QuantConfig:
-    """The checkpoint's config: ``quant`` with the linears left in float and AWQ's prequant factors."""
-    return dataclasses.replace(quant, exclude_modules=excluded, pre_quant_scale=True)
 
 
 def _group_error(group: list[str], modules: dict[str, nn.Module], rows: torch.Tensor, s: torch.Tensor, clips: dict[str, torch.Tensor],

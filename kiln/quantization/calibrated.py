@@ -18,15 +18,16 @@ from torch import nn
 from kiln.config import QuantConfig
 from kiln.config.quant_algos import ALGOS
 from kiln.errors import ConfigError
-from kiln.quantization.awq import AWQ_ALGO, AWQ_ALGOS, awq_recorded, stream_awq
+from kiln.quantization.awq import AWQ_ALGO, AWQ_ALGOS, stream_awq
 from kiln.quantization.fp8 import stream_fp8
 from kiln.quantization.gptq import GPTQ_ALGO
 from kiln.quantization.gptq_quantize import stream_gptq
 from kiln.quantization.imatrix import IMATRIX_ALGO, recorded_config, stream_imatrix
 from kiln.quantization.sequential import KVCacheCalibration, per_linear, quantize_in_memory, stream_calibrated
-from kiln.quantization.smoothquant import DEFAULT_ALPHA, SEARCH_ALPHA, smoothquant_recorded, stream_smoothquant
-from kiln.quantization.weight_only import (FP8_ALGO, SMOOTHQUANT_ALGO, WEIGHT_ONLY_ALGOS, quantizable_modules,
-                                           quantize_weight, quantized_modules, untie_lm_head_for)
+from kiln.quantization.smoothquant import DEFAULT_ALPHA, SEARCH_ALPHA, stream_smoothquant
+from kiln.quantization.weight_only import (DEFAULT_EXCLUDED, FP8_ALGO, PREQUANT_ALGOS, SMOOTHQUANT_ALGO,
+                                           WEIGHT_ONLY_ALGOS, quantizable_modules, quantize_weight, quantized_modules,
+                                           untie_lm_head_for)
 
 CALIBRATED_ALGOS = tuple(name for name, algo in ALGOS.items() if algo.calibrated)
 
@@ -41,23 +42,20 @@ class CalibrationOptions:
     awq_gptq: bool = False  # W4A16_AWQ's scales, then GPTQ's rounding
 
 
-def calibration_plan(model: nn.Module, quant: QuantConfig) -> tuple[list[str], QuantConfig]:
-    """The linears of ``model`` (any device) that ``quant`` calibrates and quantizes, and the
-    quantization config its checkpoint records. Raises a ConfigError when none is chosen."""
+def quantization_plan(model: nn.Module, quant: QuantConfig) -> tuple[list[str], QuantConfig]:
+    """The linears of ``model`` (any device) that ``quant`` quantizes (calibrated or rounded to
+    nearest), and the quantization config its checkpoint records: ``exclude_modules`` names every
+    linear left in float. Raises a ConfigError when none is chosen."""
     algo = quant.quant_algo
     if algo == SMOOTHQUANT_ALGO:  # W8A8's kernels take any shape
-        names, recorded = [name for name, _ in quantized_modules(model, quant)], smoothquant_recorded(quant)
+        names = [name for name, _ in quantized_modules(model, quant)]
+        excluded = list(DEFAULT_EXCLUDED if quant.exclude_modules is None else quant.exclude_modules)
+        recorded = dataclasses.replace(quant, exclude_modules=excluded)
     else:
         chosen, excluded = quantizable_modules(model, quant)
         names = [name for name, _ in chosen]
-        if algo in AWQ_ALGOS:
-            recorded = awq_recorded(quant, excluded)
-        elif algo == IMATRIX_ALGO:
-            recorded = recorded_config(quant, names)
-        elif algo in (GPTQ_ALGO, FP8_ALGO):
-            recorded = dataclasses.replace(quant, exclude_modules=excluded, pre_quant_scale=False)
-        else:
-            raise ConfigError(f"--quant_algo {algo} is not calibrated; kiln calibrates {list(CALIBRATED_ALGOS)}")
+        recorded = (recorded_config(quant, names) if algo == IMATRIX_ALGO else
+                    dataclasses.replace(quant, exclude_modules=excluded, pre_quant_scale=algo in PREQUANT_ALGOS))
     if not names:
         raise ConfigError(f"--quant_algo {algo} found no linear layer to quantize")
     return names, recorded
@@ -101,7 +99,7 @@ def calibrate_model(model: nn.Module, quant: QuantConfig, token_lists: list[list
         raise ConfigError(f"--quant_algo {quant.quant_algo} calibrates the whole model in one process: convert "
                           "with --tp_size 1 --pp_size 1")
     untie_lm_head_for(model, quant)
-    names, recorded = calibration_plan(model, quant)
+    names, recorded = quantization_plan(model, quant)
     quantize_in_memory(model, recorded, lambda twin, weights: stream_calibration(twin, weights, token_lists, quant,
                                                                                  names, options, progress))
     return recorded

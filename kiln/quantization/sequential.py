@@ -132,11 +132,14 @@ class _Calibration:
             self.placer.place(key, tensor)
         mine = sorted({key.rpartition(".")[0] for key in tensors} & self.chosen)
         observers = {name: self.make_observer() if self.make_observer else None for name in mine}
-        if self.make_observer is not None:
-            self._observe(stage, observers, keep=not (self.quantized_outputs and mine))
+        # The float pass: for the statistics, and for the next stage's inputs (none after "post").
+        float_pass = self.make_observer is not None and (mine or stage != "post")
+        requantized = float_pass and self.quantized_outputs and mine and stage != "post"
+        if float_pass:
+            self._observe(stage, observers, keep=not requantized)
         self.placer.drop_packed_copies()  # the quantizer's float32 temporaries take their place
         made = self.quantize({name: self.placer.modules[name] for name in mine}, observers) if mine else {}
-        if self.make_observer is not None and self.quantized_outputs and mine and stage != "post":
+        if requantized:  # the next stage's inputs from this one as quantized
             self._pass(stage, self.hidden, keep=True)
         out = {}
         for key, tensor in tensors.items():

@@ -28,7 +28,6 @@ At run time ``x' = x * prequant``, ``a_t = max|x'_t| / 127``, ``q = round(x' / a
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Iterable, Iterator
 
@@ -41,7 +40,7 @@ from kiln.layers.mlp import GatedMLP
 from kiln.layers.quantized_matmul import w8a8_linear
 from kiln.quantization.calibration import InputStats
 from kiln.quantization.sequential import KVCacheCalibration, stream_calibrated
-from kiln.quantization.weight_only import DEFAULT_EXCLUDED, SMOOTHQUANT_ALGO, quantized_modules
+from kiln.quantization.weight_only import SMOOTHQUANT_ALGO, quantized_modules
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +111,6 @@ def smoothing_groups(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> 
                 done.update(present)
     groups += [[(name, module)] for name, module in modules if name not in done]
     return groups
-
-
-def smoothquant_recorded(quant: QuantConfig) -> QuantConfig:
-    """The checkpoint's config: ``exclude_modules`` names every linear left in float."""
-    return dataclasses.replace(quant, exclude_modules=list(DEFAULT_EXCLUDED if quant.exclude_modules is None
-                                                           else quant.exclude_modules))
 
 
 def stream_smoothquant(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], token_lists: list[list[int]],
