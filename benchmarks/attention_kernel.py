@@ -17,6 +17,7 @@ import time
 import torch
 
 from kiln import host_memory, kernels
+from kiln.step.kv_cache import cache_shape
 
 SHAPES = {"smollm2-1.7b": (32, 32, 64), "llama-3.1-8b": (32, 8, 128)}  # query heads, KV heads, head size
 BLOCK = 64
@@ -29,7 +30,7 @@ def measure(heads: int, kv_heads: int, head_size: int, context: int, total_mb: i
     layers = max(2, total_mb * 2**20 // (2 * per_cache))
     caches = []
     for _ in range(layers):
-        k, v = (host_memory.huge_page_bytes(per_cache).view(torch.bfloat16).view(blocks, BLOCK, kv_heads, head_size)
+        k, v = (host_memory.huge_page_bytes(per_cache).view(torch.bfloat16).view(cache_shape(blocks, BLOCK, kv_heads, head_size))
                 for _ in range(2))
         k.normal_(), v.normal_()
         caches.append((k, v))

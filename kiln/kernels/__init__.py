@@ -115,7 +115,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``q``/``out``: ``[num_tokens, num_heads, head_size]`` (``q``'s tokens may be strided, e.g. a
     view into the fused qkv output); row ``token_index[i]`` belongs to
     sequence ``i``, whose cache holds ``seq_lens[i]`` tokens in blocks ``block_tables[i]``.
-    ``k_cache``/``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_size]``.
+    ``k_cache``/``v_cache``: ``[num_blocks, num_kv_heads, block_size, head_size]``.
     ``window``: a sequence of length L attends to its last ``window`` tokens only (None: all);
     ``alibi_slopes``: float32 ``[num_heads]``, adds ``slope * (key position - query position)``
     to each score; ``softcap``: scores become ``softcap * tanh(score / softcap)`` (after
@@ -145,7 +145,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if window is not None and window <= 0:
             raise ValueError(f"window: expected a positive number of tokens, got {window}")
     num_seqs = block_tables.shape[0]
-    _, block_size, num_kv_heads, head_size = k_cache.shape
+    _, num_kv_heads, block_size, head_size = k_cache.shape
     rc = getattr(lib, kernel)(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), token_index.data_ptr(),
         block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), num_seqs, q.shape[1], num_kv_heads,

@@ -11,8 +11,8 @@
  *   x = rmsnorm(h); gu = x Wfc^T (+b); h = h + (silu(gate) * up) Wproj^T (+b)
  *
  * with the residual adds rounded to the model dtype as eager PyTorch does. Layouts: hidden
- * [m, hidden_size] (updated in place), the KV caches [num_blocks, block_size, kv_heads,
- * head_size], slots/token_index/seq_lens [m], block_tables [m, max_blocks], cos/sin
+ * [m, hidden_size] (updated in place), the KV caches [num_blocks, kv_heads, block_size,
+ * head_size] (token slot = block * block_size + offset), slots/token_index/seq_lens [m], block_tables [m, max_blocks], cos/sin
  * [m, rot_dim] float32, scratch of kiln_decode_step_scratch(dims, m) elements. A quantized KV
  * cache (dims kv_kind KILN_KV_INT8 or KILN_KV_FP8, each layer's kv_scales [K, V]) takes the
  * codes of k * (1 / k_scale) and v * (1 / v_scale) (dtypes.h, as kiln.step.attention.
@@ -235,11 +235,17 @@ static void residual_add_##SUFFIX(T *h, const T *x, int64_t n) {                
     for (int64_t i = 0; i < n; ++i) h[i] = STORE(LOAD(h[i]) + LOAD(x[i]));                         \
 }                                                                                                  \
                                                                                                    \
-/* Row x [n] into the cache at element `at`: copied, or as codes of x * inv_scale. */             \
-static void store_kv_##SUFFIX(const T *x, void *cache, int64_t at, int64_t n, int64_t kind,        \
-                              float inv_scale) {                                                   \
-    if (kind == KILN_KV_FLOAT) memcpy((T *)cache + at, x, sizeof(T) * n);                          \
-    else for (int64_t i = 0; i < n; ++i) kv_store(cache, at + i, LOAD(x[i]) * inv_scale, kind);     \
+/* One token's K or V, x [kv_heads, D], into cache slot `slot` (each head's row in its own run \
+ * of the block): copied, or as codes of x * inv_scale. */                                         \
+static void store_kv_##SUFFIX(const T *x, void *cache, int64_t slot, const kiln_decoder_dims *d,   \
+                              int64_t kind, float inv_scale) {                                     \
+    const int64_t D = d->head_size, bs = d->block_size;                                            \
+    for (int64_t h = 0; h < d->kv_heads; ++h) {                                                    \
+        const int64_t at = ((slot / bs * d->kv_heads + h) * bs + slot % bs) * D;                   \
+        const T *row = x + h * D;                                                                  \
+        if (kind == KILN_KV_FLOAT) memcpy((T *)cache + at, row, sizeof(T) * D);                    \
+        else for (int64_t i = 0; i < D; ++i) kv_store(cache, at + i, LOAD(row[i]) * inv_scale, kind); \
+    }                                                                                              \
 }                                                                                                  \
                                                                                                    \
 int kiln_decode_step_##SUFFIX(T *hidden, int64_t m, const kiln_decoder_layer *layers,             \
@@ -270,10 +276,8 @@ int kiln_decode_step_##SUFFIX(T *hidden, int64_t m, const kiln_decoder_layer *la
             }                                                                                      \
             for (int64_t t = 0; t < m; ++t) {                                                      \
                 const T *row = qkv + t * qkv_width + q_size;                                       \
-                store_kv_##SUFFIX(row, L->k_cache, slots[t] * kv_size, kv_size, d->kv_kind,        \
-                                  1.f / k_scale);                                                  \
-                store_kv_##SUFFIX(row + kv_size, L->v_cache, slots[t] * kv_size, kv_size,         \
-                                  d->kv_kind, 1.f / v_scale);                                      \
+                store_kv_##SUFFIX(row, L->k_cache, slots[t], d, d->kv_kind, 1.f / k_scale);        \
+                store_kv_##SUFFIX(row + kv_size, L->v_cache, slots[t], d, d->kv_kind, 1.f / v_scale); \
             }                                                                                      \
         });                                                                                        \
         int rc = 0;                                                                                \

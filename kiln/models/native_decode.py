@@ -110,7 +110,7 @@ class NativeDecodeStep:
         self.dims = kernels.DecoderDims(
             hidden=model.config.hidden_size, heads=first.num_heads, kv_heads=first.num_kv_heads,
             head_size=first.head_size, rot_dim=t.rotary.rotary_dim if t.rotary is not None else 0,
-            inter=layers[0].mlp.proj.in_features, block_size=k_cache.shape[1], max_blocks=0,
+            inter=layers[0].mlp.proj.in_features, block_size=k_cache.shape[2], max_blocks=0,
             eps=layers[0].input_layernorm.eps, scale=first.scale,
             kv_kind=0 if k_cache.dtype == self.dtype else kernels.KV_KINDS[k_cache.dtype])
         self.weights = (kernels.DecoderLayerWeights * len(layers))()

@@ -24,6 +24,7 @@ from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
 from kiln.step.attention import TorchPagedAttention
 from kiln.step.metadata import AttentionMetadata
+from kiln.step.kv_cache import cache_shape
 
 DEFAULT_CALIB_SIZE = 64
 DEFAULT_CALIB_LEN = 512
@@ -155,12 +156,12 @@ def prompt_steps(token_lists: list[list[int]], backend=None,
     return steps
 
 
-def step_kv_caches(model: nn.Module, steps: list[PromptStep]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One zeroed (K, V) cache per layer of ``model``, as large as the largest of ``steps`` needs."""
+def step_kv_cache(model: nn.Module, steps: list[PromptStep]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A zeroed (K, V) cache of one layer of ``model``, as large as the largest of ``steps`` needs."""
     attention = next(iter(model.transformer.layers.values())).attention
     dtype = torch_dtype(model.config.dtype)
-    shape = (max(s.num_blocks for s in steps), _BLOCK_SIZE, attention.num_kv_heads, attention.head_size)
-    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.transformer.layers]
+    shape = cache_shape(max(s.num_blocks for s in steps), _BLOCK_SIZE, attention.num_kv_heads, attention.head_size)
+    return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
 
 
 @torch.inference_mode()
@@ -170,7 +171,7 @@ def run_prompts(model: nn.Module, token_lists: list[list[int]], progress: bool =
     step (``prompt_steps``), through ``backend`` (default: the reference PyTorch attention; an
     observer may subclass it)."""
     steps = prompt_steps(token_lists, backend, max_step_tokens)
-    caches = step_kv_caches(model, steps)
+    caches = [step_kv_cache(model, steps) for _ in model.transformer.layers]
     with tqdm(total=len(token_lists), desc="calibrating", unit="text", disable=not progress) as bar:
         for step in steps:
             model(step.input_ids, step.positions, step.metadata, caches)

@@ -24,10 +24,9 @@ from tqdm import tqdm
 
 from kiln import host_memory
 from kiln.config import QuantConfig
-from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
 from kiln.layers.linear import Linear
-from kiln.quantization.calibration import prompt_steps
+from kiln.quantization.calibration import prompt_steps, step_kv_cache
 from kiln.quantization.kv_cache import KVRangeObserver
 from kiln.quantization.weight_only import use_quantized_layout, use_weight_only_layout
 
@@ -113,11 +112,7 @@ class _Calibration:
         self.layer_index = {name: i for i, name in enumerate(layers)}
         self.kv_ranges = KVRangeObserver(len(layers)) if kv_cache is not None else None
         self.steps = prompt_steps(token_lists, backend=self.kv_ranges)
-        attention = next(iter(layers.values())).attention
-        shape = (max(s.num_blocks for s in self.steps), self.steps[0].metadata.block_size, attention.num_kv_heads,
-                 attention.head_size)
-        dtype = torch_dtype(model.config.dtype)
-        self.cache = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        self.cache = step_kv_cache(model, self.steps)
         self.placer = _Placer(model)
         self.hidden: list[torch.Tensor | None] = [None] * len(self.steps)  # the float model's
         self.engine_hidden: list[torch.Tensor | None] = [None] * len(self.steps)  # the quantized model's

@@ -13,8 +13,8 @@ after scaling) and ALiBi (``slope * (key position - query position)`` added per 
 layers keep the fast paths; these go through a masked path (a float mask, or explicit scores
 when soft-capped, which scaled_dot_product_attention cannot do).
 
-KV cache of one layer: ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads,
-head_size]``. A quantized KV cache (INT8: int8 codes, FP8: float8 e4m3 codes) holds ``x / scale``
+KV cache of one layer: ``(k_cache, v_cache)``, each ``[num_blocks, num_kv_heads, block_size,
+head_size]`` (``kiln.step.kv_cache``). A quantized KV cache (INT8: int8 codes, FP8: float8 e4m3 codes) holds ``x / scale``
 rounded to the cache type with the layer's static K and V scales (``kv_scales``): written
 quantized, read back dequantized (the native kernel reads the codes and scales on the fly); a
 fresh prompt attends to its own unquantized K/V, as the reference's context phase. For the
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from kiln.errors import ConfigError
 from kiln.kernels import paged_decode_attention, supports_decode_attention
-from kiln.step.kv_cache import indexable, kv_code_max
+from kiln.step.kv_cache import kv_code_max, read_slots, write_slots
 from kiln.step.metadata import AttentionMetadata
 
 
@@ -73,14 +73,14 @@ class TorchPagedAttention:
     def _decode(self, q: torch.Tensor, kv_cache, st: dict, out: torch.Tensor, scale: float,
                 options: "AttentionOptions", kv_scales: torch.Tensor | None) -> None:
         k_cache, v_cache = kv_cache
-        num_kv_heads, head = k_cache.shape[2], k_cache.shape[3]
+        num_kv_heads, head = k_cache.shape[1], k_cache.shape[3]
         idx, tables = st["decode_tokens"], st["decode_blocks"]
         n = tables.shape[0]
-        kd, vd = k_cache[tables], v_cache[tables]
+        kd, vd = k_cache[tables], v_cache[tables]  # [n, max_blocks, kv_heads, block_size, head]
         if kv_scales is not None:
             kd, vd = dequantize_kv(kd, kv_scales[0], q.dtype), dequantize_kv(vd, kv_scales[1], q.dtype)
-        kd = kd.view(n, -1, num_kv_heads, head).transpose(1, 2)  # [n, kv_heads, max_len, head]
-        vd = vd.view(n, -1, num_kv_heads, head).transpose(1, 2)
+        kd = kd.transpose(1, 2).reshape(n, num_kv_heads, -1, head)  # [n, kv_heads, max_len, head]
+        vd = vd.transpose(1, 2).reshape(n, num_kv_heads, -1, head)
         qd = q[idx].unsqueeze(2)  # [n, heads, 1, head]
         if options.plain:
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=st["decode_mask"], scale=scale,
@@ -106,16 +106,13 @@ class TorchPagedAttention:
         # q: [num_tokens, num_heads, head]; k, v: [num_tokens, num_kv_heads, head]
         options = AttentionOptions(window, alibi_slopes, softcap)
         k_cache, v_cache = kv_cache
-        num_kv_heads, head = k.shape[1], k.shape[2]
-        flat_k = k_cache.view(-1, num_kv_heads, head)
-        flat_v = v_cache.view(-1, num_kv_heads, head)
+        num_kv_heads = k.shape[1]
         if kv_scales is None:
-            flat_k.index_copy_(0, md.slot_mapping, k)
-            flat_v.index_copy_(0, md.slot_mapping, v)
+            write_slots(k_cache, md.slot_mapping, k)
+            write_slots(v_cache, md.slot_mapping, v)
         else:
-            codes_k, codes_v = quantize_kv(k, kv_scales[0], k_cache.dtype), quantize_kv(v, kv_scales[1], v_cache.dtype)
-            indexable(flat_k).index_copy_(0, md.slot_mapping, indexable(codes_k))
-            indexable(flat_v).index_copy_(0, md.slot_mapping, indexable(codes_v))
+            write_slots(k_cache, md.slot_mapping, quantize_kv(k, kv_scales[0], k_cache.dtype))
+            write_slots(v_cache, md.slot_mapping, quantize_kv(v, kv_scales[1], v_cache.dtype))
         out = torch.empty(q.shape, dtype=q.dtype)
         st = md.backend_state
         if "decode_tokens" in st:
@@ -125,9 +122,10 @@ class TorchPagedAttention:
             if slots is None:  # a whole fresh prompt attends to its own unquantized K/V (as the reference's context phase)
                 kc, vc = k[start:end], v[start:end]
             elif kv_scales is None:
-                kc, vc = flat_k[slots], flat_v[slots]
+                kc, vc = read_slots(k_cache, slots), read_slots(v_cache, slots)
             else:  # cached context comes back from the quantized cache
-                kc, vc = dequantize_kv(flat_k[slots], kv_scales[0], q.dtype), dequantize_kv(flat_v[slots], kv_scales[1], q.dtype)
+                kc = dequantize_kv(read_slots(k_cache, slots), kv_scales[0], q.dtype)
+                vc = dequantize_kv(read_slots(v_cache, slots), kv_scales[1], q.dtype)
             if group > 1:
                 # PyTorch's CPU flash-attention kernel takes neither enable_gqa nor 3-D inputs (both
                 # fall back to the math path, 4-15x slower): expand KV heads and add a batch dim.

@@ -1,4 +1,12 @@
-"""Per-layer paged K/V tensors."""
+"""Per-layer paged K/V tensors.
+
+A layer's K (and V) cache is ``[num_blocks, num_kv_heads, block_size, head_size]``: within a
+block each KV head's rows are contiguous, so decode attention, which walks one head's rows
+token after token, reads long sequential runs the hardware prefetchers follow (token-major
+blocks put a head's rows a whole token row apart: at 32 KV heads of 64, every row on its own
+4 KB page, and decode attention read the cache at under half the machine's bandwidth). A token
+slot is ``block * block_size + offset``; ``write_slots`` and ``read_slots`` address it.
+"""
 from __future__ import annotations
 
 import torch
@@ -36,16 +44,34 @@ def indexable(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
 
 
+def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, int, int, int]:
+    """The shape of one layer's K (or V) cache."""
+    return num_blocks, num_kv_heads, block_size, head_size
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """Store ``values`` ``[n, num_kv_heads, head_size]`` (already in the cache's type) at token
+    ``slots`` ``[n]`` of ``cache``."""
+    block_size = cache.shape[2]
+    cache[slots // block_size, :, slots % block_size] = values
+
+
+def read_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The ``[n, num_kv_heads, head_size]`` rows at token ``slots`` ``[n]`` of ``cache`` (a copy)."""
+    block_size = cache.shape[2]
+    return cache[slots // block_size, :, slots % block_size]
+
+
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                       dtype: torch.dtype, device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``num_layers`` pairs of ``[num_blocks, block_size, num_kv_heads, head_size]`` tensors.
+    """``num_layers`` pairs of ``[num_blocks, num_kv_heads, block_size, head_size]`` tensors.
 
     Left uninitialised, so the OS commits memory only as blocks are first written; the
     runner zeroes each block when the scheduler hands it out if the attention backend reads
     whole blocks (``ModelRunner.clear_blocks``).
     On the CPU the tensors are views of one huge-page allocation (see ``host_memory``).
     """
-    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    shape = cache_shape(num_blocks, block_size, num_kv_heads, head_size)
     whole = host_memory.empty((num_layers, 2, *shape), dtype, device)
     return [(whole[i, 0], whole[i, 1]) for i in range(num_layers)]
 

@@ -121,8 +121,8 @@ def test_native_kernel_window_alibi_softcap(dtype, window, alibi, softcap) -> No
     heads, kv_heads, head, block = 6, 2, 32, 4
     lens = [23, 6, 1, 13]
     num_blocks = sum(-(-n // block) for n in lens) + 2
-    k_cache = torch.randn(num_blocks, block, kv_heads, head, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block, kv_heads, head, generator=gen).to(dtype)
+    k_cache = torch.randn(num_blocks, kv_heads, block, head, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, kv_heads, block, head, generator=gen).to(dtype)
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables, used = [], 0
     for n in lens:
@@ -136,8 +136,8 @@ def test_native_kernel_window_alibi_softcap(dtype, window, alibi, softcap) -> No
                            torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(lens), out,
                            0.3, window=window, alibi_slopes=slopes, softcap=softcap)
     for i, (n, table) in enumerate(zip(lens, tables)):
-        k = k_cache[table].reshape(-1, kv_heads, head)[:n].float().repeat_interleave(heads // kv_heads, dim=1)
-        v = v_cache[table].reshape(-1, kv_heads, head)[:n].float().repeat_interleave(heads // kv_heads, dim=1)
+        k = k_cache[table].transpose(1, 2).reshape(-1, kv_heads, head)[:n].float().repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache[table].transpose(1, 2).reshape(-1, kv_heads, head)[:n].float().repeat_interleave(heads // kv_heads, dim=1)
         scores = torch.einsum("hd,thd->ht", q[i].float(), k) * 0.3
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)

@@ -185,12 +185,13 @@ def _checkpoint_logits(checkpoint, ids: list[int]) -> torch.Tensor:
     paths of every layer), in one packed step."""
     from kiln.models.llama import LlamaForCausalLM
     from kiln.step.attention import TorchPagedAttention
+    from kiln.step.kv_cache import cache_shape
     from kiln.step.metadata import AttentionMetadata
 
     model = LlamaForCausalLM.from_checkpoint(checkpoint)
     attn = model.transformer.layers["0"].attention
-    caches = [(torch.zeros(1, len(ids), attn.num_kv_heads, attn.head_size),
-               torch.zeros(1, len(ids), attn.num_kv_heads, attn.head_size)) for _ in model.transformer.layers]
+    shape = cache_shape(1, len(ids), attn.num_kv_heads, attn.head_size)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in model.transformer.layers]
     backend = TorchPagedAttention()
     md = AttentionMetadata.build(backend, [len(ids)], [len(ids)], [[0]], len(ids))
     with torch.no_grad():

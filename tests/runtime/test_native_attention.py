@@ -13,21 +13,25 @@ from kiln.step.metadata import AttentionMetadata
 
 
 
+def _tokens(cache: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` token rows ``[n, kv_heads, head_size]`` held in ``blocks`` of a paged cache."""
+    return cache[blocks].transpose(1, 2).reshape(-1, cache.shape[1], cache.shape[3])[:n]
+
+
 def _paged_case(seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0):
     """Random K/V scattered over shuffled blocks, plus the dense per-sequence copies."""
     g = torch.Generator().manual_seed(seed)
     blocks_needed = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_needed) + 3
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=g).to(dtype)
+    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_size, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_size, generator=g).to(dtype)
     tables, dense = [], []
     for n, nb in zip(seq_lens, blocks_needed):
         table, perm = perm[:nb], perm[nb:]
         tables.append(table)
         idx = torch.tensor(table)
-        dense.append((k_cache[idx].reshape(-1, num_kv_heads, head_size)[:n],
-                      v_cache[idx].reshape(-1, num_kv_heads, head_size)[:n]))
+        dense.append((_tokens(k_cache, idx, n), _tokens(v_cache, idx, n)))
     max_blocks = max(blocks_needed)
     block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
     # Queries live at scattered rows of a larger token batch, as in a mixed step.
@@ -227,8 +231,7 @@ def _quantized_case(cache_dtype, q_dtype, seq_lens, block_size=16, heads=(9, 3, 
     dense = []
     for table, n in zip(tables.tolist(), seq_lens):
         idx = torch.tensor(table[: -(-n // block_size)])
-        shape = (-1, num_kv_heads, head_size)
-        dense.append((kd[idx].reshape(shape)[:n], vd[idx].reshape(shape)[:n]))
+        dense.append((_tokens(kd, idx, n), _tokens(vd, idx, n)))
     return q.to(q_dtype), kq, vq, rows, tables, lens, scales, dense
 
 
