@@ -35,6 +35,23 @@
 #include "dtypes.h"
 #include "kernels.h"
 
+/* The next run of cache rows (one KV head's K or V rows of a block), asked for a few lines at a
+ * time from inside the loops computing on the current one. A software prefetch that finds every
+ * fill buffer busy stalls the core, so asking for a whole run at once left the arithmetic
+ * waiting behind it; paced by the rows being computed on, loads and arithmetic overlap. Lines
+ * go to L2 (prefetcht2), which measured 4-7% faster than into L1. 8K context on the Xeon of
+ * docs/benchmark-log.md (benchmarks/attention_kernel.py): 32 KV heads of 64 21.4 -> 23.3 GB/s,
+ * 8 KV heads of 128 with 4 query heads each 13.7 -> 17.2. */
+typedef struct {
+    const char *next, *end;
+    int64_t lines_per_row;
+} prefetch_cursor;
+
+static inline __attribute__((always_inline)) void prefetch_rows(prefetch_cursor *c, int64_t rows) {
+    for (int64_t i = 0; i < rows * c->lines_per_row && c->next < c->end; ++i, c->next += 64)
+        __builtin_prefetch(c->next, 0, 1);
+}
+
 /* Scores q . k for as many whole groups of 16 tokens as the block has; returns how many
  * tokens it scored (the caller finishes the rest). A dot product per token ends in a
  * horizontal sum, which dominated the kernel; here 16 tokens' partial-sum vectors are
@@ -73,13 +90,14 @@ static inline __m512 reduce16(const __m512 v[16]) {
 
 #define DEFINE_SCORES16(SUFFIX, T)                                                                 \
 static inline __attribute__((always_inline)) int64_t scores16_##SUFFIX(                           \
-        const float *q, const T *kb, int64_t ntok, const int64_t D, float *out) {                 \
+        const float *q, const T *kb, int64_t ntok, const int64_t D, float *out, prefetch_cursor *pf) { \
     if (D % 16 != 0) return 0;                                                                     \
     int64_t t = 0;                                                                                 \
     for (; t + 16 <= ntok; t += 16) {                                                              \
         __m512 v[16];                                                                              \
         for (int j = 0; j < 16; ++j) {                                                             \
             const T *kt = kb + (t + j) * D;                                                        \
+            prefetch_rows(pf, 1);                                                                  \
             __m512 acc = _mm512_setzero_ps();                                                      \
             for (int64_t d = 0; d < D; d += 16)                                                    \
                 acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16_##SUFFIX(kt + d), acc);      \
@@ -90,67 +108,141 @@ static inline __attribute__((always_inline)) int64_t scores16_##SUFFIX(         
     return t;                                                                                      \
 }
 DEFINE_SCORES16(f32, float)
-#if defined(__AVX512BF16__)
-/* bf16 K against q rounded to bf16 (exact: q came from bf16), with AVX512-BF16 dot products
- * (fp32 accumulation): no K conversion at all. */
-static inline __attribute__((always_inline)) int64_t scores16_bf16(
-        const float *q, const bf16_t *kb, int64_t ntok, const int64_t D, float *out) {
-    if (D % 32 != 0 || D > 256) return 0;
-    __m512bh qb[8];
-    for (int64_t c = 0; c < D / 32; ++c)
-        qb[c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * c + 16), _mm512_loadu_ps(q + 32 * c));
+#else
+#define scores16_f32(q, kb, ntok, D, out, pf) ((int64_t)0)
+#endif
+#define scores16_none(q, kb, ntok, D, out, pf) ((int64_t)0)
+
+/* Scores of every query head of a GQA group, one head at a time: q [group, D] (float, unscaled),
+ * scores [group, score_stride]. Returns how many leading tokens it scored (the same for every
+ * head; the caller finishes the rest). */
+#define DEFINE_GROUP_SCORES(SUFFIX, T, SCORES16)                                                   \
+static inline __attribute__((always_inline)) int64_t group_scores_##SUFFIX(                       \
+        const float *q, const T *kb, int64_t ntok, const int64_t D, int64_t group, float *scores,  \
+        int64_t score_stride, prefetch_cursor *pf) {                                               \
+    int64_t t = 0;                                                                                 \
+    for (int64_t g = 0; g < group; ++g) t = SCORES16(q + g * D, kb, ntok, D, scores + g * score_stride, pf); \
+    return t;                                                                                      \
+}
+DEFINE_GROUP_SCORES(f32, float, scores16_f32)
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* bf16 K against q rounded to bf16 (exact: q came from bf16) with AVX512-BF16 dot products (fp32
+ * accumulation), G query heads at once: each K row is loaded once for all of them. G is a
+ * compile-time constant (see group_scores_bf16), so the heads' q vectors stay in registers. */
+static inline __attribute__((always_inline)) int64_t scores16_bf16_heads(
+        const float *q, const bf16_t *kb, int64_t ntok, const int64_t D, const int G, float *scores,
+        int64_t score_stride, prefetch_cursor *pf) {
+    __m512bh qb[G][8];
+    for (int g = 0; g < G; ++g)
+        for (int64_t c = 0; c < D / 32; ++c)
+            qb[g][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * D + 32 * c + 16), _mm512_loadu_ps(q + g * D + 32 * c));
     int64_t t = 0;
     for (; t + 16 <= ntok; t += 16) {
-        __m512 v[16];
+        __m512 v[G][16];
         for (int j = 0; j < 16; ++j) {
             const bf16_t *kt = kb + (t + j) * D;
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t c = 0; c < D / 32; ++c)
-                acc = _mm512_dpbf16_ps(acc, qb[c], (__m512bh)_mm512_loadu_si512(kt + 32 * c));
-            v[j] = acc;
+            prefetch_rows(pf, 1);
+            __m512bh k[8];
+            for (int64_t c = 0; c < D / 32; ++c) k[c] = (__m512bh)_mm512_loadu_si512(kt + 32 * c);
+            for (int g = 0; g < G; ++g) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t c = 0; c < D / 32; ++c) acc = _mm512_dpbf16_ps(acc, qb[g][c], k[c]);
+                v[g][j] = acc;
+            }
         }
-        _mm512_storeu_ps(out + t, reduce16(v));
+        for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * score_stride + t, reduce16(v[g]));
     }
     return t;
 }
-#else
-DEFINE_SCORES16(bf16, bf16_t)
-#endif
-#else
-#define scores16_f32(q, kb, ntok, D, out) ((int64_t)0)
-#define scores16_bf16(q, kb, ntok, D, out) ((int64_t)0)
-#endif
 
-/* acc = acc * rescale + sum_t p[t] V[t] with AVX512-BF16 dot products over token pairs:
- * V rows t and t+1 interleaved (unpack) meet the pair (p[t], p[t+1]) rounded to bf16, so
- * nothing is converted to fp32. The unpack leaves each 32-dim chunk's sums in a permuted
- * order [0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31]; acc stays in that order for
- * the whole range (rescaling does not care) and pv_unpermute restores it at the end.
- * Returns 0 where it does not apply (the caller's loop runs); called with p == NULL it only
- * says whether it applies, so the caller knows to unpermute. */
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-static inline __attribute__((always_inline)) int pv_bf16(const float *p, const bf16_t *vb,
-                                                          int64_t ntok, const int64_t D, float rescale, float *acc) {
-    if (D % 32 != 0 || D > 128) return 0;
-    if (p == NULL) return 1;
-    __m512 a[8];
-    const __m512 r = _mm512_set1_ps(rescale);
-    for (int64_t c = 0; c < D / 16; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), r);
-    for (int64_t t = 0; t < ntok; t += 2) {
-        const bf16_t *v0 = vb + t * D;
-        const int has_next = t + 1 < ntok;  /* past the last token: a zero row, weight 0 */
-        union { uint32_t u; bf16_t h[2]; } pair = {0};
-        pair.h[0] = bf16_store(p[t]);
-        pair.h[1] = has_next ? bf16_store(p[t + 1]) : 0;
-        const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair.u);
-        for (int64_t c = 0; c < D / 32; ++c) {
-            const __m512i x = _mm512_loadu_si512(v0 + 32 * c);
-            const __m512i y = has_next ? _mm512_loadu_si512(v0 + D + 32 * c) : _mm512_setzero_si512();
-            a[2 * c] = _mm512_dpbf16_ps(a[2 * c], (__m512bh)_mm512_unpacklo_epi16(x, y), pp);
-            a[2 * c + 1] = _mm512_dpbf16_ps(a[2 * c + 1], (__m512bh)_mm512_unpackhi_epi16(x, y), pp);
+/* The group in runs of up to 4 heads, each run with its head count a constant. */
+static inline __attribute__((always_inline)) int64_t group_scores_bf16(
+        const float *q, const bf16_t *kb, int64_t ntok, const int64_t D, int64_t group, float *scores,
+        int64_t score_stride, prefetch_cursor *pf) {
+    if (D % 32 != 0 || D > 256) return 0;
+    int64_t t = 0;
+    for (int64_t g = 0; g < group; g += 4) {
+        const float *qg = q + g * D;
+        float *sg = scores + g * score_stride;
+        switch (group - g < 4 ? group - g : 4) {
+        case 1: t = scores16_bf16_heads(qg, kb, ntok, D, 1, sg, score_stride, pf); break;
+        case 2: t = scores16_bf16_heads(qg, kb, ntok, D, 2, sg, score_stride, pf); break;
+        case 3: t = scores16_bf16_heads(qg, kb, ntok, D, 3, sg, score_stride, pf); break;
+        default: t = scores16_bf16_heads(qg, kb, ntok, D, 4, sg, score_stride, pf);
         }
     }
-    for (int64_t c = 0; c < D / 16; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+    return t;
+}
+
+/* acc[g] = acc[g] * rescale[g] + sum_t p[g][t] V[t] for G heads with AVX512-BF16 dot products
+ * over token pairs: V rows t and t+1 interleaved (unpack) meet each head's pair (p[t], p[t+1])
+ * rounded to bf16, so V is never converted to fp32, and each V row is loaded and interleaved
+ * once for all G heads. The unpack leaves each 32-dim chunk's sums in a permuted order [0-3,
+ * 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31]; acc stays in that order for the whole range
+ * (rescaling does not care) and pv_unpermute restores it at the end. `pairs` holds each head's
+ * weights as bf16 pairs, pair_stride apart, a zero after an odd count. */
+static inline __attribute__((always_inline)) void pv_bf16_heads(
+        const uint32_t *pairs, int64_t pair_stride, const bf16_t *vb, int64_t ntok, const int64_t D,
+        const int G, const float *rescale, float *acc, prefetch_cursor *pf) {
+    const int64_t full = ntok / 2;
+    for (int64_t c = 0; c < D / 32; ++c) {
+        __m512 lo_acc[G], hi_acc[G];
+        for (int g = 0; g < G; ++g) {
+            const __m512 r = _mm512_set1_ps(rescale[g]);
+            lo_acc[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 32 * c), r);
+            hi_acc[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 32 * c + 16), r);
+        }
+        const bf16_t *v0 = vb + 32 * c;
+        for (int64_t i = 0; i <= full; ++i, v0 += 2 * D) {
+            if (i == full && !(ntok & 1)) break;
+            prefetch_rows(pf, 2);
+            const __m512i x = _mm512_loadu_si512(v0);
+            /* Past the last token: a zero row, weight 0. */
+            const __m512i y = i < full ? _mm512_loadu_si512(v0 + D) : _mm512_setzero_si512();
+            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+            for (int g = 0; g < G; ++g) {
+                const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pairs[g * pair_stride + i]);
+                lo_acc[g] = _mm512_dpbf16_ps(lo_acc[g], lo, pp);
+                hi_acc[g] = _mm512_dpbf16_ps(hi_acc[g], hi, pp);
+            }
+        }
+        for (int g = 0; g < G; ++g) {
+            _mm512_storeu_ps(acc + g * D + 32 * c, lo_acc[g]);
+            _mm512_storeu_ps(acc + g * D + 32 * c + 16, hi_acc[g]);
+        }
+    }
+}
+
+/* P V for the whole group (p: each head's exp-weights, p_stride apart, read up to ntok rounded up
+ * to even: the caller leaves a zero after an odd count). Returns 0 where it does not apply (the
+ * caller's loop runs); called with p == NULL it only says whether it applies, so the caller knows
+ * to unpermute. */
+static inline __attribute__((always_inline)) int group_pv_bf16(
+        const float *p, int64_t p_stride, const bf16_t *vb, int64_t ntok, const int64_t D, int64_t group,
+        const float *rescale, float *acc, prefetch_cursor *pf) {
+    if (D % 32 != 0) return 0;
+    if (p == NULL) return 1;
+    const int64_t npairs = (ntok + 1) / 2, pair_stride = (p_stride + 1) / 2;
+    uint32_t pairs[group * pair_stride];
+    for (int64_t g = 0; g < group; ++g) {
+        const float *pg = p + g * p_stride;
+        bf16_t *out = (bf16_t *)(pairs + g * pair_stride);
+        int64_t t = 0;
+        for (; t + 16 <= 2 * npairs; t += 16)
+            _mm256_storeu_si256((void *)(out + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pg + t)));
+        for (; t < 2 * npairs; ++t) out[t] = bf16_store(pg[t]);
+    }
+    for (int64_t g = 0; g < group; g += 4) {
+        const uint32_t *pr = pairs + g * pair_stride;
+        float *ag = acc + g * D;
+        switch (group - g < 4 ? group - g : 4) {
+        case 1: pv_bf16_heads(pr, pair_stride, vb, ntok, D, 1, rescale + g, ag, pf); break;
+        case 2: pv_bf16_heads(pr, pair_stride, vb, ntok, D, 2, rescale + g, ag, pf); break;
+        case 3: pv_bf16_heads(pr, pair_stride, vb, ntok, D, 3, rescale + g, ag, pf); break;
+        default: pv_bf16_heads(pr, pair_stride, vb, ntok, D, 4, rescale + g, ag, pf);
+        }
+    }
     return 1;
 }
 
@@ -163,10 +255,16 @@ static inline void pv_unpermute(float *acc, int64_t D) {
     }
 }
 #else
-#define pv_bf16(p, vb, ntok, D, rescale, acc) 0
+#if defined(__AVX512F__)
+DEFINE_SCORES16(bf16, bf16_t)
+DEFINE_GROUP_SCORES(bf16, bf16_t, scores16_bf16)
+#else
+DEFINE_GROUP_SCORES(bf16, bf16_t, scores16_none)
+#endif
+#define group_pv_bf16(p, p_stride, vb, ntok, D, group, rescale, acc, pf) 0
 static inline void pv_unpermute(float *acc, int64_t D) { (void)acc; (void)D; }
 #endif
-#define no_vec_pv(p, vb, ntok, D, rescale, acc) 0
+#define no_group_pv(p, p_stride, vb, ntok, D, group, rescale, acc, pf) 0
 
 /* A quantized cache's run of rows (int8 or float8 codes) converted once into `buf` in the
  * query's type, so every query head of a GQA group reads it through
@@ -211,15 +309,6 @@ static void *scratch(size_t bytes) {
     return buffer;
 }
 
-/* Asks for a run of K or V rows (one KV head's rows of a block) ahead of use. The hardware
- * prefetchers follow a run too, but only after its first misses and never past a 4 KB page:
- * asking for the whole run up front keeps more lines in flight (22.7 vs 18.3 GB/s of K/V read
- * at 8K context, 32 KV heads of 64, benchmarks/attention_kernel.py). */
-static inline void prefetch_run(const void *first, int64_t bytes) {
-    const char *p = (const char *)first;
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
-}
-
 /* The optional score adjustments of a block: scale, soft-cap, ALiBi bias (pos0 is the first
  * token's position relative to the query, <= 0). Separate from the plain scaling loop so
  * layers without them keep it as it was. */
@@ -247,7 +336,7 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
         int64_t b_begin, int64_t b_end, int64_t group, int64_t num_kv_heads, int64_t kvh,          \
         int64_t block_size, float scale, const int64_t D, int64_t first, const float *slopes,      \
         float softcap, float *run_max, float *run_sum, float *acc) {                               \
-    float qf[group * D], scores[group * block_size];                                               \
+    float qf[group * D], scores[group * (block_size + 1)];                                         \
     /* Codes (KT) are staged per block into CT rows; a float cache is read in place. */            \
     const int staged = sizeof(KT) != sizeof(CT);                                                   \
     CT k_rows[staged ? block_size * D : 1], v_rows[staged ? block_size * D : 1];                   \
@@ -258,28 +347,39 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
         run_sum[g] = 0.f;                                                                          \
     }                                                                                              \
     memset(acc, 0, sizeof(float) * group * D);                                                     \
+    const int64_t row_lines = (D * (int64_t)sizeof(KT) + 63) / 64;                                 \
     for (int64_t b = b_begin; b < b_end; ++b) {                                                    \
         /* The window's first token may lie mid-block: start the block there. */                   \
         const int64_t t0 = b * block_size < first ? first - b * block_size : 0;                    \
         const int64_t ntok = (len - b * block_size < block_size ? len - b * block_size : block_size) - t0;\
         const int64_t at = ((table[b] * num_kv_heads + kvh) * block_size + t0) * D;                \
-        /* This block's V rows come in while its scores are computed, the next block's K rows     \
-         * while its values are summed. */                                                         \
-        prefetch_run(v_cache + at, ntok * D * sizeof(KT));                                         \
-        if (b == b_begin) prefetch_run(k_cache + at, ntok * D * sizeof(KT));                       \
+        /* This block's V rows are asked for while its scores are computed, the next block's K     \
+         * rows while its values are summed (the first block's K rows all at once). */             \
+        const KT *k_run = k_cache + at, *v_run = v_cache + at;                                     \
+        if (b == b_begin) {                                                                        \
+            prefetch_cursor first_k = {(const char *)k_run, (const char *)(k_run + ntok * D), row_lines};\
+            prefetch_rows(&first_k, ntok);                                                         \
+        }                                                                                          \
+        prefetch_cursor this_v = {(const char *)v_run, (const char *)(v_run + ntok * D), row_lines};\
+        prefetch_cursor next_k = {NULL, NULL, row_lines};                                          \
         if (b + 1 < b_end) {                                                                       \
             const int64_t n1 = len - (b + 1) * block_size < block_size ? len - (b + 1) * block_size : block_size;\
-            prefetch_run(k_cache + (table[b + 1] * num_kv_heads + kvh) * block_size * D, n1 * D * sizeof(KT));\
+            const KT *k1 = k_cache + (table[b + 1] * num_kv_heads + kvh) * block_size * D;         \
+            next_k.next = (const char *)k1;                                                        \
+            next_k.end = (const char *)(k1 + n1 * D);                                              \
         }                                                                                          \
-        const CT *kb = STAGE(k_cache + at, ntok * D, k_rows);                                      \
-        const CT *vb = STAGE(v_cache + at, ntok * D, v_rows);                                      \
+        const CT *kb = STAGE(k_run, ntok * D, k_rows);                                             \
+        /* Every head's scores first (the group's heads share each K row), then each head's        \
+         * online-softmax update, then every head's weighted V sum (sharing each V row). */        \
+        const int64_t done = VEC_SCORES(qf, kb, ntok, D, group, scores, block_size + 1, &this_v);  \
+        float rescale[group];                                                                      \
         for (int64_t g = 0; g < group; ++g) {                                                      \
             const float *qg = qf + g * D;                                                          \
-            float *sg = scores + g * block_size;                                                   \
+            float *sg = scores + g * (block_size + 1);                                             \
             float m = run_max[g];                                                                  \
-            int64_t t = VEC_SCORES(qg, kb, ntok, D, sg);                               \
-            for (; t < ntok; ++t) {                                                                \
-                const CT *kt = kb + t * D;                                                \
+            for (int64_t t = done; t < ntok; ++t) {                                                \
+                const CT *kt = kb + t * D;                                                         \
+                prefetch_rows(&this_v, 1);                                                         \
                 float dot = 0.f;                                                                   \
                 _Pragma("omp simd reduction(+:dot)")                                               \
                 for (int64_t d = 0; d < D; ++d) dot += qg[d] * CLOAD(kt[d]);                       \
@@ -291,18 +391,23 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
             } else {                                                                               \
                 for (int64_t i = 0; i < ntok; ++i) { sg[i] *= scale; m = sg[i] > m ? sg[i] : m; }  \
             }                                                                                      \
-            const float rescale = expf(run_max[g] - m);                                            \
+            rescale[g] = expf(run_max[g] - m);                                                     \
             float sum = 0.f;                                                                       \
             _Pragma("omp simd reduction(+:sum)")                                                   \
             for (int64_t i = 0; i < ntok; ++i) { sg[i] = expf(sg[i] - m); sum += sg[i]; }          \
+            sg[ntok] = 0.f; /* the weight after an odd count, for pairwise sums */                 \
             run_max[g] = m;                                                                        \
-            run_sum[g] = run_sum[g] * rescale + sum;                                               \
-            float *ag = acc + g * D;                                                               \
-            if (VEC_PV(sg, vb, ntok, D, rescale, ag)) continue;                        \
-            float a[D];                                                                            \
-            for (int64_t d = 0; d < D; ++d) a[d] = ag[d] * rescale;                                \
+            run_sum[g] = run_sum[g] * rescale[g] + sum;                                            \
+        }                                                                                          \
+        const CT *vb = STAGE(v_run, ntok * D, v_rows);                                             \
+        if (VEC_PV(scores, block_size + 1, vb, ntok, D, group, rescale, acc, &next_k)) continue;   \
+        for (int64_t g = 0; g < group; ++g) {                                                      \
+            const float *sg = scores + g * (block_size + 1);                                       \
+            float *ag = acc + g * D, a[D];                                                         \
+            for (int64_t d = 0; d < D; ++d) a[d] = ag[d] * rescale[g];                             \
             for (int64_t i = 0; i < ntok; ++i) {                                                   \
-                const CT *vt = vb + i * D;                                                \
+                const CT *vt = vb + i * D;                                                         \
+                prefetch_rows(&next_k, 1);                                                         \
                 const float p = sg[i];                                                             \
                 _Pragma("omp simd")                                                                \
                 for (int64_t d = 0; d < D; ++d) a[d] += p * CLOAD(vt[d]);                          \
@@ -310,7 +415,7 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
             for (int64_t d = 0; d < D; ++d) ag[d] = a[d];                                          \
         }                                                                                          \
     }                                                                                              \
-    if (VEC_PV(NULL, NULL, 0, D, 0.f, NULL))                                                    \
+    if (VEC_PV(NULL, 0, NULL, 0, D, group, NULL, NULL, NULL))                                      \
         for (int64_t g = 0; g < group; ++g) pv_unpermute(acc + g * D, D);                          \
 }                                                                                                  \
                                                                                                    \
@@ -415,17 +520,17 @@ static void merge_parts(const float *parts, int64_t splits, int64_t num_seqs, in
  * the codes' values (staged a block at a time in the query's type, see DEFINE_STAGE) and no
  * dequantized copy of the cache is ever made. */
 DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_f32, float, f32_load, f32_store, float, no_stage, float, f32_load,
-                     scores16_f32, no_vec_pv)
+                     group_scores_f32, no_group_pv)
 DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_bf16, bf16_t, bf16_load, bf16_store, bf16_t, no_stage, bf16_t,
-                     bf16_load, scores16_bf16, pv_bf16)
+                     bf16_load, group_scores_bf16, group_pv_bf16)
 DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_f32_i8, float, f32_load, f32_store, int8_t, stage_i8_f32, float,
-                     f32_load, scores16_f32, no_vec_pv)
+                     f32_load, group_scores_f32, no_group_pv)
 DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_bf16_i8, bf16_t, bf16_load, bf16_store, int8_t, stage_i8_bf16,
-                     bf16_t, bf16_load, scores16_bf16, pv_bf16)
+                     bf16_t, bf16_load, group_scores_bf16, group_pv_bf16)
 DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_f32_f8, float, f32_load, f32_store, fp8_t, stage_f8_f32, float,
-                     f32_load, scores16_f32, no_vec_pv)
+                     f32_load, group_scores_f32, no_group_pv)
 DEFINE_DECODE_KERNEL(kiln_paged_decode_attention_bf16_f8, bf16_t, bf16_load, bf16_store, fp8_t, stage_f8_bf16,
-                     bf16_t, bf16_load, scores16_bf16, pv_bf16)
+                     bf16_t, bf16_load, group_scores_bf16, group_pv_bf16)
 
 /* The cache code conversions the kernels use, exported so tests can hold them against
  * PyTorch's: the codes of x [n] with 1 / scale in a cache of `kind` (what decode_step.c
