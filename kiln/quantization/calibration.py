@@ -23,8 +23,8 @@ from kiln.data.texts import read_texts
 from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
 from kiln.step.attention import TorchPagedAttention
-from kiln.step.metadata import AttentionMetadata
 from kiln.step.kv_cache import cache_shape
+from kiln.step.metadata import AttentionMetadata
 
 DEFAULT_CALIB_SIZE = 64
 DEFAULT_CALIB_LEN = 512

@@ -14,12 +14,12 @@ layers keep the fast paths; these go through a masked path (a float mask, or exp
 when soft-capped, which scaled_dot_product_attention cannot do).
 
 KV cache of one layer: ``(k_cache, v_cache)``, each ``[num_blocks, num_kv_heads, block_size,
-head_size]`` (``kiln.step.kv_cache``). A quantized KV cache (INT8: int8 codes, FP8: float8 e4m3 codes) holds ``x / scale``
-rounded to the cache type with the layer's static K and V scales (``kv_scales``): written
-quantized, read back dequantized (the native kernel reads the codes and scales on the fly); a
-fresh prompt attends to its own unquantized K/V, as the reference's context phase. For the
-reference backend, which reads whole blocks under a mask, blocks are zeroed when allocated, so
-it never meets stale NaN/inf values past a sequence's end.
+head_size]`` (``kiln.step.kv_cache``). A quantized KV cache (INT8: int8 codes, FP8: float8 e4m3
+codes) holds ``x / scale`` rounded to the cache type with the layer's static K and V scales
+(``kv_scales``): written quantized, read back dequantized (the native kernel reads the codes and
+scales on the fly); a fresh prompt attends to its own unquantized K/V, as the reference's context
+phase. For the reference backend, which reads whole blocks under a mask, blocks are zeroed when
+allocated, so it never meets stale NaN/inf values past a sequence's end.
 """
 from __future__ import annotations
 
