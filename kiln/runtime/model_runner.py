@@ -23,6 +23,7 @@ from kiln.dtypes import torch_dtype
 from kiln.errors import KilnError, WorldError
 from kiln.layers.lora import LoraStep
 from kiln.runtime.engine import Engine
+from kiln.runtime.grammar_masks import GrammarMasks
 from kiln.runtime.logits_processors import TokenHistory, process_logits
 from kiln.runtime.prompt_tuning import prompt_step
 from kiln.runtime.sampling import sample
@@ -69,6 +70,7 @@ class ModelRunner:
                                            attention.num_kv_heads, attention.head_size, kv_cache_dtype(config))
         self.backend = BACKENDS[select_backend(attention_backend, torch_dtype(config.dtype))]()
         self.history = TokenHistory(engine.build_config.max_seq_len, config.vocab_size)
+        self.grammars = GrammarMasks()
         self._lora_targets_assigned = False
         self.mapping = config.mapping
         # On rank 0 of a world: hands every step to the other ranks (kiln.runtime.worker).
@@ -80,6 +82,7 @@ class ModelRunner:
         """Drop per-sequence state of a finished sequence (or one whose tokens were rewritten:
         a beam re-formed)."""
         self.history.reset(seq)
+        self.grammars.release(seq)
         if self.leader is not None:
             self.leader.forget(seq)
 
@@ -283,7 +286,9 @@ class ModelRunner:
             return
         sample_seqs = [seqs[i] for i in rows]
         logits = logits if len(rows) == len(seqs) else logits[torch.tensor(rows)]
-        drawn = sample(process_logits(logits, sample_seqs, self.history), sample_seqs)
+        logits = process_logits(logits, sample_seqs, self.history)
+        self.grammars.apply(logits, sample_seqs)
+        drawn = sample(logits, sample_seqs)
         tokens = drawn.tokens.tolist()
         logprobs = drawn.logprobs.tolist() if drawn.logprobs is not None else [None] * len(rows)
         tops = drawn.top_logprobs or [None] * len(rows)

@@ -15,6 +15,7 @@ from pathlib import Path
 from kiln.errors import ConfigError, RequestError
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import FinishReason
+from kiln.runtime.structured_outputs import check_grammar, grammar_tokenizer
 from kiln.tokenizer import IncrementalDetokenizer, end_ids, load_tokenizer
 
 # What users of OpenAI-style APIs expect to see.
@@ -57,18 +58,29 @@ class TextTracker:
 class RequestProcessor:
     """A model's tokenizer and end ids, and what every front end does with them."""
 
-    def __init__(self, tokenizer, end_token_ids: list[int]):
+    def __init__(self, tokenizer, end_token_ids: list[int], vocab_size: int | None = None):
         self.tokenizer = tokenizer
         self.end_id = end_token_ids[0] if end_token_ids else None
         self.extra_stop_ids = list(end_token_ids[1:])  # a model may end on several ids (Llama 3)
+        self.vocab_size = vocab_size or len(tokenizer)  # the model's logits (a padded vocabulary may be wider)
+        self._grammar_tokenizer = None
 
     @classmethod
-    def load(cls, tokenizer_dir: str | Path | None, engine_dir: str | Path) -> "RequestProcessor":
-        """The processor of the tokenizer in ``tokenizer_dir`` (an engine's stored one)."""
+    def load(cls, tokenizer_dir: str | Path | None, engine_dir: str | Path,
+             vocab_size: int | None = None) -> "RequestProcessor":
+        """The processor of the tokenizer in ``tokenizer_dir`` (an engine's stored one) for a
+        model of ``vocab_size`` logits."""
         if tokenizer_dir is None:
             raise ConfigError(f"{engine_dir}: the engine carries no tokenizer; pass a tokenizer directory")
         tokenizer = load_tokenizer(tokenizer_dir)
-        return cls(tokenizer, end_ids(tokenizer_dir, tokenizer))
+        return cls(tokenizer, end_ids(tokenizer_dir, tokenizer), vocab_size)
+
+    def grammar_tokenizer(self):
+        """The tokenizer as structured outputs' grammar engine sees it (built on first use)."""
+        if self._grammar_tokenizer is None:
+            ends = [] if self.end_id is None else [self.end_id, *self.extra_stop_ids]
+            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size, ends)
+        return self._grammar_tokenizer
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids (a string is tokenized; a list of ids is taken as it is)."""
@@ -86,6 +98,8 @@ class RequestProcessor:
         with the log-probs ``best_of`` ranks its samples by."""
         if params.use_beam_search and (params.stop or params.stop_words_ids):
             raise RequestError("stop strings and multi-token stop words are not supported with beam search")
+        if params.structured_outputs is not None:
+            check_grammar(params.structured_outputs, self.grammar_tokenizer())
         changes: dict = {"stop": []} if params.stop else {}
         if self.extra_stop_ids and not params.ignore_eos:  # ignore_eos ignores every end id
             changes["stop_token_ids"] = list(params.stop_token_ids) + self.extra_stop_ids

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from kiln.errors import RequestError
+from kiln.runtime.structured_outputs import StructuredOutputsParams
 
 GREEDY_TEMPERATURE = 1e-5  # below it sampling is greedy (float32 logits / T would overflow)
 SEED_RANGE = (-2**63, 2**64)  # signed or unsigned 64-bit
@@ -130,6 +131,8 @@ class SamplingParams:
                                       "beam search stop rule, as in Hugging Face: true, false or never")
     beam_search_diversity_rate: float = knob(0.0, "several outputs",
                                              "penalise a beam's k-th best continuation by k x this")
+    structured_outputs: StructuredOutputsParams | None = knob(
+        None, None, "hold the output to a JSON Schema, JSON object, regex, choice or grammar")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -192,6 +195,10 @@ class SamplingParams:
         if self.embedding_bias is not None:
             _check(isinstance(self.embedding_bias, torch.Tensor) and self.embedding_bias.dim() == 1,
                    "embedding_bias", "a 1-D tensor of vocab_size values", self.embedding_bias)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "None or a StructuredOutputsParams", self.structured_outputs)
+        _check(self.structured_outputs is None or not self.use_beam_search, "structured_outputs",
+               "used without beam search", "with use_beam_search")
         if vocab_size is not None:
             self._validate_vocab(vocab_size)
         if self.use_beam_search and max_beam_width is not None:
@@ -234,9 +241,9 @@ class SamplingParams:
     @property
     def may_ban_tokens(self) -> bool:
         """Whether processing can set logits to -inf (bad words, n-gram bans, min_tokens, an
-        embedding bias), and so perhaps every one of them."""
+        embedding bias, a grammar), and so perhaps every one of them."""
         return (bool(self.bad_words_ids) or self.no_repeat_ngram_size > 0 or self.min_tokens > 0
-                or self.embedding_bias is not None)
+                or self.embedding_bias is not None or self.structured_outputs is not None)
 
     def seed_for(self, i: int) -> int | None:
         """The seed of the ``i``-th of several samples drawn for one request (None: unseeded)."""

@@ -1,0 +1,107 @@
+"""Structured outputs through the LLM API on the bundled SmolLM2 model: every output of a JSON
+Schema request parses and validates (jsonschema), regexes, choices and grammars hold, a
+constrained request leaves the free ones of its batch as they were, and what cannot compile
+fails that request with its reason."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+
+from kiln import SamplingParams, StructuredOutputsParams
+from kiln.errors import RequestError
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["engineer", "manager", "designer"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+PROMPTS = ["Describe a colleague as JSON.", "Who is Ada Lovelace? Answer in JSON.", "Make up a person.",
+           "Tell me about your manager.", "A short profile of a designer:"]
+
+
+class City(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # no extra keys for the model to ramble in
+    name: str = Field(max_length=20)  # bounded: a 135M model may otherwise ramble past max_tokens
+    population: int = Field(ge=0, le=10**9)
+
+
+def _texts(llm, prompts, params) -> list[str]:
+    return [o.text for out in llm.generate(prompts, params) for o in out.outputs]
+
+
+def test_json_schema_outputs_validate(smollm2_llm) -> None:
+    """Greedy and two seeded samples for each prompt: all parse and satisfy the schema."""
+    so = StructuredOutputsParams(json=PERSON)
+    greedy = _texts(smollm2_llm, PROMPTS, SamplingParams(max_tokens=80, temperature=0, structured_outputs=so))
+    sampled = _texts(smollm2_llm, PROMPTS, SamplingParams(max_tokens=80, temperature=1.0, seed=3, n=2,
+                                                          structured_outputs=so))
+    assert len(greedy) == 5 and len(sampled) == 10
+    for text in greedy + sampled:
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_schema_spellings_regex_choice_and_grammars(smollm2_llm) -> None:
+    """A pydantic class and JSON text as the schema, JSON mode, a regex, a choice, and a Lark and a
+    GBNF grammar: each output is what it was held to."""
+    def one(**constraint) -> str:
+        params = SamplingParams(max_tokens=60, temperature=0.7, seed=1,
+                                structured_outputs=StructuredOutputsParams(**constraint))
+        return _texts(smollm2_llm, ["Answer:"], params)[0]
+
+    City.model_validate_json(one(json=City))
+    jsonschema.validate(json.loads(one(json=json.dumps(PERSON))), PERSON)
+    assert re.fullmatch(r"\d{3}-\d{4}", one(regex=r"\d{3}-\d{4}"))
+    assert one(choice=["yes", "no", "not (quite) sure"]) in {"yes", "no", "not (quite) sure"}
+    lark = 'start: greeting " " name "!"\ngreeting: "hello" | "hi"\nname: "world" | "there"'
+    assert re.fullmatch(r"(hello|hi) (world|there)!", one(grammar=lark))
+    assert re.fullmatch(r"[xy]z[0-9]", one(grammar='root ::= ("x" | "y") "z" [0-9]'))
+
+
+def test_json_mode_gives_objects(smollm2_llm) -> None:
+    """Any JSON object: every sample opens one, and each that ended on its own (free JSON may
+    run past max_tokens) parses as one."""
+    params = SamplingParams(max_tokens=100, temperature=1.0, seed=5, n=4,
+                            structured_outputs=StructuredOutputsParams(json_object=True))
+    outputs = smollm2_llm.generate(["Give me some data:"], params)[0].outputs
+    assert all(o.text.lstrip().startswith("{") for o in outputs)
+    finished = [o for o in outputs if o.finish_reason == "stop"]
+    assert finished and all(isinstance(json.loads(o.text), dict) for o in finished)
+
+
+def test_a_constrained_request_leaves_its_batch_alone(smollm2_llm) -> None:
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = _texts(smollm2_llm, ["The capital of France is"], free)
+    together = smollm2_llm.generate(["Pick one:", "The capital of France is"],
+                                    [SamplingParams(max_tokens=12, temperature=0,
+                                                    structured_outputs=StructuredOutputsParams(choice=["red", "blue"])),
+                                     free])
+    assert together[0].outputs[0].text in {"red", "blue"}
+    assert together[1].outputs[0].text == alone[0]
+
+
+@pytest.mark.parametrize("constraint, message", [
+    ({"regex": "(unclosed"}, "structured_outputs"),
+    ({"grammar": "start: undefined_rule"}, "structured_outputs"),
+    ({"json": "{not json"}, "structured_outputs.json: not valid JSON"),
+    ({"json": 42}, "structured_outputs.json: a JSON Schema"),
+    ({"choice": []}, "structured_outputs.choice"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one of"),
+    ({}, "exactly one of"),
+])
+def test_what_cannot_compile_is_a_request_error(smollm2_llm, constraint, message) -> None:
+    with pytest.raises(RequestError, match=re.escape(message)):
+        smollm2_llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**constraint)))
+
+
+def test_beam_search_is_refused() -> None:
+    with pytest.raises(RequestError, match="structured_outputs must be used without beam search"):
+        SamplingParams(use_beam_search=True, best_of=2, structured_outputs=StructuredOutputsParams(regex="a"))
