@@ -1,13 +1,15 @@
-"""Structured outputs through the LLM API on the bundled SmolLM2 model: every output of a JSON
-Schema request parses and validates (jsonschema), regexes, choices and grammars hold, a
-constrained request leaves the free ones of its batch as they were, and what cannot compile
-fails that request with its reason."""
+"""Structured outputs on the bundled SmolLM2 model, through the LLM API and through ``kiln serve``
+with the official openai client: every output of a JSON Schema request parses and validates
+(jsonschema), regexes, choices and grammars hold, a constrained request leaves the free ones of
+its batch as they were, and what cannot compile fails that request with its reason (a 400 naming
+the field on the server)."""
 from __future__ import annotations
 
 import json
 import re
 
 import jsonschema
+import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -105,3 +107,65 @@ def test_what_cannot_compile_is_a_request_error(smollm2_llm, constraint, message
 def test_beam_search_is_refused() -> None:
     with pytest.raises(RequestError, match="structured_outputs must be used without beam search"):
         SamplingParams(use_beam_search=True, best_of=2, structured_outputs=StructuredOutputsParams(regex="a"))
+
+
+# -- through the server, with the official openai client ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_llm):
+    """``kiln serve`` of the bundled model's engine (the LLM fixture's), as "smollm2"."""
+    from kiln.runtime.executor import ExecutorConfig, KvCacheConfig
+    from kiln.serve import create_app
+    from tests.utils.server import LocalServer
+
+    config = ExecutorConfig(kv_cache_config=KvCacheConfig(max_tokens=4096))
+    server = LocalServer(create_app(smollm2_llm.engine_dir, executor_config=config, served_model_name="smollm2"))
+    yield server
+    server.stop()
+
+
+def test_response_format_json_schema_validates_streamed_or_not(served) -> None:
+    """Chat with OpenAI's response_format for 20 prompts (10 whole, 10 streamed): every reply
+    parses and satisfies the schema."""
+    client = served.client()
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    prompts = [f"{p} (#{i})" for i in range(4) for p in PROMPTS]
+    for i, prompt in enumerate(prompts):
+        messages = [{"role": "user", "content": prompt}]
+        if i % 2:
+            chunks = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=80, seed=i,
+                                                    response_format=fmt, stream=True)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            r = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=80, seed=i,
+                                               response_format=fmt)
+            text = r.choices[0].message.content
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_guided_fields_and_the_structured_outputs_object(served) -> None:
+    client = served.client()
+    r = client.completions.create(model="smollm2", prompt="Phone:", max_tokens=20,
+                                  extra_body={"guided_regex": r"\d{3}-\d{4}"})
+    assert re.fullmatch(r"\d{3}-\d{4}", r.choices[0].text)
+    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Happy?"}],
+                                       max_tokens=10, extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].message.content in {"yes", "no"}
+    r = client.completions.create(model="smollm2", prompt="Say hi:", max_tokens=10,
+                                  extra_body={"structured_outputs": {"grammar": 'start: "hi" "!"+'}})
+    assert re.fullmatch(r"hi!+", r.choices[0].text)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"extra_body": {"guided_regex": "(unclosed"}}, "guided_regex"),
+    ({"extra_body": {"guided_json": "{not json"}}, "guided_json"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"guided_choice": ["a"]}}, "guided_choice"),
+    ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}}, "structured_outputs"),
+])
+def test_what_cannot_be_held_is_a_400_naming_the_field(served, fields, param) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client().chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=4, **fields)
+    assert e.value.body["param"] == param, e.value.body

@@ -15,7 +15,7 @@ from pathlib import Path
 from kiln.errors import ConfigError, RequestError
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import FinishReason
-from kiln.runtime.structured_outputs import check_grammar, grammar_tokenizer
+from kiln.runtime.structured_outputs import StructuredOutputsParams, check_grammar, grammar_tokenizer
 from kiln.tokenizer import IncrementalDetokenizer, end_ids, load_tokenizer
 
 # What users of OpenAI-style APIs expect to see.
@@ -64,6 +64,7 @@ class RequestProcessor:
         self.extra_stop_ids = list(end_token_ids[1:])  # a model may end on several ids (Llama 3)
         self.vocab_size = vocab_size or len(tokenizer)  # the model's logits (a padded vocabulary may be wider)
         self._grammar_tokenizer = None
+        self._checked_grammars: dict[str, None] = {}  # grammar texts that compiled, oldest first
 
     @classmethod
     def load(cls, tokenizer_dir: str | Path | None, engine_dir: str | Path,
@@ -79,7 +80,12 @@ class RequestProcessor:
         """The tokenizer as structured outputs' grammar engine sees it (built on first use)."""
         if self._grammar_tokenizer is None:
             ends = [] if self.end_id is None else [self.end_id, *self.extra_stop_ids]
-            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size, ends)
+            try:
+                self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size, ends)
+            except RequestError as e:  # remembered: every constrained request would fail alike
+                self._grammar_tokenizer = e
+        if isinstance(self._grammar_tokenizer, RequestError):
+            raise self._grammar_tokenizer
         return self._grammar_tokenizer
 
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -90,6 +96,16 @@ class RequestProcessor:
             return prompt
         raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
+    def check_structured_outputs(self, constraint: StructuredOutputsParams) -> None:
+        """A RequestError with llguidance's reason if ``constraint``'s grammar cannot compile for
+        this tokenizer (the last 256 that did are remembered, so a repeated schema costs nothing)."""
+        if constraint.grammar_text in self._checked_grammars:
+            return
+        check_grammar(constraint, self.grammar_tokenizer())
+        self._checked_grammars[constraint.grammar_text] = None
+        if len(self._checked_grammars) > 256:
+            del self._checked_grammars[next(iter(self._checked_grammars))]
+
     def engine_params(self, params: SamplingParams, sample: int | None = None) -> SamplingParams:
         """The params the engine runs ``params`` with: the model's extra end ids (unless
         ``ignore_eos``), ``bad_words`` as token ids (at a word start and mid-text alike), no stop
@@ -99,7 +115,7 @@ class RequestProcessor:
         if params.use_beam_search and (params.stop or params.stop_words_ids):
             raise RequestError("stop strings and multi-token stop words are not supported with beam search")
         if params.structured_outputs is not None:
-            check_grammar(params.structured_outputs, self.grammar_tokenizer())
+            self.check_structured_outputs(params.structured_outputs)
         changes: dict = {"stop": []} if params.stop else {}
         if self.extra_stop_ids and not params.ignore_eos:  # ignore_eos ignores every end id
             changes["stop_token_ids"] = list(params.stop_token_ids) + self.extra_stop_ids

@@ -86,10 +86,14 @@ def _grammar_text(kind: str, value: Any) -> str:
 
 def grammar_tokenizer(tokenizer, vocab_size: int, end_ids: list[int]) -> llguidance.LLTokenizer:
     """llguidance's view of a Hugging Face fast tokenizer, over the model's ``vocab_size``
-    logits, ending on ``end_ids`` (~0.4 s: build once per tokenizer)."""
+    logits, ending on ``end_ids`` (~0.4 s: build once per tokenizer). A RequestError if
+    llguidance cannot read it (a slow tokenizer, or a decoder it does not know)."""
     import llguidance.hf  # imports transformers, which the tokenizer's owner has loaded already
 
-    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=end_ids or None)
+    try:
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=end_ids or None)
+    except Exception as e:  # llguidance raises ValueError (and Rust panics as others) for what it cannot read
+        raise RequestError(f"structured_outputs: the grammar engine cannot read this model's tokenizer ({e})") from None
 
 
 def check_grammar(params: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer) -> None:

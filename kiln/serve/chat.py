@@ -50,9 +50,6 @@ def _messages(body: ChatCompletionRequest) -> list[dict]:
 
 
 async def serve(engine: ServingEngine, body: ChatCompletionRequest, http_request: HttpRequest):
-    if body.response_format is not None and body.response_format.type != "text":
-        raise ApiError(400, f"response_format {body.response_format.type!r} is not supported yet (only 'text')",
-                       "response_format")
     messages = _messages(body)
     try:
         ids = chat_prompt_ids(engine.tokenizer, messages)
@@ -68,7 +65,7 @@ async def serve(engine: ServingEngine, body: ChatCompletionRequest, http_request
     if max_tokens is None:
         max_tokens = default_max_tokens(engine, [ids])
     params = engine.sampling_params(max_tokens=max_tokens, logprobs=k if body.logprobs else None,
-                                    **sampling_kwargs(body))
+                                    **sampling_kwargs(body, engine))
     rid, created = random_id("chatcmpl"), now()
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     completion_tokens = [0]

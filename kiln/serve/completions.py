@@ -12,6 +12,8 @@ from typing import AsyncIterator, Callable
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kiln.errors import RequestError
+from kiln.runtime.structured_outputs import StructuredOutputsParams
 from kiln.serve.engine import Event, ServingEngine
 from kiln.serve.protocol import (ApiError, CompletionChoice, CompletionLogprobs, CompletionRequest,
                                  CompletionResponse, SamplingFields, Usage, now, random_id)
@@ -19,8 +21,9 @@ from kiln.serve.protocol import (ApiError, CompletionChoice, CompletionLogprobs,
 logger = logging.getLogger(__name__)
 
 
-def sampling_kwargs(body: SamplingFields) -> dict:
-    """The SamplingParams keywords of the fields both endpoints share (OpenAI defaults)."""
+def sampling_kwargs(body: SamplingFields, engine: ServingEngine | None = None) -> dict:
+    """The SamplingParams keywords of the fields both endpoints share (OpenAI defaults); with
+    ``engine``, a structured-output constraint is also compiled for its tokenizer."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     bias = {}
     for key, value in (body.logit_bias or {}).items():
@@ -32,7 +35,42 @@ def sampling_kwargs(body: SamplingFields) -> dict:
                 top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, logit_bias=bias,
                 top_k=body.top_k, min_tokens=body.min_tokens, repetition_penalty=body.repetition_penalty,
-                ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output)
+                ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
+                structured_outputs=structured_outputs(body, engine))
+
+
+def structured_outputs(body: SamplingFields, engine: ServingEngine | None) -> StructuredOutputsParams | None:
+    """The one constraint a request asks for, by whichever spelling (a 400 naming the field when
+    it asks for two, or for one that cannot be built or, with ``engine``, compiled)."""
+    asked: dict[str, dict] = {}
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked["response_format"] = {"json_object": True}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise ApiError(400, "response_format json_schema needs json_schema.schema", "response_format")
+        asked["response_format"] = {"json": fmt.json_schema.schema_}
+    if body.structured_outputs is not None:
+        so = body.structured_outputs
+        asked["structured_outputs"] = {k: v for k, v in (("json", so.json_), ("json_object", so.json_object),
+                                                         ("regex", so.regex), ("choice", so.choice),
+                                                         ("grammar", so.grammar)) if v is not None}
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if getattr(body, name) is not None:
+            asked[name] = {key: getattr(body, name)}
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise ApiError(400, f"ask for one structured output, got {' and '.join(asked)}", list(asked)[1])
+    (field, constraint), = asked.items()
+    try:
+        params = StructuredOutputsParams(**constraint)
+        if engine is not None:
+            engine.processor.check_structured_outputs(params)
+    except RequestError as e:
+        raise ApiError(400, f"{field}: {e}", field) from None
+    return params
 
 
 def default_max_tokens(engine: ServingEngine, prompts: list[list[int]]) -> int:
@@ -118,7 +156,7 @@ async def serve(engine: ServingEngine, body: CompletionRequest, http_request: Ht
     for ids in prompts:
         engine.check_prompt(ids, "prompt")
     max_tokens = body.max_tokens if body.max_tokens is not None else default_max_tokens(engine, prompts)
-    params = engine.sampling_params(max_tokens=max_tokens, logprobs=body.logprobs, **sampling_kwargs(body))
+    params = engine.sampling_params(max_tokens=max_tokens, logprobs=body.logprobs, **sampling_kwargs(body, engine))
     prompt_tokens = sum(len(p) for p in prompts)
     rid, created = random_id("cmpl"), now()
     want_logprobs = body.logprobs is not None

@@ -77,7 +77,9 @@ class ServingEngine:
         self.on_world_error = on_world_error
         try:
             engine = self.executor.engine
-            self.processor = RequestProcessor.load(tokenizer_dir or engine.tokenizer_dir, engine_dir)
+            self.processor = RequestProcessor.load(tokenizer_dir or engine.tokenizer_dir, engine_dir,
+                                                   engine.config.vocab_size)
+            self.executor.core.use_grammar_tokenizer(self.processor.grammar_tokenizer)
         except BaseException:
             self.executor.shutdown()
             raise

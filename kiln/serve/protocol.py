@@ -50,6 +50,30 @@ class StreamOptions(_Strict):
 StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(max_length=64)
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None  # kiln always holds the output to the schema
+    description: str | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON held to a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Strict):
+    """vLLM's ``structured_outputs`` object: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class SamplingFields(_Strict):
     """Fields both endpoints share."""
 
@@ -77,6 +101,13 @@ class SamplingFields(_Strict):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs object and guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -94,18 +125,12 @@ class ChatMessage(_Strict):
     content: Union[str, list[dict[str, Any]], None] = None
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None  # only "text" is served (the default)
 
 
 class Usage(BaseModel):

@@ -81,7 +81,8 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"temperature": 1e308}, "temperature"), ({"temperature": 2.5}, "temperature"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),  # no schema to hold the output to
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
     ({"frobnicate": True}, "frobnicate"), ({"stop": LONG}, "stop"), ({"stop": "x" * 2000}, "stop"),
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"), ({"logit_bias": {"5": 200}}, "logit_bias"),
