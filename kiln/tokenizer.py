@@ -29,11 +29,12 @@ def end_ids(directory: str | Path, tokenizer) -> list[int]:
     return [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a conversation rendered by the tokenizer's chat template, ready for the reply."""
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation rendered by the tokenizer's chat template, ready for the reply
+    (or, without ``add_generation_prompt``, ending with the last message)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("the tokenizer has no chat template; use a plain prompt instead of chat")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -20,10 +20,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.errors import ConfigError
 from kiln.runtime.executor import ExecutorConfig
-from kiln.serve import chat, completions
+from kiln.serve import chat, completions, tokenize
 from kiln.serve.engine import ServingEngine
 from kiln.serve.protocol import (ApiError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                 CompletionResponse, ErrorResponse, LoadLoraAdapterRequest, ModelCard, ModelList)
+                                 CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
+                                 LoadLoraAdapterRequest, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +191,22 @@ def _add_api_routes(app: FastAPI, check_key: Callable) -> None:
         e = _engine(request)
         await asyncio.to_thread(e.load_lora, body.lora_name, body.lora_path)
         return ModelCard(id=body.lora_name, parent=e.model_name)
+
+    @app.post("/tokenize", dependencies=[Depends(check_key)], response_model=TokenizeResponse,
+              responses={400: ERRORS[400], 401: ERRORS[401], 404: ERRORS[404]})
+    async def tokenize_text(body: TokenizeRequest, request: HttpRequest):
+        """A prompt's (or chat messages') token ids, as the completion endpoints take them."""
+        if body.model is not None:
+            _check_model(_engine(request), body.model)
+        return tokenize.tokenize(_engine(request), body)
+
+    @app.post("/detokenize", dependencies=[Depends(check_key)], response_model=DetokenizeResponse,
+              responses={400: ERRORS[400], 401: ERRORS[401], 404: ERRORS[404]})
+    async def detokenize_ids(body: DetokenizeRequest, request: HttpRequest):
+        """The text of token ids."""
+        if body.model is not None:
+            _check_model(_engine(request), body.model)
+        return tokenize.detokenize(_engine(request), body)
 
     @app.post("/v1/completions", dependencies=[Depends(check_key), Depends(_accepting)],
               response_model=CompletionResponse, responses={200: EVENT_STREAM, **ERRORS})

@@ -8,8 +8,8 @@ from kiln.errors import KilnError
 from kiln.serve.completions import default_max_tokens, sampling_kwargs, stream_events
 from kiln.serve.engine import Event, ServingEngine
 from kiln.serve.protocol import (ApiError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                 ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
-                                 DeltaMessage, TopLogprob, Usage, now, random_id)
+                                 ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
+                                 ChatTokenLogprob, DeltaMessage, TopLogprob, Usage, now, random_id)
 from kiln.tokenizer import chat_prompt_ids
 
 
@@ -38,10 +38,10 @@ def _logprobs(engine: ServingEngine, token_ids: list[int], logprobs: list[float]
     return ChatLogprobs(content=content)
 
 
-def _messages(body: ChatCompletionRequest) -> list[dict]:
+def _messages(messages: list[ChatMessage]) -> list[dict]:
     """The messages as the chat template takes them ("developer" is OpenAI's newer "system")."""
     out = []
-    for i, m in enumerate(body.messages):
+    for i, m in enumerate(messages):
         if m.role in ("tool", "function"):
             raise ApiError(400, f"messages[{i}]: {m.role!r} messages need tool calling, which kiln does not "
                                 "support yet", "messages")
@@ -49,14 +49,19 @@ def _messages(body: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-async def serve(engine: ServingEngine, body: ChatCompletionRequest, http_request: HttpRequest):
-    messages = _messages(body)
+def chat_ids(engine: ServingEngine, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    """The token ids of ``messages`` rendered by the model's chat template (a 400 naming
+    ``messages`` when it cannot render them)."""
     try:
-        ids = chat_prompt_ids(engine.tokenizer, messages)
+        return chat_prompt_ids(engine.tokenizer, _messages(messages), add_generation_prompt)
     except KilnError as e:
         raise ApiError(400, str(e), "messages") from None
     except Exception as e:  # a template that cannot render these messages
         raise ApiError(400, f"the chat template failed: {e}", "messages") from None
+
+
+async def serve(engine: ServingEngine, body: ChatCompletionRequest, http_request: HttpRequest):
+    ids = chat_ids(engine, body.messages)
     engine.check_prompt(ids, "messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")

@@ -133,6 +133,31 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: a prompt, or chat messages as the chat template renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for a prompt
+    add_generation_prompt: bool = True  # for messages
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int

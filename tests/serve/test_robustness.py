@@ -357,3 +357,22 @@ def test_oversized_bodies_odd_paths_and_unreadable_adapters_are_client_errors(se
     assert status == 404 and "message" in body["error"]
     status, body, _ = _post(server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "ä" * 300})
     assert status == 400 and body["error"]["param"] == "lora_path"  # a name too long for the filesystem
+
+
+def test_tokenize_and_detokenize_round_trip(server):
+    """/tokenize gives the ids the completion endpoints take (a prompt, or chat messages as the
+    chat endpoint renders them); /detokenize gives their text back; bad input is a named 400."""
+    tokenizer = server.engine.tokenizer
+    status, body, _ = _post(server, "/tokenize", {"model": MODEL, "prompt": PROMPT})
+    assert status == 200 and body["tokens"] == tokenizer(PROMPT)["input_ids"] and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == server.engine.build.max_seq_len
+    status, chat, _ = _post(server, "/tokenize", {"messages": MESSAGES})
+    assert status == 200 and chat["tokens"] == tokenizer(tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+    status, back, _ = _post(server, "/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and back["prompt"] == tokenizer.decode(body["tokens"])
+    for path, payload, param in (("/tokenize", {"prompt": "x", "messages": MESSAGES}, "prompt"),
+                                 ("/tokenize", {}, "prompt"), ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                                 ("/detokenize", {"tokens": [1], "model": "nope"}, "model")):
+        status, err, _ = _post(server, path, payload)
+        assert status in (400, 404) and err["error"]["param"] == param, err
