@@ -176,6 +176,14 @@ def _add_health_routes(app: FastAPI) -> None:
         return PlainTextResponse(e.metrics.render(e.gauges()), media_type="text/plain; version=0.0.4")
 
 
+def _engine_of(request: HttpRequest, model: str | None) -> ServingEngine:
+    """The app's engine, once ``model`` (where a request names one) is a model it serves."""
+    engine = _engine(request)
+    if model is not None:
+        _check_model(engine, model)
+    return engine
+
+
 def _add_api_routes(app: FastAPI, check_key: Callable) -> None:
     @app.get("/v1/models", dependencies=[Depends(check_key)], response_model=ModelList,
              responses={401: ERRORS[401]})
@@ -196,17 +204,13 @@ def _add_api_routes(app: FastAPI, check_key: Callable) -> None:
               responses={400: ERRORS[400], 401: ERRORS[401], 404: ERRORS[404]})
     async def tokenize_text(body: TokenizeRequest, request: HttpRequest):
         """A prompt's (or chat messages') token ids, as the completion endpoints take them."""
-        if body.model is not None:
-            _check_model(_engine(request), body.model)
-        return tokenize.tokenize(_engine(request), body)
+        return tokenize.tokenize(_engine_of(request, body.model), body)
 
     @app.post("/detokenize", dependencies=[Depends(check_key)], response_model=DetokenizeResponse,
               responses={400: ERRORS[400], 401: ERRORS[401], 404: ERRORS[404]})
     async def detokenize_ids(body: DetokenizeRequest, request: HttpRequest):
         """The text of token ids."""
-        if body.model is not None:
-            _check_model(_engine(request), body.model)
-        return tokenize.detokenize(_engine(request), body)
+        return tokenize.detokenize(_engine_of(request, body.model), body)
 
     @app.post("/v1/completions", dependencies=[Depends(check_key), Depends(_accepting)],
               response_model=CompletionResponse, responses={200: EVENT_STREAM, **ERRORS})
