@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from kiln.errors import ConfigError
 from kiln.kernels import paged_decode_attention, supports_decode_attention
-from kiln.step.kv_cache import kv_code_max, read_slots, write_slots
+from kiln.step.kv_cache import kv_code_max, read_slots, slot_index, write_slots
 from kiln.step.metadata import AttentionMetadata
 
 
@@ -49,7 +49,7 @@ class TorchPagedAttention:
             q_len, s_len = md.query_lens[i], md.seq_lens[i]
             start = md.query_start_loc[i]
             # Cached context before this chunk must be read back; a whole fresh prompt need not.
-            slots = None if q_len == s_len else _seq_slots(md.block_tables[i], s_len, bs)
+            slots = None if q_len == s_len else slot_index(_seq_slots(md.block_tables[i], s_len, bs), bs)
             mask = None
             if q_len != s_len:
                 q_pos = torch.arange(s_len - q_len, s_len)[:, None]
@@ -108,11 +108,11 @@ class TorchPagedAttention:
         k_cache, v_cache = kv_cache
         num_kv_heads = k.shape[1]
         if kv_scales is None:
-            write_slots(k_cache, md.slot_mapping, k)
-            write_slots(v_cache, md.slot_mapping, v)
+            write_slots(k_cache, md.slot_index, k)
+            write_slots(v_cache, md.slot_index, v)
         else:
-            write_slots(k_cache, md.slot_mapping, quantize_kv(k, kv_scales[0], k_cache.dtype))
-            write_slots(v_cache, md.slot_mapping, quantize_kv(v, kv_scales[1], v_cache.dtype))
+            write_slots(k_cache, md.slot_index, quantize_kv(k, kv_scales[0], k_cache.dtype))
+            write_slots(v_cache, md.slot_index, quantize_kv(v, kv_scales[1], v_cache.dtype))
         out = torch.empty(q.shape, dtype=q.dtype)
         st = md.backend_state
         if "decode_tokens" in st:

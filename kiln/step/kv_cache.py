@@ -5,7 +5,8 @@ block each KV head's rows are contiguous, so decode attention, which walks one h
 token after token, reads long sequential runs the hardware prefetchers follow (token-major
 blocks put a head's rows a whole token row apart: at 32 KV heads of 64, every row on its own
 4 KB page, and decode attention read the cache at under half the machine's bandwidth). A token
-slot is ``block * block_size + offset``; ``write_slots`` and ``read_slots`` address it.
+slot is ``block * block_size + offset``; ``write_slots`` and ``read_slots`` address tokens by
+their ``(blocks, offsets)`` (``slot_index``: a step computes it once for all its layers).
 """
 from __future__ import annotations
 
@@ -49,17 +50,23 @@ def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: 
     return num_blocks, num_kv_heads, block_size, head_size
 
 
-def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """Store ``values`` ``[n, num_kv_heads, head_size]`` (already in the cache's type) at token
-    ``slots`` ``[n]`` of ``cache``."""
-    block_size = cache.shape[2]
-    cache[slots // block_size, :, slots % block_size] = values
+SlotIndex = tuple[torch.Tensor, torch.Tensor]  # tokens' blocks [n] and offsets within them [n], int64
 
 
-def read_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The ``[n, num_kv_heads, head_size]`` rows at token ``slots`` ``[n]`` of ``cache`` (a copy)."""
-    block_size = cache.shape[2]
-    return cache[slots // block_size, :, slots % block_size]
+def slot_index(slots: torch.Tensor, block_size: int) -> SlotIndex:
+    """The ``(blocks, offsets)`` of token ``slots`` ``[n]``."""
+    return slots // block_size, slots % block_size
+
+
+def write_slots(cache: torch.Tensor, index: SlotIndex, values: torch.Tensor) -> None:
+    """Store ``values`` ``[n, num_kv_heads, head_size]`` (already in the cache's type) at the
+    tokens ``index`` addresses."""
+    cache[index[0], :, index[1]] = values
+
+
+def read_slots(cache: torch.Tensor, index: SlotIndex) -> torch.Tensor:
+    """The ``[n, num_kv_heads, head_size]`` rows of the tokens ``index`` addresses (a copy)."""
+    return cache[index[0], :, index[1]]
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,

@@ -19,6 +19,7 @@ import torch
 
 from kiln.layers.embedding import PromptStep
 from kiln.layers.lora import LoraStep
+from kiln.step.kv_cache import SlotIndex, slot_index
 
 RELEASED = -1  # a block-table entry whose block went back to the pool (kiln.runtime.block_pool)
 
@@ -36,6 +37,7 @@ class AttentionMetadata:
     lora: LoraStep | None = None  # the step's adapters and their rows, for every adapted linear
     prompts: PromptStep | None = None  # the step's prompt-tuning tables, for the embedding
     _rotary_cache: dict = field(default_factory=dict)
+    _slot_index: SlotIndex | None = None
     backend_state: dict = field(default_factory=dict)  # backend-specific per-step tensors
 
     @property
@@ -45,6 +47,13 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc[-1]
+
+    @property
+    def slot_index(self) -> SlotIndex:
+        """``slot_mapping`` as the cache's ``(blocks, offsets)``, computed once per step and shared by layers."""
+        if self._slot_index is None:
+            self._slot_index = slot_index(self.slot_mapping, self.block_size)
+        return self._slot_index
 
     def rotary_cos_sin(self, rotary, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for this step's positions, computed once per step and shared by layers."""
