@@ -46,6 +46,14 @@ class LLM:
     ``calib_size``, ``calib_max_len``, ``smoothquant_alpha``, ``gptq_act_order``, ``awq_gptq``) as
     ``kiln convert`` takes them. ``max_prompt_embedding_table_size`` builds the engine with
     prompt tuning (``generate(prompt_table=...)``) for tables of up to that many rows.
+    ``tokenizer``: a tokenizer directory or a GGUF file (default: the engine's own).
+
+    ``skip_tokenizer_init=True`` loads no tokenizer, for callers that tokenize themselves:
+    prompts must be token ids, outputs carry ``token_ids`` and an empty ``text``, log-probs work
+    as usual, and stop strings, ``bad_words``, structured outputs and ``chat`` are refused (they
+    need a tokenizer). Generation still ends at the model's end-of-sequence ids when the engine's
+    ``generation_config.json`` names them (an engine built from a GGUF file always has one, from a
+    Hugging Face dir when the dir has one); otherwise only at ``max_tokens`` or ``stop_token_ids``.
     """
 
     def __init__(self, model: str | Path | EngineArgs, *, progress: bool = True, **options):
@@ -56,9 +64,13 @@ class LLM:
             raise ConfigError(f"LLM(EngineArgs, ...): give {sorted(options)} in the EngineArgs")
         self.engine_dir = engine_for(args, progress=progress)
         self.engine = Engine(self.engine_dir)
-        self.processor = RequestProcessor.load(args.tokenizer or self.engine.tokenizer_dir, self.engine_dir,
-                                               self.engine.config.vocab_size)
-        self.tokenizer = self.processor.tokenizer
+        vocab_size = self.engine.config.vocab_size
+        if args.skip_tokenizer_init:
+            self.processor = RequestProcessor.without_tokenizer(self.engine_dir, vocab_size)
+        else:
+            self.processor = RequestProcessor.load(args.tokenizer or self.engine.tokenizer_dir, self.engine_dir,
+                                                   vocab_size)
+        self.tokenizer = self.processor.tokenizer  # None with skip_tokenizer_init
         num_blocks = None
         if args.kv_cache_max_tokens is not None:
             num_blocks = max(1, args.kv_cache_max_tokens // self.engine.build_config.tokens_per_block)
@@ -181,6 +193,9 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, lora=None) -> list[RequestOutput]:
         """Reply to one conversation (a list of {"role", "content"}) or to several."""
+        if self.tokenizer is None:
+            raise RequestError("messages: chat renders them with the tokenizer's chat template, and "
+                               "skip_tokenizer_init=True loaded none; pass token ids to generate()")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([chat_prompt_ids(self.tokenizer, c) for c in conversations], sampling_params, lora=lora)
 

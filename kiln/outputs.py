@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from kiln.runtime.engine_core import SequenceGroup
 from kiln.runtime.request_processor import FINISH_NAMES, TextTracker
 from kiln.runtime.sequence import Sequence
+from kiln.tokenizer import decode
 
 @dataclass
 class CompletionOutput:
@@ -45,7 +46,7 @@ def completion(index: int, seq: Sequence, tokenizer, tracker: TextTracker | None
     if tracker is not None and tracker.stop_reason is not None:
         text = tracker.text
     else:
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        text = decode(tokenizer, tokens)
     logprobs = None
     if want_logprobs:
         logprobs = [{**(top or {}), token: lp} for token, lp, top in
@@ -58,7 +59,7 @@ def completion(index: int, seq: Sequence, tokenizer, tracker: TextTracker | None
 
 def beam_completions(request: SequenceGroup, tokenizer, want_logprobs: bool) -> list[CompletionOutput]:
     ends = set(request.beam.params.end_ids)
-    return [CompletionOutput(i, tokenizer.decode(h.token_ids, skip_special_tokens=True), list(h.token_ids),
+    return [CompletionOutput(i, decode(tokenizer, h.token_ids), list(h.token_ids),
                              "stop" if h.token_ids and h.token_ids[-1] in ends else "length", h.cum_log_prob,
                              [{t: lp} for t, lp in zip(h.token_ids, h.log_probs)] if want_logprobs else None)
             for i, h in enumerate(request.hypotheses or [])]

@@ -7,34 +7,61 @@ from pathlib import Path
 from kiln.errors import ConfigError
 
 
-def load_tokenizer(directory: str | Path):
-    """The Hugging Face tokenizer saved in ``directory`` (an engine, checkpoint or HF dir)."""
+def hf_tokenizer(path: str | Path):
+    """The Hugging Face tokenizer saved in directory ``path``, or the one in GGUF file ``path``'s
+    metadata (transformers' own errors for a missing or broken one)."""
     from transformers import AutoTokenizer  # transformers takes seconds to import: only where it is used
 
-    directory = Path(directory)
+    path = Path(path)
+    if path.is_file():  # GGUF keeps its tokenizer inside the file
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of ``path``: an engine, checkpoint or HF dir, or a GGUF file (a ConfigError
+    naming --tokenizer_dir if there is none)."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"--tokenizer_dir {path}: no such file or directory")
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ConfigError(f"--tokenizer_dir {path}: neither a directory nor a GGUF file")
     try:
-        return AutoTokenizer.from_pretrained(str(directory))
+        return hf_tokenizer(path)
     except Exception as e:  # transformers raises many types for a missing or broken tokenizer
-        raise ConfigError(f"{directory}: no usable tokenizer ({type(e).__name__}: {e}); "
-                          "pass --tokenizer_dir") from None
+        raise ConfigError(f"{path}: no usable tokenizer ({type(e).__name__}: {e}); "
+                          "pass --tokenizer_dir (a tokenizer directory or a GGUF file)") from None
 
 
 def end_ids(directory: str | Path, tokenizer) -> list[int]:
-    """End-of-sequence ids: generation_config.json's ``eos_token_id`` (int or list), else the tokenizer's."""
+    """End-of-sequence ids: ``directory``'s generation_config.json's ``eos_token_id`` (int or
+    list), else the tokenizer's (none without a tokenizer)."""
     path = Path(directory) / "generation_config.json"
     if path.is_file():
         eos = json.loads(path.read_text()).get("eos_token_id")
         if eos is not None:
             return [eos] if isinstance(eos, int) else list(eos)
-    return [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return [] if tokenizer is None or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def decode(tokenizer, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+    """The text of ``token_ids``; "" without a tokenizer (``LLM(skip_tokenizer_init=True)``)."""
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
     """Token ids of a conversation rendered by the tokenizer's chat template, ready for the reply
-    (or, without ``add_generation_prompt``, ending with the last message)."""
+    (or, without ``add_generation_prompt``, ending with the last message); ``tools``: OpenAI tool
+    definitions, for a template that renders them."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("the tokenizer has no chat template; use a plain prompt instead of chat")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -53,7 +80,7 @@ class IncrementalDetokenizer:
         self.read_offset = 0  # ...and everything before this has been emitted
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return decode(self.tokenizer, ids, self.skip_special_tokens)
 
     def step(self, token_ids: list[int], final: bool = False) -> str:
         """The text added by the tokens appended since the last call ("" if none is ready)."""

@@ -60,3 +60,29 @@ def smollm2_llm(tmp_path_factory):
 
     return LLM(smollm2_gguf_path(), cache_dir=tmp_path_factory.mktemp("smollm2-engines"), dtype="float32",
                max_batch_size=8, max_seq_len=512, progress=False)
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_llm):
+    """``kiln serve`` of the bundled model's engine (the LLM fixture's), as "smollm2"."""
+    from kiln.runtime.executor import ExecutorConfig, KvCacheConfig
+    from kiln.serve import create_app
+    from tests.utils.server import LocalServer
+
+    config = ExecutorConfig(kv_cache_config=KvCacheConfig(max_tokens=4096))
+    server = LocalServer(create_app(smollm2_llm.engine_dir, executor_config=config, served_model_name="smollm2"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine_without_tokenizer(smollm2_llm, tmp_path_factory) -> Path:
+    """``smollm2_llm``'s engine without its tokenizer files (the rest linked, not copied): an
+    engine that runs only with a tokenizer given to it."""
+    from kiln.checkpoint.format import TOKENIZER_FILES
+
+    engine = tmp_path_factory.mktemp("smollm2-without-tokenizer")
+    for path in smollm2_llm.engine_dir.iterdir():
+        if path.name not in TOKENIZER_FILES:
+            (engine / path.name).symlink_to(path)
+    return engine

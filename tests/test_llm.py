@@ -1,6 +1,7 @@
 """kiln.LLM end to end on a tiny Llama with a tiny tokenizer: engine cache, generate, chat, stream."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,10 @@ import pytest
 import kiln.build
 import kiln.convert
 from kiln import LLM, SamplingParams
-from kiln.errors import RequestError
+from kiln.config.engine_args import EngineArgs
+from kiln.errors import ConfigError, RequestError
+from kiln.examples import smollm2_gguf_path
+from kiln.runtime.structured_outputs import StructuredOutputsParams
 from tests.utils.compare import hf_greedy
 from tests.utils.fakes import make_tiny_llama_with_tokenizer
 
@@ -174,7 +178,6 @@ def test_quantization_converts_into_an_engine_of_its_own(llm, hf, tmp_path):
     import json
 
     from kiln.config import QuantConfig
-    from kiln.errors import ConfigError
 
     cache = tmp_path / "cache"
     w8 = LLM(hf[0], cache_dir=cache, progress=False, quantization="W8A16")
@@ -214,3 +217,80 @@ def test_a_request_failing_inside_the_engine_raises_and_leaves_nothing_queued(ll
     pool = llm.core.pool
     assert pool.num_free == pool.num_blocks and not llm.core.has_unfinished
     assert len(llm.generate([[5, 6]], GREEDY)[0].outputs[0].token_ids) == 8
+
+
+# -- skip_tokenizer_init and tokenizers from GGUF files ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bare(llm):
+    """The tiny engine without a tokenizer (token ids in and out)."""
+    return LLM(llm.engine_dir, skip_tokenizer_init=True, progress=False)
+
+
+def test_skip_tokenizer_init_generates_the_same_token_ids(llm, bare, hf):
+    """Without a tokenizer the same token-id prompt gives the same greedy ids, log-probs and
+    finish reasons (ending at the engine's end id), with empty text; streaming too."""
+    prompt_ids = hf[2]("hello world, how are you today?")["input_ids"]
+    assert bare.tokenizer is None and bare.processor.end_id == llm.processor.end_id == EOS
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
+    [want], [got] = llm.generate(prompt_ids, params), bare.generate(prompt_ids, params)
+    assert want.outputs[0].text and EOS in want.outputs[0].token_ids  # the comparison covers stopping at eos
+    assert got.prompt_token_ids == want.prompt_token_ids
+    for a, b in zip(got.outputs, want.outputs):
+        assert (a.text, a.token_ids, a.finish_reason, a.logprobs) == ("", b.token_ids, b.finish_reason, b.logprobs)
+    deltas = list(bare.stream(prompt_ids, GREEDY))
+    assert [t for d in deltas for t in d.token_ids] == llm.generate(prompt_ids, GREEDY)[0].outputs[0].token_ids
+    assert {d.text for d in deltas} == {""}
+
+
+@pytest.mark.parametrize("field, params", [
+    ("stop", SamplingParams(stop=["fox"])),
+    ("bad_words", SamplingParams(bad_words=["fox"])),
+    ("structured_outputs", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))),
+])
+def test_skip_tokenizer_init_refuses_what_needs_a_tokenizer(bare, field, params):
+    with pytest.raises(RequestError, match=f"^{field} must not be set without a tokenizer"):
+        bare.generate([[5, 6], [5, 7]], params)
+    assert not bare.core.has_unfinished
+
+
+def test_skip_tokenizer_init_refuses_text_and_chat(bare, hf):
+    with pytest.raises(RequestError, match="^prompt must be token ids"):
+        bare.generate([[5, 6], PROMPT], GREEDY)
+    with pytest.raises(RequestError, match="^prompt must be token ids"):
+        next(bare.stream(PROMPT, GREEDY))
+    with pytest.raises(RequestError, match="^messages: chat renders them with the tokenizer's chat template"):
+        bare.chat([{"role": "user", "content": "hello"}], GREEDY)
+    assert not bare.core.has_unfinished
+    with pytest.raises(ConfigError, match="skip_tokenizer_init=True loads no tokenizer"):
+        EngineArgs(model="m", tokenizer=hf[0], skip_tokenizer_init=True)
+
+
+def test_a_bad_tokenizer_path_is_a_config_error_naming_the_flag(llm, tmp_path):
+    from tests.utils.tiny_gguf import write_llama
+
+    not_gguf, no_tokenizer = tmp_path / "tokenizer.txt", tmp_path / "weights-only.gguf"
+    not_gguf.write_text("hello")
+    write_llama(no_tokenizer, [])  # a GGUF file without tokenizer metadata
+    for path, reason in ((tmp_path / "missing", "--tokenizer_dir {}: no such file or directory"),
+                         (not_gguf, "--tokenizer_dir {}: neither a directory nor a GGUF file"),
+                         (no_tokenizer, "{}: no usable tokenizer .* pass --tokenizer_dir")):
+        with pytest.raises(ConfigError, match=reason.format(re.escape(str(path)))):
+            LLM(llm.engine_dir, tokenizer=path, progress=False)
+
+
+def test_a_gguf_file_is_a_tokenizer(smollm2_llm, smollm2_engine_without_tokenizer):
+    """tokenizer= a GGUF file reads the tokenizer (chat template and end id too) from its
+    metadata: an engine without a tokenizer then answers as the engine built with it does."""
+    with pytest.raises(ConfigError, match="carries no tokenizer"):
+        LLM(smollm2_engine_without_tokenizer, progress=False)
+    llm = LLM(smollm2_engine_without_tokenizer, tokenizer=smollm2_gguf_path(), kv_cache_max_tokens=1024,
+              progress=False)
+    assert llm.processor.end_id == smollm2_llm.processor.end_id is not None
+    params = SamplingParams(max_tokens=8, temperature=0)
+    [want], [got] = (m.generate("The capital of France is", params) for m in (smollm2_llm, llm))
+    assert (got.prompt_token_ids, got.outputs[0].token_ids, got.outputs[0].text) == \
+        (want.prompt_token_ids, want.outputs[0].token_ids, want.outputs[0].text) and want.outputs[0].text
+    messages = [{"role": "user", "content": "Hi"}]
+    assert llm.chat(messages, params)[0].prompt_token_ids == smollm2_llm.chat(messages, params)[0].prompt_token_ids

@@ -21,6 +21,7 @@ from gguf.quants import dequantize
 
 from kiln.checkpoint.tensor_source import Index
 from kiln.errors import CheckpointError
+from kiln.tokenizer import hf_tokenizer
 
 # GGUF architecture -> (HF class, HF model_type). mistral and qwen2 name tensors like llama.
 # (llama.cpp itself labels Mistral 7B files "llama"; "mistral" is accepted for other writers.)
@@ -306,11 +307,9 @@ class GGUFSource:
 
     def save_tokenizer(self, output_dir: Path) -> None:
         """Write the HF tokenizer files (chat template included) and ``generation_config.json``."""
-        from transformers import AutoTokenizer  # transformers takes seconds to import: only where it is used
-
         output_dir = Path(output_dir)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+            tokenizer = hf_tokenizer(self.path)
         except Exception as e:
             raise CheckpointError(f"{self.path}: cannot build a tokenizer from the GGUF metadata ({e})") from None
         tokenizer.save_pretrained(output_dir)

@@ -45,8 +45,13 @@ class EngineArgs:
 
     model: str | Path | None = None
     tokenizer: str | Path | None = option(
-        None, SOURCE, ("run", "serve", "eval"), "tokenizer to use (default: the one stored in the engine)",
+        None, SOURCE, ("run", "serve", "eval"),
+        "tokenizer to use: a tokenizer directory or a GGUF file (default: the one stored in the engine)",
         flag="--tokenizer_dir")
+    skip_tokenizer_init: bool = option(
+        False, SOURCE, (),
+        "load no tokenizer (LLM only): prompts must be token ids, outputs carry token ids and empty text, "
+        "and requests may not use stop strings, bad words or structured outputs")
     cache_dir: str | Path | None = option(
         None, SOURCE, ("run", "serve", "bench"),
         "engine cache for a model that is not an engine yet (default $KILN_CACHE_DIR, else ~/.cache/kiln)")
@@ -91,6 +96,9 @@ class EngineArgs:
         False, RUNTIME, ("serve",), "reuse the KV cache of prompt prefixes shared between requests")
 
     def __post_init__(self) -> None:
+        if self.skip_tokenizer_init and self.tokenizer is not None:
+            raise ConfigError(f"tokenizer {self.tokenizer}: skip_tokenizer_init=True loads no tokenizer; "
+                              "give one or the other")
         for f in fields(self):
             value, choices = getattr(self, f.name), f.metadata.get("choices")
             if choices and isinstance(value, str) and value not in choices:

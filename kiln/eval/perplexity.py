@@ -111,8 +111,8 @@ def engine_build_config(engine_dir: str, tokenizer_dir: str | None = None):
         raise ConfigError(f"--engine_dir {path}: no such directory")
     if classify(path) != "engine":
         raise ConfigError(f"--engine_dir {path}: not a kiln engine (no config.json with a build_config)")
-    if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
-        raise ConfigError(f"--tokenizer_dir {tokenizer_dir}: no such directory")
+    if tokenizer_dir is not None and not Path(tokenizer_dir).exists():  # a directory or a GGUF file
+        raise ConfigError(f"--tokenizer_dir {tokenizer_dir}: no such file or directory")
     return BuildConfig.from_dict(read_config_dict(path)["build_config"])
 
 

@@ -55,11 +55,18 @@ class TextTracker:
         return piece
 
 
+# What a request may not ask for without a tokenizer (LLM(skip_tokenizer_init=True)), and why.
+NEEDS_TOKENIZER = {"stop": "stop strings are matched on the text; use stop_token_ids",
+                   "bad_words": "words are banned by their tokens; use bad_words_ids",
+                   "structured_outputs": "grammars are compiled against the tokenizer's vocabulary"}
+
+
 class RequestProcessor:
-    """A model's tokenizer and end ids, and what every front end does with them."""
+    """A model's tokenizer (or none, for token ids only) and end ids, and what every front end
+    does with them."""
 
     def __init__(self, tokenizer, end_token_ids: list[int], vocab_size: int | None = None):
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # None: prompts and outputs are token ids only, texts are ""
         self.end_id = end_token_ids[0] if end_token_ids else None
         self.extra_stop_ids = list(end_token_ids[1:])  # a model may end on several ids (Llama 3)
         self.vocab_size = vocab_size or len(tokenizer)  # the model's logits (a padded vocabulary may be wider)
@@ -76,6 +83,13 @@ class RequestProcessor:
         tokenizer = load_tokenizer(tokenizer_dir)
         return cls(tokenizer, end_ids(tokenizer_dir, tokenizer), vocab_size)
 
+    @classmethod
+    def without_tokenizer(cls, engine_dir: str | Path, vocab_size: int) -> "RequestProcessor":
+        """A processor of token ids only (no tokenizer is loaded). The end ids are the engine's
+        generation_config.json's ``eos_token_id``; without one, generation ends only at
+        ``max_tokens`` or a request's ``stop_token_ids``."""
+        return cls(None, end_ids(engine_dir, None), vocab_size)
+
     def grammar_tokenizer(self):
         """The tokenizer as structured outputs' grammar engine sees it (built on first use)."""
         if self._grammar_tokenizer is None:
@@ -91,6 +105,8 @@ class RequestProcessor:
     def encode(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids (a string is tokenized; a list of ids is taken as it is)."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("prompt must be token ids: no tokenizer was loaded (skip_tokenizer_init=True)")
             return self.tokenizer(prompt)["input_ids"]
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return prompt
@@ -112,6 +128,11 @@ class RequestProcessor:
         strings (matched on the text instead). With ``sample`` ``i``: the ``i``-th of ``n``
         independent samples (one sequence, seed ``params.seed_for(i)``); else the whole group,
         with the log-probs ``best_of`` ranks its samples by."""
+        if self.tokenizer is None:
+            for name, why in NEEDS_TOKENIZER.items():
+                if getattr(params, name) not in (None, []):
+                    raise RequestError(f"{name} must not be set without a tokenizer (skip_tokenizer_init=True): "
+                                       f"{why}")
         if params.use_beam_search and (params.stop or params.stop_words_ids):
             raise RequestError("stop strings and multi-token stop words are not supported with beam search")
         if params.structured_outputs is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import threading
 import time
@@ -14,7 +15,11 @@ import openai
 import pytest
 
 from kiln import LLM
+from kiln.errors import ConfigError
+from kiln.examples import smollm2_gguf_path
+from kiln.runtime.executor import ExecutorConfig, KvCacheConfig
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.serve.engine import ServingEngine
 from tests.utils.server import MAX_INPUT_LEN, MAX_SEQ_LEN, MODEL, serve_tiny
 
 KEY = "secret-key"
@@ -198,6 +203,30 @@ def test_api_key(engine_dir):
             assert r.status == 200
     finally:
         s.stop()
+
+
+def test_a_gguf_file_serves_as_the_tokenizer(smollm2_llm, smollm2_engine_without_tokenizer):
+    """--tokenizer_dir a GGUF file: an engine without a tokenizer serves text and chat through the
+    GGUF's tokenizer, exactly as the engine built with that tokenizer answers."""
+    s = serve_tiny(smollm2_engine_without_tokenizer, tokenizer_dir=smollm2_gguf_path())
+    try:
+        ref = _greedy(smollm2_llm, "The capital of France is", 8)
+        r = s.client().completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+        assert (r.choices[0].text, r.usage.prompt_tokens) == (ref.outputs[0].text, len(ref.prompt_token_ids))
+        [chat_ref] = smollm2_llm.chat(MESSAGES, SamplingParams(max_tokens=8, temperature=0))
+        chat = s.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+        assert chat.choices[0].message.content == chat_ref.outputs[0].text
+        assert chat.usage.prompt_tokens == len(chat_ref.prompt_token_ids)
+    finally:
+        s.stop()
+
+
+def test_a_bad_tokenizer_path_is_a_config_error_naming_the_flag(engine_dir, tmp_path):
+    for path, reason in ((tmp_path / "missing", "no such file or directory"),
+                         (engine_dir / "config.json", "neither a directory nor a GGUF file")):
+        with pytest.raises(ConfigError, match=f"--tokenizer_dir {re.escape(str(path))}: {reason}"):
+            ServingEngine(engine_dir, tokenizer_dir=path,
+                          executor_config=ExecutorConfig(kv_cache_config=KvCacheConfig(max_tokens=256)))
 
 
 # -- operations -------------------------------------------------------------------------------
