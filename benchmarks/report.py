@@ -175,9 +175,26 @@ def _quality(records: list[dict]) -> list[str]:
     return out[:-1]
 
 
+def _scoring(records: list[dict]) -> list[str]:
+    """lm-evaluation-harness multiple choice: kiln serve (local-completions, echo) beside HF, same weights."""
+    rows = ["| date | CPU | model | questions | acc kiln / HF | acc_norm kiln / HF | same answer | "
+            "largest log-likelihood difference | command |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in [x for x in records if x.get("kind") == "lm_eval_scoring"][-ROWS:][::-1]:
+        k, h, a = r["kiln"], r["hf"], r["agreement"]
+        rows.append(f"| {r['date'][:10]} | {_cpu(r)} | {r['gguf']} float32 | {r['questions']} | "
+                    f"{k['acc']:.3f} / {h['acc']:.3f} | {k['acc_norm']:.3f} / {h['acc_norm']:.3f} | "
+                    f"{a['same_answer']} / {a['questions']} | {a['max_abs_loglikelihood_diff']:.1e} | "
+                    f"`{_short(r['command'])}` |")
+    return ["## Scoring: lm-evaluation-harness through kiln serve beside HF transformers", "",
+            "`python benchmarks/lm_eval_scoring.py`: a generated four-way multiple-choice task (sums, capitals, "
+            "antonyms) from local files, scored by lm-eval's `local-completions` model against `kiln serve` "
+            "(token-id prompts with `echo`, `logprobs: 1`) and by its `hf` model, the same weights in float32.",
+            "", *rows]
+
+
 def render(records: list[dict]) -> str:
-    parts = [HEADER.rstrip(), "", *_scale(records), "", *_quality(records), "", *_latency(records), "",
-             *_throughput(records), "", *_robustness(records)]
+    parts = [HEADER.rstrip(), "", *_scale(records), "", *_quality(records), "", *_scoring(records), "",
+             *_latency(records), "", *_throughput(records), "", *_robustness(records)]
     return "\n".join(parts) + "\n"
 
 

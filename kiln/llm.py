@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
-import torch
 from tqdm import tqdm
 
 from kiln.checkpoint.peft import load_prompt_table, read_adapter
@@ -22,6 +21,7 @@ from kiln.outputs import CompletionOutput, RequestOutput, StreamDelta, beam_comp
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore, SequenceGroup
 from kiln.runtime.lora_cache import LoraConfig, parse_adapter
+from kiln.runtime.prompt_logprobs import prompt_logprobs
 from kiln.runtime.request_processor import RequestProcessor
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import FinishReason
@@ -243,13 +243,4 @@ class LLM:
         k = request.params.prompt_logprobs
         if k is None or not request.context_logits:
             return None
-        logprobs = torch.cat(request.context_logits).log_softmax(dim=-1)  # row i predicts prompt token i + 1
-        ids = request.prompt_token_ids
-        out: list = [None]
-        for i in range(1, len(ids)):
-            entry = {ids[i]: logprobs[i - 1, ids[i]].item()}
-            if k:
-                values, tops = logprobs[i - 1].topk(k)
-                entry = {**dict(zip(tops.tolist(), values.tolist())), **entry}
-            out.append(entry)
-        return out
+        return prompt_logprobs(request.context_logits, request.prompt_token_ids, k).entries

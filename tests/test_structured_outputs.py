@@ -104,25 +104,33 @@ def test_what_cannot_compile_is_a_request_error(smollm2_llm, constraint, message
         smollm2_llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**constraint)))
 
 
+def test_a_bare_executor_holds_outputs_with_the_engines_tokenizer(smollm2_llm) -> None:
+    """No front end gave the executor a tokenizer: the sampler reads the engine's own."""
+    from kiln.runtime.executor import Executor, ExecutorConfig, KvCacheConfig, OutputConfig, Request
+
+    executor = Executor(smollm2_llm.engine_dir, ExecutorConfig(kv_cache_config=KvCacheConfig(max_tokens=512)))
+    try:
+        prompt = smollm2_llm.tokenizer("The sky is")["input_ids"]
+        params = SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(choice=["green", "blue"]))
+        rid = executor.enqueue_request(Request(prompt, max_tokens=8, sampling_config=params,
+                                               end_id=smollm2_llm.processor.end_id,
+                                               output_config=OutputConfig(exclude_input_from_output=True)))
+        (response,) = executor.await_responses(rid, timeout=120)
+        while not response.result.is_final:
+            (response,) = executor.await_responses(rid, timeout=120)
+    finally:
+        executor.shutdown()
+    assert not response.has_error(), response.error_msg
+    assert smollm2_llm.tokenizer.decode(response.result.output_token_ids[0], skip_special_tokens=True) in ("green",
+                                                                                                         "blue")
+
+
 def test_beam_search_is_refused() -> None:
     with pytest.raises(RequestError, match="structured_outputs must be used without beam search"):
         SamplingParams(use_beam_search=True, best_of=2, structured_outputs=StructuredOutputsParams(regex="a"))
 
 
 # -- through the server, with the official openai client ----------------------------------------
-
-
-@pytest.fixture(scope="module")
-def served(smollm2_llm):
-    """``kiln serve`` of the bundled model's engine (the LLM fixture's), as "smollm2"."""
-    from kiln.runtime.executor import ExecutorConfig, KvCacheConfig
-    from kiln.serve import create_app
-    from tests.utils.server import LocalServer
-
-    config = ExecutorConfig(kv_cache_config=KvCacheConfig(max_tokens=4096))
-    server = LocalServer(create_app(smollm2_llm.engine_dir, executor_config=config, served_model_name="smollm2"))
-    yield server
-    server.stop()
 
 
 def test_response_format_json_schema_validates_streamed_or_not(served) -> None:

@@ -10,6 +10,7 @@ from kiln.config.engine_args import EngineArgs
 from kiln.engine_cache import engine_for
 from kiln.errors import ConfigError
 from kiln.runtime.executor import ExecutorConfig, KvCacheConfig
+from kiln.runtime.tool_parsers import TOOL_CALL_PARSERS
 
 
 def add_parser(sub) -> None:
@@ -30,6 +31,11 @@ def add_parser(sub) -> None:
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="serve a LoRA adapter (a PEFT adapter directory or a kiln lora convert output) as model "
                         "NAME; repeat for more (more can be loaded at run time: POST /v1/load_lora_adapter)")
+    p.add_argument("--tool_call_parser", default="hermes", choices=sorted(TOOL_CALL_PARSERS),
+                   help="how the model writes tool calls, for chat requests with tools: 'hermes' "
+                        "(<tool_call>{...}</tool_call> blocks: Hermes, Qwen, and kiln's generic tool prompt for chat "
+                        "templates without tools, such as SmolLM2's) or 'llama3_json' (Llama 3.1+'s bare JSON "
+                        "objects) (default hermes)")
     EngineArgs.add_cli_args(p, "serve")
     g = p.add_argument_group("scheduling")
     g.add_argument("--max_queue_size", type=int, default=1024,
@@ -75,7 +81,8 @@ def serve(args) -> int:
     with rank_zero(engine_dir, args.tp_size, args.pp_size):  # the other ranks of a split engine follow
         app = create_app(engine_dir, tokenizer_dir=args.tokenizer, api_key=args.api_key,
                          executor_config=config, served_model_name=args.served_model_name, lora_adapters=loras,
-                         on_world_error=stop_serving, request_timeout=args.request_timeout)
+                         on_world_error=stop_serving, request_timeout=args.request_timeout,
+                         tool_call_parser=args.tool_call_parser)
         # uvicorn's own wait for open connections is a backstop: the drain has ended them.
         uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                         timeout_graceful_shutdown=5)

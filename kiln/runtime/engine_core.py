@@ -298,8 +298,15 @@ class EngineCore:
 
     def _collect_logits(self, result: RunnerOutput) -> None:
         for seq_id, logits in result.context_logits.items():
-            if seq_id in self._requests:  # not cancelled while in flight
-                self._requests[seq_id].context_logits.append(logits)
+            request = self._requests.get(seq_id)
+            if request is None:  # cancelled while in flight
+                continue
+            seq = next(s for s in request.seqs if s.seq_id == seq_id)
+            if seq.num_computed_tokens == 0:  # its first chunk, or recomputed after a preemption
+                request.context_logits = []
+            request.context_logits.append(logits)
+            if seq.num_computed_tokens + len(logits) >= seq.num_prompt_tokens:
+                seq.return_context_logits = False  # all there: a recompute after a preemption adds none
         by_request: dict[int, tuple[SequenceGroup, dict]] = {}
         for seq_id, logits in result.generation_logits.items():
             request = self._requests.get(seq_id)

@@ -381,8 +381,11 @@ class Executor:
             result.cum_log_probs = [float(sum(lp)) for _, lp, _ in beams]
         if core.beam is None and (core.params.logprobs or 0) > 0:
             result.top_log_probs = [list(s.top_logprobs) for s in core.seqs]
-        if final and r.output_config.return_context_logits and core.context_logits:
+        if r.output_config.return_context_logits and core.context_logits and (final or r.streaming and sum(
+                len(rows) for rows in core.context_logits) >= len(core.prompt_token_ids)):
             result.context_logits = torch.cat(core.context_logits)
+            if r.streaming:  # sent once, as soon as the prompt is computed; vocab-wide rows: freed now
+                core.context_logits = []
         if final and r.output_config.return_generation_logits:
             result.generation_logits = core.generation_logits
         return result

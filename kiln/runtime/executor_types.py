@@ -104,6 +104,7 @@ class Result:
     # per sequence, per generated token: {token: logprob} of the top-k, when the request's
     # sampling params ask for ``logprobs=k`` (k > 0); all tokens so far, even when streaming
     top_log_probs: list[list[dict[int, float]]] | None = None
+    # [prompt tokens, vocab]: in the final result, or a streaming request's first one after its prefill
     context_logits: torch.Tensor | None = None
     generation_logits: list | None = None
 

@@ -14,7 +14,7 @@ import llguidance
 import llguidance.torch
 import torch
 
-from kiln.errors import RequestError
+from kiln.errors import KilnError, RequestError
 from kiln.runtime.sequence import Sequence
 
 
@@ -22,8 +22,8 @@ class GrammarMasks:
     """Each constrained sequence's matcher, and the masks they put on a step's logits."""
 
     def __init__(self, tokenizer_source: Callable[[], llguidance.LLTokenizer] | None = None):
-        self.source = tokenizer_source  # the front end's (EngineCore.use_grammar_tokenizer)
-        self._tokenizer: llguidance.LLTokenizer | None = None
+        self.source = tokenizer_source  # the front end's (EngineCore.use_grammar_tokenizer), else the engine's
+        self._tokenizer: llguidance.LLTokenizer | RequestError | None = None
         self._matchers: dict[int, list] = {}  # seq_id -> [matcher, output tokens consumed]
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -62,5 +62,10 @@ class GrammarMasks:
             if self.source is None:
                 raise RequestError("structured outputs need the model's tokenizer where the sampler runs: this "
                                    "engine core was given none (EngineCore.use_grammar_tokenizer)")
-            self._tokenizer = self.source()
+            try:
+                self._tokenizer = self.source()
+            except KilnError as e:  # remembered: every constrained request would fail alike
+                self._tokenizer = e if isinstance(e, RequestError) else RequestError(f"structured outputs: {e}")
+        if isinstance(self._tokenizer, RequestError):
+            raise self._tokenizer
         return self._tokenizer

@@ -26,6 +26,7 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.grammar_masks import GrammarMasks
 from kiln.runtime.logits_processors import TokenHistory, process_logits
 from kiln.runtime.prompt_tuning import prompt_step
+from kiln.runtime.request_processor import RequestProcessor
 from kiln.runtime.sampling import sample
 from kiln.runtime.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenResult
 from kiln.runtime.sequence import Sequence
@@ -70,7 +71,10 @@ class ModelRunner:
                                            attention.num_kv_heads, attention.head_size, kv_cache_dtype(config))
         self.backend = BACKENDS[select_backend(attention_backend, torch_dtype(config.dtype))]()
         self.history = TokenHistory(engine.build_config.max_seq_len, config.vocab_size)
-        self.grammars = GrammarMasks()
+        # A front end (LLM, the server) gives its own tokenizer; a bare Executor or a pipeline's
+        # sampling rank reads the engine's stored one when the first constrained request comes.
+        self.grammars = GrammarMasks(lambda: RequestProcessor.load(engine.tokenizer_dir, engine.engine_dir,
+                                                                   config.vocab_size).grammar_tokenizer())
         self._lora_targets_assigned = False
         self.mapping = config.mapping
         # On rank 0 of a world: hands every step to the other ranks (kiln.runtime.worker).

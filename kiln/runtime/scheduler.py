@@ -190,9 +190,10 @@ class Scheduler:
     def _take_cached_prefix(self, seq: Sequence) -> None:
         """Start a fresh sequence from the cached blocks of its longest known prefix.
 
-        At least one token is always left to compute, so the step yields its logits.
+        At least one token is always left to compute, so the step yields its logits. A sequence
+        that returns context logits computes its whole prompt: cached blocks have no logits.
         """
-        if seq.block_ids or seq.num_computed_tokens:
+        if seq.block_ids or seq.num_computed_tokens or seq.return_context_logits:
             return
         blocks, hashes = self.pool.take_cached_prefix(seq.token_ids, self.block_size,
                                                       (seq.num_tokens - 1) // self.block_size, seq.cache_salt)

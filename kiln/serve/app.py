@@ -59,17 +59,18 @@ def create_app(engine_dir: str | Path, tokenizer_dir: str | Path | None = None, 
                executor_config: ExecutorConfig | None = None, served_model_name: str | None = None,
                lora_adapters: dict[str, str | Path] | None = None,
                on_world_error: Callable[[BaseException], None] | None = None,
-               request_timeout: float | None = None) -> FastAPI:
+               request_timeout: float | None = None, tool_call_parser: str = "hermes") -> FastAPI:
     """An OpenAI-compatible app serving the engine in ``engine_dir`` (the executor starts with the
     app), and each LoRA adapter of ``lora_adapters`` (name -> directory) as a model of that name.
     ``on_world_error``: called once if another rank of the engine's world dies;
-    ``request_timeout``: seconds a request may run (queueing included) before it is ended."""
+    ``request_timeout``: seconds a request may run (queueing included) before it is ended;
+    ``tool_call_parser``: how the model writes tool calls (a name in ``TOOL_CALL_PARSERS``)."""
     name = served_model_name or Path(engine_dir).name
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine = await asyncio.to_thread(ServingEngine, engine_dir, tokenizer_dir, executor_config, name,
-                                         on_world_error, request_timeout)
+                                         on_world_error, request_timeout, tool_call_parser)
         try:  # the engine's built-in adapters, then those given here
             built_in = engine.executor.engine.lora_adapter_dirs
             for lora_name, path in {**built_in, **(lora_adapters or {})}.items():

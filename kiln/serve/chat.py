@@ -1,15 +1,19 @@
-"""``POST /v1/chat/completions``: messages rendered by the tokenizer's chat template, then generated."""
+"""``POST /v1/chat/completions``: messages (and tools) rendered by the tokenizer's chat template, then
+generated; with tools, each choice's calls read from its text (``kiln.serve.tools``)."""
 from __future__ import annotations
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
 from kiln.errors import KilnError
-from kiln.serve.completions import default_max_tokens, sampling_kwargs, stream_events
+from kiln.serve.completions import asked_structured_outputs, default_max_tokens, sampling_kwargs, stream_events
 from kiln.serve.engine import Event, ServingEngine
-from kiln.serve.protocol import (ApiError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                 ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
-                                 ChatTokenLogprob, DeltaMessage, TopLogprob, Usage, now, random_id)
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.tool_prompts import tool_chat
+from kiln.serve.protocol import (ApiError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                 ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatTokenLogprob, DeltaMessage,
+                                 TopLogprob, Usage, now, random_id)
+from kiln.serve.tools import ToolDeltas, ToolPlan, finish_reason, plan_tools, reply_message
 from kiln.tokenizer import chat_prompt_ids
 
 
@@ -39,21 +43,36 @@ def _logprobs(engine: ServingEngine, token_ids: list[int], logprobs: list[float]
 
 
 def _messages(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as the chat template takes them ("developer" is OpenAI's newer "system")."""
+    """The messages as OpenAI dicts of text ("developer" is OpenAI's newer "system")."""
     out = []
     for i, m in enumerate(messages):
-        if m.role in ("tool", "function"):
-            raise ApiError(400, f"messages[{i}]: {m.role!r} messages need tool calling, which kiln does not "
-                                "support yet", "messages")
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": _content(m.content)})
+        if m.role == "function":
+            raise ApiError(400, f"messages[{i}]: 'function' messages are OpenAI's deprecated spelling; send the "
+                                "result as a 'tool' message with its tool_call_id", "messages")
+        if m.role == "tool" and not m.tool_call_id:
+            raise ApiError(400, f"messages[{i}].tool_call_id: a tool message names the call it answers",
+                           "messages")
+        if m.tool_calls and m.role != "assistant":
+            raise ApiError(400, f"messages[{i}].tool_calls: only assistant messages call tools", "messages")
+        message = {"role": "system" if m.role == "developer" else m.role, "content": _content(m.content)}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
 
 
-def chat_ids(engine: ServingEngine, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-    """The token ids of ``messages`` rendered by the model's chat template (a 400 naming
-    ``messages`` when it cannot render them)."""
+def chat_ids(engine: ServingEngine, messages: list[ChatMessage], add_generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> list[int]:
+    """The token ids of ``messages`` (and ``tools``) rendered by the model's chat template (a 400
+    naming ``messages`` when it cannot render them)."""
     try:
-        return chat_prompt_ids(engine.tokenizer, _messages(messages), add_generation_prompt)
+        rendered, template_tools = tool_chat(_messages(messages), tools, engine.tool_call_parser,
+                                             engine.template_reads_tools)
+        return chat_prompt_ids(engine.tokenizer, rendered, add_generation_prompt, template_tools)
     except KilnError as e:
         raise ApiError(400, str(e), "messages") from None
     except Exception as e:  # a template that cannot render these messages
@@ -61,42 +80,60 @@ def chat_ids(engine: ServingEngine, messages: list[ChatMessage], add_generation_
 
 
 async def serve(engine: ServingEngine, body: ChatCompletionRequest, http_request: HttpRequest):
-    ids = chat_ids(engine, body.messages)
+    plan = plan_tools(body, engine.tool_call_parser, engine.processor.check_structured_outputs,
+                      bool(asked_structured_outputs(body)))
+    kwargs = sampling_kwargs(body, engine)
+    kwargs["structured_outputs"] = plan.constraint or kwargs["structured_outputs"]
+    ids = chat_ids(engine, body.messages, tools=plan.tools)
     engine.check_prompt(ids, "messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    k = body.top_logprobs or 0
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = default_max_tokens(engine, [ids])
-    params = engine.sampling_params(max_tokens=max_tokens, logprobs=k if body.logprobs else None,
-                                    **sampling_kwargs(body, engine))
+    params = engine.sampling_params(max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs
+                                    else None, **kwargs)
+    if body.stream:
+        return await _stream(engine, body, plan, ids, params)
+    return await _whole(engine, body, plan, ids, params, http_request)
+
+
+async def _stream(engine: ServingEngine, body: ChatCompletionRequest, plan: ToolPlan, ids: list[int],
+                  params: SamplingParams):
     rid, created = random_id("chatcmpl"), now()
-    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     completion_tokens = [0]
+    tool_deltas = [ToolDeltas(plan.parser) if plan.parser else None for _ in range(params.n)]
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> dict:
         out = ChatCompletionChunk(id=rid, created=created, model=engine.model_name, choices=choices, usage=usage)
         return out.model_dump(exclude=None if include_usage else {"usage"}, exclude_none=False)
 
-    if body.stream:
-        def on_event(event: Event) -> dict:
-            completion_tokens[0] += len(event.token_ids)
-            logprobs = _logprobs(engine, event.token_ids, event.logprobs, event.top_logprobs, k) \
-                if body.logprobs else None
-            return chunk([ChatChunkChoice(index=event.index, delta=DeltaMessage(content=event.text),
-                                          logprobs=logprobs, finish_reason=event.finish_reason)])
+    def on_event(event: Event) -> dict:
+        completion_tokens[0] += len(event.token_ids)
+        logprobs = _logprobs(engine, event.token_ids, event.logprobs, event.top_logprobs, body.top_logprobs or 0) \
+            if body.logprobs else None
+        deltas, reason = tool_deltas[event.index], event.finish_reason
+        if deltas is None:
+            delta = DeltaMessage(content=event.text)
+        else:
+            delta = deltas.delta(event.text, final=reason is not None)
+            reason = finish_reason(reason, deltas.has_calls)
+        return chunk([ChatChunkChoice(index=event.index, delta=delta, logprobs=logprobs, finish_reason=reason)])
 
-        def tail() -> list[dict]:
-            if not include_usage:
-                return []
-            return [chunk([], Usage(prompt_tokens=len(ids), completion_tokens=completion_tokens[0],
-                                    total_tokens=len(ids) + completion_tokens[0]))]
+    def tail() -> list[dict]:
+        if not include_usage:
+            return []
+        return [chunk([], Usage(prompt_tokens=len(ids), completion_tokens=completion_tokens[0],
+                                total_tokens=len(ids) + completion_tokens[0]))]
 
-        head = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                       for i in range(params.n)])]
-        return await stream_events(engine.generate([ids], params, model=body.model), on_event, head=head, tail=tail)
+    head = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                   for i in range(params.n)])]
+    return await stream_events(engine.generate([ids], params, model=body.model), on_event, head=head, tail=tail)
 
+
+async def _whole(engine: ServingEngine, body: ChatCompletionRequest, plan: ToolPlan, ids: list[int],
+                 params: SamplingParams, http_request: HttpRequest) -> JSONResponse:
     n = params.n
     texts, tokens = [[] for _ in range(n)], [[] for _ in range(n)]
     lps, tops = [[] for _ in range(n)], [[] for _ in range(n)]
@@ -107,10 +144,13 @@ async def serve(engine: ServingEngine, body: ChatCompletionRequest, http_request
         lps[event.index] += event.logprobs
         tops[event.index] += event.top_logprobs
         reasons[event.index] = event.finish_reason or reasons[event.index]
-    choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(texts[i])), finish_reason=reasons[i],
-                          logprobs=_logprobs(engine, tokens[i], lps[i], tops[i], k) if body.logprobs else None)
-               for i in range(n)]
+    choices = []
+    for i in range(n):
+        message = reply_message(plan, "".join(texts[i]))
+        logprobs = _logprobs(engine, tokens[i], lps[i], tops[i], body.top_logprobs or 0) if body.logprobs else None
+        choices.append(ChatChoice(index=i, message=message, logprobs=logprobs,
+                                  finish_reason=finish_reason(reasons[i], bool(message.tool_calls))))
     generated = sum(len(t) for t in tokens)
     usage = Usage(prompt_tokens=len(ids), completion_tokens=generated, total_tokens=len(ids) + generated)
-    return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=engine.model_name, choices=choices,
-                                               usage=usage).model_dump())
+    return JSONResponse(ChatCompletionResponse(id=random_id("chatcmpl"), created=now(), model=engine.model_name,
+                                               choices=choices, usage=usage).model_dump())

@@ -19,11 +19,14 @@ from typing import AsyncIterator, Callable
 from fastapi import Request as HttpRequest
 
 from kiln.checkpoint.peft import read_adapter
-from kiln.errors import KilnError, QueueFullError, RequestError, WorldError
+from kiln.errors import ConfigError, KilnError, QueueFullError, RequestError, WorldError
 from kiln.runtime.executor import Executor, ExecutorConfig, OutputConfig, Request, Response
 from kiln.runtime.lora_cache import LoraConfig
+from kiln.runtime.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from kiln.runtime.request_processor import RequestProcessor, TextTracker
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.tool_parsers import TOOL_CALL_PARSERS
+from kiln.runtime.tool_prompts import template_reads_tools
 from kiln.serve.metrics import Metrics
 from kiln.serve.protocol import ApiError
 
@@ -42,6 +45,7 @@ class Event:
     logprobs: list[float] = field(default_factory=list)  # of token_ids
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # on a choice's first event, when asked for
 
 
 @dataclass(eq=False)
@@ -53,6 +57,9 @@ class _Choice:
     finished: bool = False
     first_at: float | None = None
     last_at: float | None = None
+    waits: bool = False  # for its prompt's log-probs: its events are held until they come
+    scored: PromptLogprobs | None = None  # its prompt's log-probs, until sent with its first event
+    held: list[Event] = field(default_factory=list)
 
 
 def request_error_param(message: str, default: str | None = None) -> str | None:
@@ -67,7 +74,11 @@ class ServingEngine:
     def __init__(self, engine_dir: str | Path, tokenizer_dir: str | Path | None = None,
                  executor_config: ExecutorConfig | None = None, served_model_name: str | None = None,
                  on_world_error: Callable[[BaseException], None] | None = None,
-                 request_timeout: float | None = None):
+                 request_timeout: float | None = None, tool_call_parser: str = "hermes"):
+        if tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"--tool_call_parser: one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
+        # How the served model writes tool calls (its chat template's format, or kiln's generic one).
+        self.tool_call_parser = TOOL_CALL_PARSERS[tool_call_parser]()
         self.executor = Executor(engine_dir, executor_config)
         # Seconds a request may take from arrival to its last token; then it ends ("abort").
         self.request_timeout = request_timeout
@@ -84,6 +95,7 @@ class ServingEngine:
             self.executor.shutdown()
             raise
         self.tokenizer = self.processor.tokenizer
+        self.template_reads_tools = template_reads_tools(self.tokenizer)
         self.build = engine.build_config
         self.vocab_size = engine.config.vocab_size
         self.model_name = served_model_name or Path(engine_dir).name
@@ -211,19 +223,13 @@ class ServingEngine:
         Stop strings are matched on the detokenized text; the executor request of a choice that
         hit one is cancelled. ``http_request``: poll it and stop if the client went away (the
         streaming path is cancelled by the server instead). Leaving early cancels what still runs.
+
+        With ``params.prompt_logprobs`` (top-k), the first event of every choice carries its
+        prompt's :class:`PromptLogprobs`: the first choice of each prompt returns the context
+        logits (vocabulary-wide rows per prompt token, so only one choice per prompt, dropped
+        once scored), and a sibling's events wait until they are scored.
         """
-        want_logprobs = params.logprobs is not None
-        timeout_ms = None if self.request_timeout is None else max(1, round(self.request_timeout * 1000))
-        lora_task = self.lora_task_ids.get(model)
-        lora = LoraConfig(lora_task) if lora_task is not None else None
-        requests, choices = [], []
-        for p, ids in enumerate(prompts):
-            for i in range(params.n):
-                requests.append(Request(input_token_ids=ids, max_tokens=params.max_tokens, streaming=True,
-                                        sampling_config=self.processor.engine_params(params, sample=i),
-                                        end_id=self.processor.end_id,
-                                        output_config=OutputConfig(return_log_probs=want_logprobs),
-                                        lora_config=lora, allotted_time_ms=timeout_ms))
+        requests = self._requests(prompts, params, model)
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             try:
@@ -237,8 +243,8 @@ class ServingEngine:
         started = time.perf_counter()
         for ids in prompts:
             self.metrics.add_prompt_tokens(len(ids) * params.n)
-        for index, rid in enumerate(rids):
-            choices.append(_Choice(index, rid, self.processor.text_tracker(params)))
+        choices = [_Choice(index, rid, self.processor.text_tracker(params), waits=params.prompt_logprobs is not None)
+                   for index, rid in enumerate(rids)]
         by_rid = {c.request_id: c for c in choices}
         self.metrics.in_flight += 1
         try:
@@ -267,8 +273,8 @@ class ServingEngine:
                 event = self._advance(choice, response.result, started)
                 if choice.finished:
                     remaining -= 1
-                if event.text or event.token_ids or event.finish_reason:
-                    yield event
+                for ready in self._release(choice, event, response.result, prompts, params, choices):
+                    yield ready
         finally:
             self.metrics.in_flight -= 1
             for choice in choices:
@@ -277,6 +283,45 @@ class ServingEngine:
             with self._lock:
                 for rid in rids:
                     self._queues.pop(rid, None)
+
+    def _requests(self, prompts: list[list[int]], params: SamplingParams, model: str | None) -> list[Request]:
+        """The executor requests of every choice of every prompt (the first choice of a prompt
+        returns its context logits when prompt log-probs are asked for)."""
+        want_logprobs = params.logprobs is not None
+        timeout_ms = None if self.request_timeout is None else max(1, round(self.request_timeout * 1000))
+        lora_task = self.lora_task_ids.get(model)
+        lora = LoraConfig(lora_task) if lora_task is not None else None
+        return [Request(input_token_ids=ids, max_tokens=params.max_tokens, streaming=True,
+                        sampling_config=self.processor.engine_params(params, sample=i), end_id=self.processor.end_id,
+                        output_config=OutputConfig(return_log_probs=want_logprobs, return_context_logits=(
+                            params.prompt_logprobs is not None and i == 0)),
+                        lora_config=lora, allotted_time_ms=timeout_ms)
+                for ids in prompts for i in range(params.n)]
+
+    @staticmethod
+    def _release(choice: _Choice, event: Event, result, prompts: list[list[int]], params: SamplingParams,
+                 choices: list[_Choice]) -> list[Event]:
+        """The events ready to send after ``event``: those of a choice whose prompt is scored
+        (its first carrying the prompt log-probs), or, once the scoring choice's context logits
+        (or its end) arrive, every held event of its prompt."""
+        if event.text or event.token_ids or event.finish_reason:
+            choice.held.append(event)
+        n, p = params.n, choice.index // params.n
+        siblings = choices[p * n:(p + 1) * n]
+        if choice.index % n == 0 and choice.waits and (result.context_logits is not None or result.is_final):
+            scored = prompt_logprobs(result.context_logits, prompts[p], params.prompt_logprobs)
+            result.context_logits = None  # vocabulary-wide: not kept past scoring
+            for sibling in siblings:
+                sibling.scored, sibling.waits = scored, False
+        ready = []
+        for c in siblings if choice.index % n == 0 else [choice]:
+            if c.waits or not c.held:
+                continue
+            if c.scored is not None:
+                c.held[0].prompt_logprobs, c.scored = c.scored, None
+            ready += c.held
+            c.held = []
+        return ready
 
     def _advance(self, choice: _Choice, result, started: float) -> Event:
         new = list(result.output_token_ids[0])

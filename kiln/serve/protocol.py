@@ -114,15 +114,51 @@ class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False  # accepted so that a request asking for it gets a clear 400
+    echo: bool = False  # the answer starts with the prompt (and its tokens' log-probs); max_tokens 0: only that
+    prompt_logprobs: int | None = None  # vLLM's: each choice's prompt_logprobs, with the top-k of every token
     best_of: int | None = None  # only best_of == n (or unset) is served; see completions.serve
     suffix: str | None = None  # likewise: insertion is not supported
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+    strict: bool | None = None  # kiln holds the arguments to the schema whenever tool_choice forces a call
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
+class ToolCallBody(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    # "tool" and "function" messages are known roles that kiln refuses until it calls tools.
+    # "function" is OpenAI's deprecated spelling of "tool": a known role that gets a clear 400.
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[dict[str, Any]], None] = None
+    name: str | None = None
+    tool_calls: list[ToolCallBody] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -131,6 +167,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None  # OpenAI's default: true
 
 
 class TokenizeRequest(_Strict):
@@ -139,6 +178,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None  # rendered with messages, as a chat request with tool_choice auto
     add_special_tokens: bool = True  # for a prompt
     add_generation_prompt: bool = True  # for messages
 
@@ -200,11 +240,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt token's ``prompt_logprobs`` (rank 1: the most likely token)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: per prompt token (None for the first), token id -> its entry; when asked for
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -232,7 +282,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallBody] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -251,9 +302,22 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int  # of the call in the message; a call's deltas share it
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

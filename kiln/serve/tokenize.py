@@ -9,13 +9,14 @@ from kiln.serve.protocol import ApiError, DetokenizeRequest, DetokenizeResponse,
 
 def tokenize(engine: ServingEngine, body: TokenizeRequest) -> TokenizeResponse:
     """A prompt's token ids (with the tokenizer's special tokens unless ``add_special_tokens`` is
-    false), or those of chat messages as ``/v1/chat/completions`` renders them."""
+    false), or those of chat messages (and tools) as ``/v1/chat/completions`` renders them."""
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give either prompt or messages", "prompt")
     if body.prompt is not None:
         ids = engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
     else:
-        ids = chat_ids(engine, body.messages, body.add_generation_prompt)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        ids = chat_ids(engine, body.messages, body.add_generation_prompt, tools)
     return TokenizeResponse(count=len(ids), max_model_len=engine.build.max_seq_len, tokens=ids)
 
 

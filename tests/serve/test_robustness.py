@@ -74,16 +74,26 @@ def test_a_seed_past_64_bits_is_400_and_the_next_request_succeeds(server, client
 
 
 LONG = [f"s{i}" for i in range(17)]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 BAD_CHAT = [
     ({"n": 10000}, "n"), ({"n": 100}, "n"),  # OpenAI's bound 128; the server's batch (16) for 100
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "x"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages"),  # which call does it answer?
+    ({"messages": [{"role": "function", "name": "f", "content": "42"}]}, "messages"),  # deprecated: use "tool"
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": [CALL]}]}, "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{"}}]}]},
+     "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"temperature": 1e308}, "temperature"), ({"temperature": 2.5}, "temperature"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),  # no schema to hold the output to
     ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools"),
+    ({"tools": [TOOL, TOOL]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools"), ({"tools": [TOOL], "parallel_tool_calls": "maybe"}, "parallel_tool_calls"),
     ({"frobnicate": True}, "frobnicate"), ({"stop": LONG}, "stop"), ({"stop": "x" * 2000}, "stop"),
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"), ({"logit_bias": {"5": 200}}, "logit_bias"),
     ({"top_logprobs": 5}, "top_logprobs"), ({"seed": -2**63 - 1}, "seed"), ({"max_tokens": -1}, "max_tokens"),
