@@ -192,8 +192,29 @@ def _scoring(records: list[dict]) -> list[str]:
             "", *rows]
 
 
+def _structured_decode(records: list[dict]) -> list[str]:
+    """Decode held to a JSON Schema beside free decode, the same requests, alternating rounds."""
+    rows = ["| date | CPU | engine | batch 1: free / JSON Schema tok/s | ratio | 16 at once: free / JSON Schema "
+            "tok/s | ratio | command |", "|---|---|---|---:|---:|---:|---:|---|"]
+    for r in [x for x in records if x.get("kind") == "structured_decode"][-ROWS:][::-1]:
+        cells = []
+        for batch in ("1", "16"):
+            b = r["batches"][batch]
+            cells += [f"{_tok_s(b['free_tok_s'])} / {_tok_s(b['json_schema_tok_s'])}",
+                      f"{b['json_schema_tok_s'] / b['free_tok_s']:.2f}x"]
+        rows.append(f"| {r['date'][:10]} | {_cpu(r)} | {r['engine']} | {' | '.join(cells)} | "
+                    f"`{_short(r['command'])}` |")
+    if len(rows) == 2:
+        return []
+    return ["## Structured outputs: what holding decode to a grammar costs", "",
+            "`python benchmarks/structured_decode.py`: the bundled model, requests held to a JSON Schema (llguidance "
+            "masks applied in the sampler) beside the same requests free, medians of alternating rounds, "
+            "2 threads. The target: within 10% of free.", "", *rows]
+
+
 def render(records: list[dict]) -> str:
     parts = [HEADER.rstrip(), "", *_scale(records), "", *_quality(records), "", *_scoring(records), "",
+             *_structured_decode(records), "",
              *_latency(records), "", *_throughput(records), "", *_robustness(records)]
     return "\n".join(parts) + "\n"
 

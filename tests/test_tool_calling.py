@@ -85,7 +85,8 @@ def test_streamed_calls_arrive_as_tool_call_deltas(served) -> None:
 def test_auto_reads_the_calls_the_model_writes(served) -> None:
     """With tool_choice auto the output is the model's own; here a regex makes it write a call."""
     client = served.client()
-    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Lyon)", "unit": "celsius"\}\}\n</tool_call>'
+    call = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Lyon)", "unit": "celsius"\}\}'
+            r"\n</tool_call>")
     for stream in (False, True):
         r = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
                                            stream=stream, extra_body={"guided_regex": r"Sure\.\n" + call})

@@ -27,7 +27,7 @@ from kiln.runtime.request_processor import RequestProcessor, TextTracker
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.tool_parsers import TOOL_CALL_PARSERS
 from kiln.runtime.tool_prompts import template_reads_tools
-from kiln.serve.metrics import Metrics
+from kiln.serve.metrics import Metrics, engine_gauges
 from kiln.serve.protocol import ApiError
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,7 @@ class ServingEngine:
         self.model_name = served_model_name or Path(engine_dir).name
         self.lora_task_ids: dict[str, int] = {}  # served adapter name -> its LoRA task id
         self.metrics = Metrics()
+        self._last_stats = None  # the executor's latest iteration stats, for /metrics
         self._queues: dict[int, asyncio.Queue] = {}
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -358,35 +359,8 @@ class ServingEngine:
         return event
 
     def gauges(self) -> dict[str, tuple[str, float]]:
+        """The gauges /metrics reads at scrape time (the executor's latest iteration stats)."""
         stats = self.executor.get_latest_iteration_stats()
         if stats:
             self._last_stats = stats[-1]
-        last = getattr(self, "_last_stats", None)
-        idle = self.metrics.in_flight == 0
-        pool = self.executor.core.pool
-        return {
-            "kiln_num_requests_running": ("Sequences being generated.",
-                                          0 if idle or last is None else last.num_active_requests),
-            "kiln_num_requests_waiting": ("Sequences waiting to be scheduled.",
-                                          0 if idle or last is None else last.num_queued_requests),
-            "kiln_kv_cache_blocks_used": ("KV cache blocks in use.", pool.num_blocks - pool.num_free),
-            "kiln_kv_cache_blocks_total": ("KV cache blocks in all.", pool.num_blocks),
-            "kiln_kv_cache_usage_ratio": ("Fraction of KV cache blocks in use.",
-                                          (pool.num_blocks - pool.num_free) / pool.num_blocks),
-            "kiln_prefix_cache_hit_rate": ("Prefix-cache hit blocks / looked-up blocks since start.", pool.hit_rate),
-            **self._lora_gauges(last),
-        }
-
-    def _lora_gauges(self, last) -> dict[str, tuple[str, float]]:
-        lora = None if last is None else last.lora_cache
-        if lora is None:
-            return {}
-        return {
-            "kiln_lora_host_adapters": ("LoRA adapters in the host cache.", lora.host_adapters),
-            "kiln_lora_host_bytes": ("Bytes of LoRA adapters in the host cache.", lora.host_bytes),
-            "kiln_lora_device_adapters": ("LoRA adapters holding device slots.", lora.device_adapters),
-            "kiln_lora_device_slots": ("LoRA device slots in all.", lora.device_slots),
-            "kiln_lora_cache_hits": ("LoRA task ids found in the host cache since start.", lora.hits),
-            "kiln_lora_cache_misses": ("LoRA task ids loaded or unknown since start.", lora.misses),
-            "kiln_lora_cache_evictions": ("LoRA adapters evicted since start.", lora.evictions),
-        }
+        return engine_gauges(self._last_stats, self.executor.core.pool, idle=self.metrics.in_flight == 0)

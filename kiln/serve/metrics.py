@@ -79,3 +79,31 @@ class Metrics:
             metric("kiln_inter_token_latency_seconds", "histogram", "Time between generated tokens.",
                    self.itl.lines("kiln_inter_token_latency_seconds"))
         return "\n".join(lines) + "\n"
+
+
+def engine_gauges(last, pool, idle: bool) -> dict[str, tuple[str, float]]:
+    """Gauges (name -> help, value) of the executor's latest iteration stats ``last`` (None before
+    the first step) and its KV block ``pool``; ``idle``: no request is being served."""
+    gauges = {
+        "kiln_num_requests_running": ("Sequences being generated.",
+                                      0 if idle or last is None else last.num_active_requests),
+        "kiln_num_requests_waiting": ("Sequences waiting to be scheduled.",
+                                      0 if idle or last is None else last.num_queued_requests),
+        "kiln_kv_cache_blocks_used": ("KV cache blocks in use.", pool.num_blocks - pool.num_free),
+        "kiln_kv_cache_blocks_total": ("KV cache blocks in all.", pool.num_blocks),
+        "kiln_kv_cache_usage_ratio": ("Fraction of KV cache blocks in use.",
+                                      (pool.num_blocks - pool.num_free) / pool.num_blocks),
+        "kiln_prefix_cache_hit_rate": ("Prefix-cache hit blocks / looked-up blocks since start.", pool.hit_rate),
+    }
+    lora = None if last is None else last.lora_cache
+    if lora is not None:
+        gauges.update({
+            "kiln_lora_host_adapters": ("LoRA adapters in the host cache.", lora.host_adapters),
+            "kiln_lora_host_bytes": ("Bytes of LoRA adapters in the host cache.", lora.host_bytes),
+            "kiln_lora_device_adapters": ("LoRA adapters holding device slots.", lora.device_adapters),
+            "kiln_lora_device_slots": ("LoRA device slots in all.", lora.device_slots),
+            "kiln_lora_cache_hits": ("LoRA task ids found in the host cache since start.", lora.hits),
+            "kiln_lora_cache_misses": ("LoRA task ids loaded or unknown since start.", lora.misses),
+            "kiln_lora_cache_evictions": ("LoRA adapters evicted since start.", lora.evictions),
+        })
+    return gauges

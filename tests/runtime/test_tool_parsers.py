@@ -71,10 +71,13 @@ def test_the_constraint_grammar_writes_what_the_parser_reads(parser) -> None:
         ("get_weather", {"city": "Rome"}), ("get_weather", {"city": "Oslo"})]
 
 
+def _call(id_: str, arguments: str) -> dict:
+    return {"id": id_, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+
+
 HISTORY = [{"role": "user", "content": "Weather in Paris?"},
-           {"role": "assistant", "content": None, "tool_calls": [
-               {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-               {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}]},
+           {"role": "assistant", "content": None, "tool_calls": [_call("call_1", '{"city": "Paris"}'),
+                                                                 _call("call_2", '{"city": "Lyon"}')]},
            {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
            {"role": "tool", "tool_call_id": "call_2", "content": "20 C"}]
 
@@ -97,6 +100,6 @@ def test_templates_with_tools_get_them_as_hf_expects() -> None:
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert template_reads_tools(type("T", (), {"chat_template": "{% if tools %}{{ tools }}{% endif %}"}))
     assert not template_reads_tools(type("T", (), {"chat_template": "{{ messages }}"}))
-    bad = [{**HISTORY[1], "tool_calls": [{**HISTORY[1]["tool_calls"][0], "function": {"name": "f", "arguments": "[1]"}}]}]
+    bad = [{**HISTORY[1], "tool_calls": [_call("call_1", "[1]")]}]
     with pytest.raises(RequestError, match=r"messages\[0\].tool_calls\[0\].function.arguments"):
         tool_chat(bad, None, HermesParser(), template_has_tools=False)
