@@ -83,22 +83,24 @@ def test_streamed_calls_arrive_as_tool_call_deltas(served) -> None:
 
 
 def test_auto_reads_the_calls_the_model_writes(served) -> None:
-    """With tool_choice auto the output is the model's own; here a regex makes it write a call."""
+    """With tool_choice auto the output is the model's own; here a regex makes it write two calls,
+    both kept with parallel_tool_calls (streamed), the first only without (whole)."""
     client = served.client()
     call = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Lyon)", "unit": "celsius"\}\}'
             r"\n</tool_call>")
     for stream in (False, True):
-        r = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
-                                           stream=stream, extra_body={"guided_regex": r"Sure\.\n" + call})
+        r = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=80, temperature=0,
+                                           stream=stream, parallel_tool_calls=stream,
+                                           extra_body={"guided_regex": r"Sure\.\n" + call + r"\n" + call})
         if stream:
             chunks = list(r)
             deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
             content = "".join(c.choices[0].delta.content or "" for c in chunks)
             assert chunks[-1].choices[0].finish_reason == "tool_calls" and content == "Sure.\n"
-            _check_calls(deltas)
+            assert len(_check_calls(deltas)) == 2 and [d.index for d in deltas] == [0, 1]
         else:
             assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content == "Sure.\n"
-            _check_calls(r.choices[0].message.tool_calls)
+            assert len(_check_calls(r.choices[0].message.tool_calls)) == 1
     plain = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=8, temperature=0)
     assert plain.choices[0].message.tool_calls in (None, []) and plain.choices[0].message.content
 

@@ -103,7 +103,7 @@ async def _stream(engine: ServingEngine, body: ChatCompletionRequest, plan: Tool
     rid, created = random_id("chatcmpl"), now()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     completion_tokens = [0]
-    tool_deltas = [ToolDeltas(plan.parser) if plan.parser else None for _ in range(params.n)]
+    tool_deltas = [ToolDeltas(plan.parser, plan.parallel) if plan.parser else None for _ in range(params.n)]
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> dict:
         out = ChatCompletionChunk(id=rid, created=created, model=engine.model_name, choices=choices, usage=usage)

@@ -1,5 +1,7 @@
 """Tool calling on the chat endpoint: what a request's ``tools`` and ``tool_choice`` ask for, and
-the calls read back from each choice's text (whole, or as deltas while it streams).
+the calls read back from each choice's text (whole, or as deltas while it streams). With
+``parallel_tool_calls: false`` a reply has at most one call: a forced one is held to one, and of
+what a model writes on its own ("auto") the first is kept.
 
 ``tool_choice`` "auto" (the default with tools) lets the model answer or call; "required" and a
 named function hold the output to calls of those tools with a grammar (structured outputs), so
@@ -23,6 +25,7 @@ class ToolPlan:
     tools: list[dict] | None = None  # the definitions the chat template renders
     parser: ToolCallParser | None = None  # reads calls from the output (None: it is all content)
     constraint: StructuredOutputsParams | None = None  # holds the output to calls ("required", named)
+    parallel: bool = True  # more than one call per reply (parallel_tool_calls)
 
 
 def plan_tools(body: ChatCompletionRequest, parser: ToolCallParser, check, asks_structured_output: bool) -> ToolPlan:
@@ -40,8 +43,9 @@ def plan_tools(body: ChatCompletionRequest, parser: ToolCallParser, check, asks_
         raise ApiError(400, f"tools: function names must differ, got {names}", "tools")
     if choice == "none":
         return ToolPlan()
+    parallel = body.parallel_tool_calls is not False
     if choice in (None, "auto"):
-        return ToolPlan(tools, parser)
+        return ToolPlan(tools, parser, parallel=parallel)
     forced = tools
     if isinstance(choice, NamedToolChoice):
         forced = [t for t in tools if t["function"]["name"] == choice.function.name]
@@ -52,11 +56,11 @@ def plan_tools(body: ChatCompletionRequest, parser: ToolCallParser, check, asks_
         raise ApiError(400, "a forced tool call (tool_choice required or a named function) cannot also follow "
                             "response_format or another structured output", "tool_choice")
     try:
-        constraint = parser.constraint(forced, parallel=body.parallel_tool_calls is not False)
+        constraint = parser.constraint(forced, parallel=parallel)
         check(constraint)
     except RequestError as e:
         raise ApiError(400, f"tools: the tools' parameters cannot be held to ({e})", "tools") from None
-    return ToolPlan(tools, parser, constraint)
+    return ToolPlan(tools, parser, constraint, parallel)
 
 
 def _body(call: ToolCall) -> ToolCallBody:
@@ -73,16 +77,18 @@ def reply_message(plan: ToolPlan, text: str) -> AssistantMessage:
     if plan.parser is None:
         return AssistantMessage(content=text)
     content, calls = plan.parser.parse(text)
-    return AssistantMessage(content=content, tool_calls=[_body(c) for c in calls])
+    return AssistantMessage(content=content, tool_calls=[_body(c) for c in calls[:None if plan.parallel else 1]])
 
 
 class ToolDeltas:
     """One streamed choice's deltas: content as it is known not to be a call, each call whole
-    once it is complete (its name and all its arguments in one delta)."""
+    once it is complete (its name and all its arguments in one delta); without ``parallel``, the
+    first call only."""
 
-    def __init__(self, parser: ToolCallParser):
+    def __init__(self, parser: ToolCallParser, parallel: bool = True):
         self.text = ""
         self.stream = ToolCallStream(parser)
+        self.parallel = parallel
 
     @property
     def has_calls(self) -> bool:
@@ -92,6 +98,8 @@ class ToolDeltas:
         self.text += text
         content, calls = self.stream.feed(self.text, final)
         first = len(self.stream.calls_sent) - len(calls)
+        if not self.parallel:
+            calls = calls[:max(0, 1 - first)]
         deltas = [DeltaToolCall(index=first + k, id=c.id, type="function",
                                 function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
                   for k, c in enumerate(calls)]
