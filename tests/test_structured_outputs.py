@@ -104,6 +104,26 @@ def test_what_cannot_compile_is_a_request_error(smollm2_llm, constraint, message
         smollm2_llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**constraint)))
 
 
+def test_held_under_a_lora_adapter_and_cut_by_stop_strings(smollm2_llm) -> None:
+    """The mask applies to what the adapter makes of the logits; a stop string ends the text
+    inside the constraint."""
+    from kiln.bench.common import random_lora_modules
+    from kiln.layers.lora import LoraAdapter
+
+    adapter = LoraAdapter(random_lora_modules(smollm2_llm.engine.config, 8, ("attn_q", "attn_v", "mlp_4h_to_h"),
+                                              scale=0.05))
+    free = SamplingParams(max_tokens=12, temperature=0)
+    assert _texts(smollm2_llm, ["The sky is"], free) != [smollm2_llm.generate(["The sky is"], free, lora=adapter)[0]
+                                                         .outputs[0].text]
+    so = StructuredOutputsParams(regex=r"[a-z]+( [a-z]+){3}\.")
+    held = smollm2_llm.generate(["The sky is"], SamplingParams(max_tokens=30, temperature=0, structured_outputs=so),
+                                lora=adapter)[0].outputs[0]
+    assert re.fullmatch(r"[a-z]+( [a-z]+){3}\.", held.text) and held.finish_reason == "stop"
+    cut = smollm2_llm.generate(["The sky is"], SamplingParams(max_tokens=30, temperature=0, structured_outputs=so,
+                                                               stop=[" "]), lora=adapter)[0].outputs[0]
+    assert re.fullmatch("[a-z]+", cut.text) and held.text.startswith(cut.text + " ") and cut.finish_reason == "stop"
+
+
 def test_a_bare_executor_holds_outputs_with_the_engines_tokenizer(smollm2_llm) -> None:
     """No front end gave the executor a tokenizer: the sampler reads the engine's own."""
     from kiln.runtime.executor import Executor, ExecutorConfig, KvCacheConfig, OutputConfig, Request
