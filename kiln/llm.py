@@ -75,7 +75,8 @@ class LLM:
         if args.kv_cache_max_tokens is not None:
             num_blocks = max(1, args.kv_cache_max_tokens // self.engine.build_config.tokens_per_block)
         self.core = EngineCore(self.engine, max_num_seqs=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-                               num_blocks=num_blocks, enable_prefix_caching=args.enable_prefix_caching)
+                               num_blocks=num_blocks, enable_prefix_caching=args.enable_prefix_caching,
+                               speculative_config=args.speculative_config)
         self.core.use_grammar_tokenizer(self.processor.grammar_tokenizer)
         self._lora_adapters: dict[object, LoraAdapter] = {}  # by adapter directory or task id
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from kiln.config.build import BuildConfig
 from kiln.config.quant_algos import ALGOS
+from kiln.config.speculative import SpeculativeConfig
 from kiln.dtypes import DTYPES
 from kiln.errors import ConfigError
 
@@ -94,8 +95,15 @@ class EngineArgs:
         "size the KV cache for this many tokens (default: a fraction of free memory)")
     enable_prefix_caching: bool = option(
         False, RUNTIME, ("serve",), "reuse the KV cache of prompt prefixes shared between requests")
+    speculative_config: SpeculativeConfig | dict | str | None = option(
+        None, RUNTIME, ("run", "serve"),
+        "speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' proposes the tokens that followed the last "
+        "n tokens' latest earlier occurrence in the prompt and output, and the model keeps those it agrees "
+        "with (the same greedy output, the same sampling distribution; default: off)")
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.skip_tokenizer_init and self.tokenizer is not None:
             raise ConfigError(f"tokenizer {self.tokenizer}: skip_tokenizer_init=True loads no tokenizer; "
                               "give one or the other")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.config.speculative import SpeculativeConfig
 from kiln.distributed import world
 from kiln.errors import CapacityError, ConfigError, KilnError, RequestError, WorldError
 from kiln.runtime.beam_search import BeamHypothesis, BeamSearch, BeamSearchParams
@@ -31,19 +32,25 @@ from kiln.runtime.prompt_tuning import PromptTable, check_prompt_ids, check_tabl
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import RunnerOutput, Scheduler
 from kiln.runtime.sequence import FinishReason, Sequence
+from kiln.runtime.speculative import can_speculate, propose_ngram
 from kiln.runtime.worker import CacheSettings, Leader
 
 # Steps in a row whose every request failed with an internal error: past this, the engine
 # itself is taken to be broken and ``step`` raises (an engine that fails everything must say
 # so, not answer each request with an error forever).
 MAX_FAILED_STEPS = 8
+# The most tokens a step verifying proposals computes: below it a CPU step costs about one read
+# of the weights whatever its tokens, past it speculation would cost more than it saves.
+SPECULATIVE_TOKEN_BUDGET = 64
 
 
 @dataclass
 class StepStats:
     num_steps: int = 0
     num_tokens: int = 0  # tokens computed (prompt and generated)
-    num_generated: int = 0
+    num_generated: int = 0  # tokens sequences gained
+    num_spec_proposed: int = 0  # speculative decoding: tokens proposed, and of them kept
+    num_spec_accepted: int = 0
     seconds: float = 0.0
     last_step_tokens: int = 0
     max_in_flight: int = 0  # the most micro-batches in flight at once (pipeline stages busy together)
@@ -73,7 +80,7 @@ class EngineCore:
     def __init__(self, engine: Engine, *, max_num_seqs: int | None = None, max_num_tokens: int | None = None,
                  num_blocks: int | None = None, attention_backend: str = "auto",
                  capacity_policy: str = "MAX_UTILIZATION", memory_fraction: float = KV_CACHE_MEMORY_FRACTION,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, speculative_config: SpeculativeConfig | None = None):
         build = engine.build_config
         self.engine = engine
         self.max_num_seqs = min(max_num_seqs or build.max_batch_size, build.max_batch_size)
@@ -92,6 +99,9 @@ class EngineCore:
         self.runner.leader = leader
         # Micro-batches in flight: one per pipeline stage (see ``step``).
         self.pipeline_depth = engine.config.mapping.pp_size
+        if speculative_config is not None and self.pipeline_depth > 1:
+            raise ConfigError("speculative_config: speculative decoding runs without pipeline stages (pp_size 1)")
+        self.speculative = speculative_config
         self._in_flight: deque = deque()
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, block, self.max_num_seqs, self.max_num_tokens, capacity_policy,
@@ -233,6 +243,8 @@ class EngineCore:
         (each step of a sequence still waits for its previous token)."""
         started = time.perf_counter()
         if len(self._in_flight) < self.pipeline_depth:
+            if self.speculative is not None:
+                self._propose()
             out = self.scheduler.schedule(self._micro_batch_seqs())
             if out.chunks:
                 self.runner.submit(out)
@@ -246,7 +258,9 @@ class EngineCore:
         out = self._in_flight.popleft()
         result = self.runner.collect()
         self._collect_logits(result)
+        gained = self.scheduler.num_tokens_gained
         advanced_seqs = self.scheduler.update(out, result)
+        gained = self.scheduler.num_tokens_gained - gained
         advanced: dict[int, SequenceGroup] = {}
         for seq in advanced_seqs:
             request = self._requests[seq.seq_id]
@@ -266,7 +280,8 @@ class EngineCore:
         s.num_steps += 1
         s.num_tokens += out.num_tokens
         s.last_step_tokens = out.num_tokens
-        s.num_generated += len(advanced_seqs) + sum(len(r.seqs) for r in beam_requests.values())
+        s.num_generated += gained + sum(len(r.seqs) for r in beam_requests.values())
+        s.num_spec_proposed, s.num_spec_accepted = self.scheduler.num_spec_proposed, self.scheduler.num_spec_accepted
         s.seconds += time.perf_counter() - started
         return list(advanced.values())
 
@@ -287,6 +302,20 @@ class EngineCore:
             raise RuntimeError(f"{MAX_FAILED_STEPS} steps in a row failed every request they ran; "
                                f"the last error: {internal[0]!r}") from internal[0]
         return [request for request, _ in requests.values()]
+
+    def _propose(self) -> None:
+        """Proposed tokens for each running sequence that decodes and may speculate. Verifying
+        ``k`` proposals computes ``k + 1`` tokens: while the batch is small, a decode step reads
+        the weights for little compute and that is nearly free; past ``SPECULATIVE_TOKEN_BUDGET``
+        tokens a step is compute-bound, and speculation switches off."""
+        running = self.scheduler.running
+        k = self.speculative.num_speculative_tokens
+        enabled = len(running) * (k + 1) <= SPECULATIVE_TOKEN_BUDGET
+        for seq in running:
+            seq.spec_tokens = []
+            if enabled and can_speculate(seq) and seq.num_computed_tokens == seq.num_tokens - 1:
+                room = seq.max_total_tokens - seq.num_tokens - 1  # the step adds up to k + 1 tokens
+                seq.spec_tokens = propose_ngram(seq.token_ids, self.speculative, room)
 
     def _micro_batch_seqs(self) -> int | None:
         """The most sequences one micro-batch takes: an even share of the work, so each stage

@@ -40,6 +40,13 @@ class GrammarMasks:
         index = torch.tensor(rows)
         logits[index] = logits[index].masked_fill(banned, float("-inf"))
 
+    def rewind(self, seq: Sequence) -> None:
+        """Take back the tokens the matcher consumed past the sequence's output (tried and not kept)."""
+        entry = self._matchers.get(seq.seq_id)
+        if entry is not None and entry[1] > seq.num_output_tokens:
+            entry[0].rollback(entry[1] - seq.num_output_tokens)
+            entry[1] = seq.num_output_tokens
+
     def release(self, seq: Sequence) -> None:
         self._matchers.pop(seq.seq_id, None)
 

@@ -45,6 +45,12 @@ class TokenHistory:
             entry[1] = seq.num_tokens
         return buf
 
+    def rewind(self, seq: Sequence) -> None:
+        """Forget what the buffer holds past the sequence's length (tokens tried and taken back)."""
+        entry = self._buffers.get(seq.seq_id)
+        if entry is not None:
+            entry[1] = min(entry[1], seq.num_tokens)
+
     def reset(self, seq: Sequence) -> None:
         """Forget a sequence's buffer (its tokens were replaced, or it finished)."""
         self._buffers.pop(seq.seq_id, None)

@@ -30,6 +30,7 @@ from kiln.runtime.request_processor import RequestProcessor
 from kiln.runtime.sampling import sample
 from kiln.runtime.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenResult
 from kiln.runtime.sequence import Sequence
+from kiln.runtime.verification import verify
 from kiln.step.attention import BACKENDS, select_backend
 from kiln.step.kv_cache import allocate_kv_cache, indexable, kv_cache_dtype
 from kiln.step.metadata import AttentionMetadata
@@ -190,11 +191,32 @@ class ModelRunner:
             result.context_logits[seq.seq_id] = rows
         if logits is None:
             return result
+        if any(s.spec_tokens for s in sampled_seqs):
+            logits = self._verify(logits, sampled_seqs, result)
+            sampled_seqs = [s for s in sampled_seqs if not s.spec_tokens]
         for seq, row in zip(sampled_seqs, logits):
             if seq.return_generation_logits:
                 result.generation_logits[seq.seq_id] = row.clone()
-        self._sample(logits, sampled_seqs, result)
+        if sampled_seqs:
+            self._sample(logits, sampled_seqs, result)
         return result
+
+    def _verify(self, logits: torch.Tensor, seqs: list[Sequence], result: RunnerOutput) -> torch.Tensor:
+        """Verify the proposals of the sequences that have them (``result.verified``); returns the
+        rows of the others, in order, for plain sampling."""
+        plain, at = [], 0
+        for seq in seqs:
+            rows = 1 + len(seq.spec_tokens)
+            if rows == 1:
+                plain.append(at)
+            else:
+                try:
+                    result.verified[seq.seq_id] = verify(logits[at:at + rows], seq, seq.spec_tokens, self.history,
+                                                         self.grammars)
+                except Exception as error:  # noqa: BLE001 - this sequence's request fails alone
+                    result.failed[seq.seq_id] = error
+            at += rows
+        return logits[torch.tensor(plain, dtype=torch.long)]
 
     def _step_inputs(self, out: SchedulerOutput) -> tuple[StepInputs | None, list[Sequence], list[Sequence]]:
         """The step as plain data (what every rank needs to compute it), the sequences sampled
@@ -207,13 +229,19 @@ class ModelRunner:
             if seq.return_context_logits and start < seq.num_prompt_tokens:
                 context_rows.append((len(input_ids), min(n, seq.num_prompt_tokens - start)))
                 context_seqs.append(seq)
-            input_ids.extend(seq.token_ids[start:start + n])
+            ids = seq.token_ids[start:start + n]
+            if len(ids) < n:  # its proposed tokens follow (speculative decoding)
+                ids = ids + seq.spec_tokens[:n - len(ids)]
+            input_ids.extend(ids)
             positions.extend(range(start, start + n))
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(seq.block_ids)
-            if chunk.completes:
-                last_token.append(len(input_ids) - 1)
+            # A chunk verifying proposals is as many one-token queries, each seeing the positions up to
+            # its own, so it runs as a decode step does (the native decode kernel included).
+            split = bool(seq.spec_tokens) and chunk.completes and n == 1 + len(seq.spec_tokens)
+            query_lens.extend([1] * n if split else [n])
+            seq_lens.extend(range(start + 1, start + n + 1) if split else [start + n])
+            tables.extend([seq.block_ids] * (n if split else 1))
+            if chunk.completes:  # one logits row, or one per proposal and one after them
+                last_token.extend(range(len(input_ids) - 1 - len(seq.spec_tokens), len(input_ids)))
                 sampled_seqs.append(seq)
         if not input_ids and not out.new_blocks and not out.block_copies:
             return None, [], []
@@ -246,7 +274,8 @@ class ModelRunner:
             send_tensor(self.model(ids, positions, md, self.kv_caches, hidden), m.rank + m.tp_size,
                         ACTIVATIONS_TAG)
             return None, []
-        if hidden is None and not step.context_rows and len(step.last_token) == len(step.input_ids):
+        if hidden is None and not step.context_rows and len(step.last_token) == len(step.query_lens) \
+                == len(step.input_ids):
             logits = self.model.decode_logits(ids, positions, md, self.kv_caches)  # every token is sampled
         if logits is None:
             hidden = self.model(ids, positions, md, self.kv_caches, hidden)

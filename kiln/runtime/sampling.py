@@ -110,7 +110,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
     """
     params = [s.params for s in seqs]
     if all(p.is_greedy and p.logprobs is None for p in params):  # greedy decoding: nothing but the argmax
-        return SampleOutput(_check_allowed(logits, _argmax(logits), seqs))
+        return SampleOutput(check_allowed(logits, _argmax(logits), seqs))
     n, vocab = logits.shape
     temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params])
     if (temperature != 1).any():
@@ -135,7 +135,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
         for r, (i, k) in enumerate(zip(rows, top_k)):
             noise[r, : k or width].exponential_(generator=seqs[i].generator)
         tokens[rows] = candidates.gather(1, (probs / noise).argmax(dim=-1, keepdim=True))[:, 0]
-    out = SampleOutput(_check_allowed(logits, tokens, seqs))
+    out = SampleOutput(check_allowed(logits, tokens, seqs))
     if any(p.logprobs is not None for p in params):
         # log_softmax(x)[t] = x[t] - logsumexp(x): no [n, vocab] output needed.
         normalizer = torch.logsumexp(logits, dim=-1)
@@ -149,7 +149,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
     return out
 
 
-def _check_allowed(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def check_allowed(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """``tokens``, unless a row's bans left no token to draw (its pick is -inf): that request
     cannot go on, and fails alone (the executor retries the step without it)."""
     if not any(s.params.may_ban_tokens for s in seqs):
@@ -160,6 +160,18 @@ def _check_allowed(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequen
         raise RequestError(f"sequence {seq.seq_id}: every token is banned at output token {seq.num_output_tokens} "
                            "(bad_words, no_repeat_ngram_size and min_tokens together leave none)")
     return tokens
+
+
+def filtered_distribution(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The distribution ``sample`` draws each row of temperature-scaled ``logits`` ``[n, vocab]``
+    from: its top-k, top-p (the sequence's current value) and min-p filters, normalized."""
+    values, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    top_k = torch.tensor([min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab for s in seqs])
+    probs = _filtered_probs(values, top_k, torch.tensor([s.current_top_p for s in seqs], dtype=values.dtype),
+                            torch.tensor([s.params.min_p for s in seqs], dtype=values.dtype))
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(1, order, probs)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

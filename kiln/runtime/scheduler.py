@@ -41,8 +41,9 @@ class ScheduledChunk:
 
     @property
     def completes(self) -> bool:
-        """Whether the sequence is caught up after this step (so it samples a token)."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        """Whether the sequence is caught up after this step, its proposed tokens included (so it
+        samples a token, or verifies the proposals)."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens + len(self.seq.spec_tokens)
 
 
 @dataclass(slots=True)
@@ -69,6 +70,7 @@ class RunnerOutput:
     """What a step produced, keyed by seq_id."""
 
     tokens: dict[int, TokenResult] = field(default_factory=dict)  # sampled sequences that caught up
+    verified: dict[int, list[TokenResult]] = field(default_factory=dict)  # proposals kept, then the target's token
     beam_logprobs: dict = field(default_factory=dict)  # beam sequences: processed log-probs [vocab]
     context_logits: dict = field(default_factory=dict)  # [prompt tokens this step, vocab], when asked
     generation_logits: dict = field(default_factory=dict)  # [vocab] raw logits, when asked
@@ -76,7 +78,7 @@ class RunnerOutput:
 
     def merge(self, other: RunnerOutput) -> None:
         """Take in ``other``'s results (a part of the same step, run on its own)."""
-        for name in ("tokens", "beam_logprobs", "context_logits", "generation_logits", "failed"):
+        for name in ("tokens", "verified", "beam_logprobs", "context_logits", "generation_logits", "failed"):
             getattr(self, name).update(getattr(other, name))
 
 
@@ -96,6 +98,9 @@ class Scheduler:
         self.window = window  # every layer's sliding window, when all have one: blocks behind it are released
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_spec_proposed = 0  # speculative decoding: tokens proposed and kept, since start
+        self.num_spec_accepted = 0
+        self.num_tokens_gained = 0  # tokens sampled sequences gained (several a step when proposals are kept)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -139,7 +144,7 @@ class Scheduler:
                 continue
             if seq.group is not None:
                 groups.add(id(seq.group))
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk_size(seq, budget, out)
             if not self._reserve(seq, n, out):
                 # Free room by preempting from the back (not from a step in flight); maybe this very sequence.
                 victim = next(s for s in reversed(self.running) if not s.in_flight)
@@ -166,6 +171,15 @@ class Scheduler:
             self._add_chunk(out, seq, n)
             budget -= n
         return out
+
+    def _chunk_size(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """A running sequence's tokens this step: what it has to catch up with, and its proposed
+        tokens as far as the token budget and the free blocks allow (the rest are dropped)."""
+        behind = seq.num_tokens - seq.num_computed_tokens
+        if seq.spec_tokens:
+            room = self.pool.num_free * self.block_size + len(seq.block_ids) * self.block_size - seq.num_tokens
+            del seq.spec_tokens[max(0, min(budget - behind, room)):]
+        return min(behind + len(seq.spec_tokens), budget)
 
     @staticmethod
     def _held_back(seq: Sequence, full: bool, groups: set[int]) -> bool:
@@ -260,6 +274,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        seq.spec_tokens = []
         self._release_blocks(seq)
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
@@ -287,19 +302,56 @@ class Scheduler:
 
     def _advance(self, seq: Sequence, chunk: ScheduledChunk, result: RunnerOutput) -> bool:
         """Apply one sequence's step; whether it got a token."""
+        if seq.spec_tokens:
+            return self._advance_verified(seq, chunk, result.verified.get(seq.seq_id))
         completes = chunk.completes
         seq.num_computed_tokens += chunk.num_tokens
-        if self.pool.enable_caching:
-            self._register_full_blocks(seq)  # before any release: released blocks stay findable
-        if self.window is not None:
-            self._release_out_of_window(seq)
+        self._after_compute(seq)
         if not (completes and seq.seq_id in result.tokens):
             return False
         r = result.tokens[seq.seq_id]
         seq.append_token(r.token, r.logprob, r.top_logprobs)
+        self.num_tokens_gained += 1
         if seq.is_finished:
             self.finish(seq)
         return True
+
+    def _advance_verified(self, seq: Sequence, chunk: ScheduledChunk, verified: list[TokenResult] | None) -> bool:
+        """Apply a step that verified proposed tokens: the K/V of the proposals kept stay, those
+        of the rest are dropped (their slots are written again later; blocks past the sequence's
+        tokens go back to the pool)."""
+        proposals, seq.spec_tokens = seq.spec_tokens, []
+        if not verified:
+            raise RuntimeError(f"sequence {seq.seq_id}: its proposed tokens were not verified")
+        kept = next((i for i, (r, p) in enumerate(zip(verified, proposals)) if r.token != p),
+                    min(len(verified), len(proposals)))
+        seq.num_spec_proposed += len(proposals)
+        seq.num_spec_accepted += kept
+        self.num_spec_proposed += len(proposals)
+        self.num_spec_accepted += kept
+        before = seq.num_tokens
+        computed = seq.num_computed_tokens + chunk.num_tokens - len(proposals) + kept
+        for r in verified:
+            seq.append_token(r.token, r.logprob, r.top_logprobs)
+            if seq.is_finished:
+                break
+        self.num_tokens_gained += seq.num_tokens - before
+        seq.num_computed_tokens = min(computed, seq.num_tokens - 1)
+        keep = self.blocks_for(seq.num_tokens)
+        if len(seq.block_ids) > keep:
+            self.pool.free([b for b in seq.block_ids[keep:] if b != RELEASED])
+            del seq.block_ids[keep:]
+        self._after_compute(seq)
+        if seq.is_finished:
+            self.finish(seq)
+        return True
+
+    def _after_compute(self, seq: Sequence) -> None:
+        """Bookkeeping once a step's K/V are in: full blocks findable, blocks behind the window freed."""
+        if self.pool.enable_caching:
+            self._register_full_blocks(seq)  # before any release: released blocks stay findable
+        if self.window is not None:
+            self._release_out_of_window(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished (or cancelled) sequence's blocks and drop it."""

@@ -50,6 +50,9 @@ class Sequence:
     lora: object = None  # the kiln.layers.lora.LoraAdapter its tokens run with, if any
     prompt_table: object = None  # its prompt-tuning table (kiln.runtime.prompt_tuning.PromptTable), if any
     in_flight: bool = False  # scheduled in a step whose results have not come back (pipeline parallelism)
+    spec_tokens: list[int] = field(default_factory=list)  # proposed for the next step (speculative decoding)
+    num_spec_proposed: int = 0  # tokens proposed for this sequence so far, and of them kept
+    num_spec_accepted: int = 0
 
     @property
     def cache_salt(self) -> object:
