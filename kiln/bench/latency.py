@@ -86,6 +86,10 @@ def run_latency(engine: str | Path | EngineArgs, *, hf_gguf: str | None = None, 
             "weight_bytes": weight_bytes, "peak_rss_mb": round(peak_rss_mb())}
     # Three significant figures, not decimals: a tiny model's fraction is far below 0.001.
     kiln["bandwidth_fraction"] = float(f"{weight_bytes * kiln['decode_tok_s'] / (machine['read_gbs'] * 1e9):.3g}")
+    spec = llm.core.stats.spec
+    if spec is not None:  # speculative decoding: how much of what was proposed was kept
+        kiln["spec_decode"] = {"acceptance_rate": round(spec.acceptance_rate, 3),
+                               "mean_accepted_length": round(spec.mean_accepted_length, 3)}
     mapping = llm.engine.config.mapping
     llm.close()  # releases the other ranks of a split engine
     record = new_record("latency", engine=str(llm.engine_dir), dtype=llm.engine.config.dtype,
@@ -120,6 +124,10 @@ def format_latency(record: dict) -> str:
         r = ratio(hv, kv) if lower_better else ratio(kv, hv)
         hs = fmt.format(hv) if hv is not None else "-"
         lines.append(f"  {label:22} {fmt.format(kv):>10} {hs:>10} {f'{r:.2f}x' if r else '-':>8}")
+    spec = k.get("spec_decode")
+    if spec:
+        lines.append(f"  speculative decoding: {spec['acceptance_rate']:.0%} of proposed tokens kept, "
+                     f"{spec['mean_accepted_length']:.2f} tokens per verifying step")
     world = record.get("world") or {}
     if world.get("tp_size", 1) * world.get("pp_size", 1) > 1:
         lines.append(f"  tp {world['tp_size']} x pp {world['pp_size']} ranks on this machine; host overhead and "

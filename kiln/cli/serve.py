@@ -60,7 +60,7 @@ def serve(args) -> int:
 
     engine_dir = engine_dir_for(args)
     config = ExecutorConfig(max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-                            max_queue_size=args.max_queue_size,
+                            max_queue_size=args.max_queue_size, speculative_config=args.speculative_config,
                             kv_cache_config=KvCacheConfig(max_tokens=args.kv_cache_max_tokens,
                                                           enable_block_reuse=args.enable_prefix_caching))
     loras = {}

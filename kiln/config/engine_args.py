@@ -96,7 +96,7 @@ class EngineArgs:
     enable_prefix_caching: bool = option(
         False, RUNTIME, ("serve",), "reuse the KV cache of prompt prefixes shared between requests")
     speculative_config: SpeculativeConfig | dict | str | None = option(
-        None, RUNTIME, ("run", "serve"),
+        None, RUNTIME, ("run", "serve", "bench"),
         "speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' proposes the tokens that followed the last "
         "n tokens' latest earlier occurrence in the prompt and output, and the model keeps those it agrees "

@@ -32,7 +32,7 @@ from kiln.runtime.prompt_tuning import PromptTable, check_prompt_ids, check_tabl
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import RunnerOutput, Scheduler
 from kiln.runtime.sequence import FinishReason, Sequence
-from kiln.runtime.speculative import can_speculate, propose_ngram
+from kiln.runtime.speculative import SpecDecodeStats, can_speculate, propose_ngram
 from kiln.runtime.worker import CacheSettings, Leader
 
 # Steps in a row whose every request failed with an internal error: past this, the engine
@@ -49,8 +49,7 @@ class StepStats:
     num_steps: int = 0
     num_tokens: int = 0  # tokens computed (prompt and generated)
     num_generated: int = 0  # tokens sequences gained
-    num_spec_proposed: int = 0  # speculative decoding: tokens proposed, and of them kept
-    num_spec_accepted: int = 0
+    spec: SpecDecodeStats | None = None  # speculative decoding's counters (the scheduler's), when it is on
     seconds: float = 0.0
     last_step_tokens: int = 0
     max_in_flight: int = 0  # the most micro-batches in flight at once (pipeline stages busy together)
@@ -80,7 +79,8 @@ class EngineCore:
     def __init__(self, engine: Engine, *, max_num_seqs: int | None = None, max_num_tokens: int | None = None,
                  num_blocks: int | None = None, attention_backend: str = "auto",
                  capacity_policy: str = "MAX_UTILIZATION", memory_fraction: float = KV_CACHE_MEMORY_FRACTION,
-                 enable_prefix_caching: bool = False, speculative_config: SpeculativeConfig | None = None):
+                 enable_prefix_caching: bool = False,
+                 speculative_config: SpeculativeConfig | dict | str | None = None):
         build = engine.build_config
         self.engine = engine
         self.max_num_seqs = min(max_num_seqs or build.max_batch_size, build.max_batch_size)
@@ -101,7 +101,7 @@ class EngineCore:
         self.pipeline_depth = engine.config.mapping.pp_size
         if speculative_config is not None and self.pipeline_depth > 1:
             raise ConfigError("speculative_config: speculative decoding runs without pipeline stages (pp_size 1)")
-        self.speculative = speculative_config
+        self.speculative = SpeculativeConfig.parse(speculative_config)
         self._in_flight: deque = deque()
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, block, self.max_num_seqs, self.max_num_tokens, capacity_policy,
@@ -111,7 +111,7 @@ class EngineCore:
         self._requests: dict[int, SequenceGroup] = {}  # seq_id -> request, for live sequences
         self._failures: list[tuple[SequenceGroup, Exception]] = []  # requests that failed alone, not yet taken
         self._failed_steps = 0  # steps in a row that advanced nothing and failed with an internal error
-        self.stats = StepStats()
+        self.stats = StepStats(spec=self.scheduler.spec_stats if self.speculative is not None else None)
 
     def close(self) -> None:
         """Release the other ranks of a world (their ``follow`` returns); a no-op in one process."""
@@ -281,7 +281,6 @@ class EngineCore:
         s.num_tokens += out.num_tokens
         s.last_step_tokens = out.num_tokens
         s.num_generated += gained + sum(len(r.seqs) for r in beam_requests.values())
-        s.num_spec_proposed, s.num_spec_accepted = self.scheduler.num_spec_proposed, self.scheduler.num_spec_accepted
         s.seconds += time.perf_counter() - started
         return list(advanced.values())
 

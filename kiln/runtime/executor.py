@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import threading
@@ -69,7 +70,8 @@ class Executor:
                                num_blocks=num_blocks,
                                capacity_policy=self.config.capacity_policy,
                                attention_backend=self.config.attention_backend,
-                               memory_fraction=kv.free_memory_fraction, enable_prefix_caching=kv.enable_block_reuse)
+                               memory_fraction=kv.free_memory_fraction, enable_prefix_caching=kv.enable_block_reuse,
+                               speculative_config=self.config.speculative_config)
         self.lora_cache = LoraCache(self.engine.config, self.config.lora_cache_config, self.engine.lora_config)
         self._waiting_for_lora: collections.deque[_Tracked] = collections.deque()
         self._ids = itertools.count(1)
@@ -334,10 +336,12 @@ class Executor:
                 self._respond(tracked, final)
         pool, scheduler = self.core.pool, self.core.scheduler
         self._iteration += 1
+        spec = self.core.stats.spec
         stats = IterationStats(self._iteration, time.time(), 1000 * (time.perf_counter() - started),
                                len(self._live), len(scheduler.waiting), self.core.stats.last_step_tokens,
                                pool.num_blocks - pool.num_free, pool.num_free, pool.num_blocks, pool.num_cached,
-                               pool.hit_rate, self.lora_cache.stats(), len(self._waiting_for_lora))
+                               pool.hit_rate, self.lora_cache.stats(), len(self._waiting_for_lora),
+                               spec and dataclasses.replace(spec))
         with self._lock:
             self._stats.append(stats)
 

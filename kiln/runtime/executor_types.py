@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.config.speculative import SpeculativeConfig
 from kiln.errors import KilnError, RequestError
 from kiln.runtime.lora_cache import LoraCacheConfig, LoraCacheStats, LoraConfig
 from kiln.runtime.prompt_tuning import PromptTuningConfig
 from kiln.runtime.sampling import SamplingConfig
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.speculative import SpecDecodeStats
 
 
 @dataclass
@@ -39,6 +41,8 @@ class ExecutorConfig:
     iteration_stats_max: int = 1000  # how many iterations' stats to keep
     attention_backend: str = "auto"  # "native" (C decode kernel), "torch" (reference) or auto
     lora_cache_config: LoraCacheConfig = field(default_factory=LoraCacheConfig)
+    # Speculative decoding (vLLM's dict, its JSON, or a SpeculativeConfig; None: off).
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
 
 @dataclass
@@ -147,3 +151,4 @@ class IterationStats:
     prefix_cache_hit_rate: float  # hit blocks / looked-up blocks since start
     lora_cache: LoraCacheStats | None = None  # the LoRA cache's levels and counters
     num_waiting_for_lora: int = 0  # requests waiting for a LoRA device slot
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters since start, when it is on

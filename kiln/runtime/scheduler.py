@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from kiln.errors import CapacityError, ConfigError
 from kiln.runtime.block_pool import RELEASED, BlockPool, chain_hash
 from kiln.runtime.sequence import Sequence
+from kiln.runtime.speculative import SpecDecodeStats
 
 
 @dataclass(slots=True)
@@ -98,8 +99,7 @@ class Scheduler:
         self.window = window  # every layer's sliding window, when all have one: blocks behind it are released
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_spec_proposed = 0  # speculative decoding: tokens proposed and kept, since start
-        self.num_spec_accepted = 0
+        self.spec_stats = SpecDecodeStats()  # speculative decoding's counters
         self.num_tokens_gained = 0  # tokens sampled sequences gained (several a step when proposals are kept)
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -327,8 +327,7 @@ class Scheduler:
                     min(len(verified), len(proposals)))
         seq.num_spec_proposed += len(proposals)
         seq.num_spec_accepted += kept
-        self.num_spec_proposed += len(proposals)
-        self.num_spec_accepted += kept
+        self.spec_stats.record(len(proposals), kept)
         before = seq.num_tokens
         computed = seq.num_computed_tokens + chunk.num_tokens - len(proposals) + kept
         for r in verified:

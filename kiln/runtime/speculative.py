@@ -12,10 +12,37 @@ proposes what followed that occurrence: free, and right whenever the output copi
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from kiln.config.speculative import SpeculativeConfig
 from kiln.runtime.sequence import Sequence
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counters since start: verifying steps of a sequence (drafts),
+    tokens proposed, and of them kept."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def record(self, proposed: int, kept: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += kept
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Kept proposals over proposals (0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying step gives a sequence on average: its kept proposals and its own."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 def can_speculate(seq: Sequence) -> bool:

@@ -95,6 +95,20 @@ def engine_gauges(last, pool, idle: bool) -> dict[str, tuple[str, float]]:
                                       (pool.num_blocks - pool.num_free) / pool.num_blocks),
         "kiln_prefix_cache_hit_rate": ("Prefix-cache hit blocks / looked-up blocks since start.", pool.hit_rate),
     }
+    spec = None if last is None else last.spec_decode
+    if spec is not None:
+        gauges.update({
+            "kiln_spec_decode_num_drafts": ("Speculative decoding: steps that verified a sequence's proposals.",
+                                            spec.num_drafts),
+            "kiln_spec_decode_num_draft_tokens": ("Speculative decoding: tokens proposed.", spec.num_draft_tokens),
+            "kiln_spec_decode_num_accepted_tokens": ("Speculative decoding: proposed tokens kept.",
+                                                     spec.num_accepted_tokens),
+            "kiln_spec_decode_acceptance_rate": ("Speculative decoding: kept / proposed tokens.",
+                                                 spec.acceptance_rate),
+            "kiln_spec_decode_mean_accepted_length": ("Speculative decoding: tokens per verifying step of a "
+                                                      "sequence (kept proposals and its own).",
+                                                      spec.mean_accepted_length),
+        })
     lora = None if last is None else last.lora_cache
     if lora is not None:
         gauges.update({

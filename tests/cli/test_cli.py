@@ -170,9 +170,11 @@ def test_bench_latency_and_throughput_record_kiln_beside_hf(work):
     out = work / "bench.jsonl"
     common = ["--engine_dir", work / "engine", "--hf_dir", work / "hf", "--prompt_len", 8, "--new_tokens", 4,
               "--output_json", out]
-    latency = kiln("bench", "latency", *common, "--prefill_len", 16, "--rounds", 1)
+    latency = kiln("bench", "latency", *common, "--prefill_len", 16, "--rounds", 1,
+                   "--speculative_config", '{"method": "ngram", "num_speculative_tokens": 2}')
     assert latency.returncode == 0, latency.stderr
     assert "decode tok/s" in latency.stdout and "host overhead" in latency.stdout
+    assert "speculative decoding: " in latency.stdout
     throughput = kiln("bench", "throughput", *common, "--batch_sizes", 2, 3)
     assert throughput.returncode == 0, throughput.stderr
     lat, thr = [json.loads(line) for line in out.read_text().splitlines()]
@@ -186,6 +188,7 @@ def test_bench_latency_and_throughput_record_kiln_beside_hf(work):
                                                                                                    rel=0.02)
     assert lat["kiln"]["weight_bytes"] > 0 and lat["kiln_over_hf"]["decode_tok_s"] > 0
     assert lat["machine"]["read_gbs"] > 0 and lat["command"].startswith("kiln bench latency")
+    assert 0 <= lat["kiln"]["spec_decode"]["acceptance_rate"] <= 1
     assert [b["batch"] for b in thr["batches"]] == [2, 3]
     for row in thr["batches"]:
         assert row["kiln"]["output_tok_s"] > 0 and row["hf"]["output_tok_s"] > 0 and row["kiln_over_hf"] > 0

@@ -104,9 +104,10 @@ def test_greedy_output_is_plain_greedy_token_for_token(tiny) -> None:
         assert g.outputs[0].token_ids == e.outputs[0].token_ids
         for got_top, expected_top in zip(g.outputs[0].logprobs, e.outputs[0].logprobs):
             assert got_top == pytest.approx(expected_top, abs=1e-4)
-    stats = spec.core.stats
-    assert stats.num_spec_accepted > 10 and stats.num_spec_proposed > stats.num_spec_accepted
-    assert stats.num_steps < plain.core.stats.num_steps  # kept proposals saved steps
+    stats = spec.core.stats.spec
+    assert stats.num_accepted_tokens > 10 and stats.num_draft_tokens > stats.num_accepted_tokens
+    assert stats.mean_accepted_length == 1 + stats.num_accepted_tokens / stats.num_drafts > 1
+    assert spec.core.stats.num_steps < plain.core.stats.num_steps  # kept proposals saved steps
     # Penalties and stop tokens see the proposals as tokens, as plain decoding sees its tokens.
     controlled = SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.3, no_repeat_ngram_size=3,
                                 stop_token_ids=[expected[0].outputs[0].token_ids[25]])
@@ -129,7 +130,7 @@ def test_the_kv_cache_holds_what_plain_decoding_writes(tiny) -> None:
     cores = [EngineCore(plain.engine, num_blocks=64),
              EngineCore(plain.engine, num_blocks=64, speculative_config=SpeculativeConfig(num_speculative_tokens=4))]
     seqs = [_run(core, PROMPTS[0], 24) for core in cores]
-    assert cores[1].scheduler.num_spec_accepted > 0
+    assert cores[1].stats.spec.num_accepted_tokens > 0 and cores[0].stats.spec is None
     n = min(s.num_computed_tokens for s in seqs)
     assert seqs[0].token_ids[:n] == seqs[1].token_ids[:n]
     block = plain.engine.build_config.tokens_per_block
@@ -158,6 +159,6 @@ def test_bundled_model_greedy_is_plain_greedy(smollm2_llm) -> None:
     expected = [o.outputs[0].token_ids for o in smollm2_llm.chat(CHATS, params)]
     got = [o.outputs[0].token_ids for o in spec.chat(CHATS, params)]
     assert got == expected
-    before = spec.core.stats.num_spec_accepted
+    before = spec.core.stats.spec.num_accepted_tokens
     copied = spec.chat(CHATS[:1], params)[0].outputs[0].token_ids
-    assert spec.core.stats.num_spec_accepted - before >= 0.5 * len(copied)
+    assert spec.core.stats.spec.num_accepted_tokens - before >= 0.5 * len(copied)

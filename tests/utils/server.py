@@ -52,10 +52,10 @@ class LocalServer:
         self.thread.join(30)
 
 
-def serve_tiny(engine_dir, **app_kwargs) -> LocalServer:
+def serve_tiny(engine_dir, speculative_config: dict | None = None, **app_kwargs) -> LocalServer:
     """A LocalServer of ``engine_dir`` as MODEL, with a 4,096-token KV cache."""
     from kiln.runtime.executor import ExecutorConfig, KvCacheConfig
     from kiln.serve import create_app
 
-    config = ExecutorConfig(kv_cache_config=KvCacheConfig(max_tokens=4096))
+    config = ExecutorConfig(kv_cache_config=KvCacheConfig(max_tokens=4096), speculative_config=speculative_config)
     return LocalServer(create_app(engine_dir, executor_config=config, served_model_name=MODEL, **app_kwargs))
