@@ -314,6 +314,8 @@ class EngineCore:
             seq.spec_tokens = []
             if enabled and can_speculate(seq) and seq.num_computed_tokens == seq.num_tokens - 1:
                 room = seq.max_total_tokens - seq.num_tokens - 1  # the step adds up to k + 1 tokens
+                if seq.spec_limit is not None:
+                    room = min(room, seq.spec_limit)
                 seq.spec_tokens = propose_ngram(seq.token_ids, self.speculative, room)
 
     def _micro_batch_seqs(self) -> int | None:

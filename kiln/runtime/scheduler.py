@@ -325,6 +325,9 @@ class Scheduler:
             raise RuntimeError(f"sequence {seq.seq_id}: its proposed tokens were not verified")
         kept = next((i for i, (r, p) in enumerate(zip(verified, proposals)) if r.token != p),
                     min(len(verified), len(proposals)))
+        # Propose about as many as were kept: a rejected token's row costs a step more compute
+        # for nothing; when all were kept, two more.
+        seq.spec_limit = len(proposals) + 2 if kept == len(proposals) else kept + 1
         seq.num_spec_proposed += len(proposals)
         seq.num_spec_accepted += kept
         self.spec_stats.record(len(proposals), kept)

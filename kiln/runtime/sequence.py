@@ -51,6 +51,7 @@ class Sequence:
     prompt_table: object = None  # its prompt-tuning table (kiln.runtime.prompt_tuning.PromptTable), if any
     in_flight: bool = False  # scheduled in a step whose results have not come back (pipeline parallelism)
     spec_tokens: list[int] = field(default_factory=list)  # proposed for the next step (speculative decoding)
+    spec_limit: int | None = None  # the most tokens to propose next (follows what was kept; None: the config's)
     num_spec_proposed: int = 0  # tokens proposed for this sequence so far, and of them kept
     num_spec_accepted: int = 0
 
