@@ -212,9 +212,34 @@ def _structured_decode(records: list[dict]) -> list[str]:
             "2 threads. The target: within 10% of free.", "", *rows]
 
 
+def _speculative(records: list[dict]) -> list[str]:
+    """Batch-1 decode with n-gram speculation beside plain, kiln and llama.cpp, per workload."""
+    latest = {(r["gguf"], _cpu(r)): r for r in records if r.get("kind") == "speculative"}
+    if not latest:
+        return []
+    rows = ["| date | CPU | GGUF | workload | kiln plain / n-gram tok/s | speed-up | kept, tokens a step | "
+            "llama.cpp plain / prompt lookup tok/s | kiln n-gram / llama.cpp lookup | command |",
+            "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in sorted(latest.values(), key=lambda r: r["date"], reverse=True)[:ROWS]:
+        for name, w in r["workloads"].items():
+            t = w["decode_tok_s"]
+            peer = (f"{_tok_s(t['llama.cpp'])} / {_tok_s(t['llama.cpp prompt lookup'])} | "
+                    f"{t['kiln ngram'] / t['llama.cpp prompt lookup']:.2f}x") if "llama.cpp" in t else "- | -"
+            rows.append(f"| {r['date'][:10]} | {_cpu(r)} | {r['gguf']} | {name} ({w['prompts']}) | "
+                        f"{_tok_s(t['kiln'])} / {_tok_s(t['kiln ngram'])} | {t['kiln ngram'] / t['kiln']:.2f}x | "
+                        f"{w['kiln_acceptance_rate']:.0%}, {w['kiln_mean_accepted_length']:.2f} | {peer} | "
+                        f"`{_short(r['command'])}` |")
+    return ["## Speculative decoding: n-gram proposals, batch 1, kiln and llama.cpp", "",
+            "`python benchmarks/speculative.py`: ShareGPT prompts (input-grounded: summarize or copy-edit a given "
+            "text; open chat: first user turns), greedy, decode tok/s after the first token summed over a workload; "
+            "kiln with `{\"method\": \"ngram\"}` and llama-cpp-python's `LlamaPromptLookupDecoding`, the same "
+            "proposal length, the same GGUF, in turn per prompt. The 1.7B-shaped model has random weights: its "
+            "acceptance says nothing of a trained model's.", "", *rows]
+
+
 def render(records: list[dict]) -> str:
     parts = [HEADER.rstrip(), "", *_scale(records), "", *_quality(records), "", *_scoring(records), "",
-             *_structured_decode(records), "",
+             *_structured_decode(records), "", *_speculative(records), "",
              *_latency(records), "", *_throughput(records), "", *_robustness(records)]
     return "\n".join(parts) + "\n"
 
