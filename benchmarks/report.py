@@ -39,9 +39,11 @@ def _cpu(record: dict) -> str:
 
 
 def _newest(records: list[dict], kind: str) -> list[dict]:
+    """The newest record per engine, dtype and CPU; records that did not say their CPU are left
+    out (nothing measured today can be compared with them)."""
     latest: dict[tuple, dict] = {}
     for r in records:
-        if r.get("kind") == kind:
+        if r.get("kind") == kind and r.get("machine", {}).get("cpu"):
             latest[(r.get("engine"), r.get("dtype"), _cpu(r))] = r
     return sorted(latest.values(), key=lambda r: r["date"], reverse=True)[:ROWS]
 
@@ -179,7 +181,8 @@ def _scoring(records: list[dict]) -> list[str]:
     """lm-evaluation-harness multiple choice: kiln serve (local-completions, echo) beside HF, same weights."""
     rows = ["| date | CPU | model | questions | acc kiln / HF | acc_norm kiln / HF | same answer | "
             "largest log-likelihood difference | command |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
-    for r in [x for x in records if x.get("kind") == "lm_eval_scoring"][-ROWS:][::-1]:
+    latest = {(x["gguf"], _cpu(x)): x for x in records if x.get("kind") == "lm_eval_scoring"}
+    for r in sorted(latest.values(), key=lambda x: x["date"], reverse=True)[:ROWS]:
         k, h, a = r["kiln"], r["hf"], r["agreement"]
         rows.append(f"| {r['date'][:10]} | {_cpu(r)} | {r['gguf']} float32 | {r['questions']} | "
                     f"{k['acc']:.3f} / {h['acc']:.3f} | {k['acc_norm']:.3f} / {h['acc_norm']:.3f} | "
