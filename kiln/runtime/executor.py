@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import itertools
 import logging
 import threading
@@ -334,14 +333,9 @@ class Executor:
                 del self._live[tracked.request_id]
             if final or tracked.request.streaming:
                 self._respond(tracked, final)
-        pool, scheduler = self.core.pool, self.core.scheduler
         self._iteration += 1
-        spec = self.core.stats.spec
-        stats = IterationStats(self._iteration, time.time(), 1000 * (time.perf_counter() - started),
-                               len(self._live), len(scheduler.waiting), self.core.stats.last_step_tokens,
-                               pool.num_blocks - pool.num_free, pool.num_free, pool.num_blocks, pool.num_cached,
-                               pool.hit_rate, self.lora_cache.stats(), len(self._waiting_for_lora),
-                               spec and dataclasses.replace(spec))
+        stats = IterationStats.of(self.core, self._iteration, 1000 * (time.perf_counter() - started),
+                                  len(self._live), self.lora_cache.stats(), len(self._waiting_for_lora))
         with self._lock:
             self._stats.append(stats)
 

@@ -3,6 +3,7 @@ request, a response (a result or an error), and per-iteration statistics."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -152,3 +153,13 @@ class IterationStats:
     lora_cache: LoraCacheStats | None = None  # the LoRA cache's levels and counters
     num_waiting_for_lora: int = 0  # requests waiting for a LoRA device slot
     spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters since start, when it is on
+
+    @classmethod
+    def of(cls, core, iteration: int, step_ms: float, num_active: int, lora_cache: LoraCacheStats | None,
+           num_waiting_for_lora: int) -> "IterationStats":
+        """The stats of an engine core (``kiln.runtime.engine_core.EngineCore``) after a step."""
+        pool, spec = core.pool, core.stats.spec
+        return cls(iteration, time.time(), step_ms, num_active, len(core.scheduler.waiting),
+                   core.stats.last_step_tokens, pool.num_blocks - pool.num_free, pool.num_free, pool.num_blocks,
+                   pool.num_cached, pool.hit_rate, lora_cache, num_waiting_for_lora,
+                   spec and dataclasses.replace(spec))

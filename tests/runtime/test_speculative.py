@@ -8,9 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from kiln import LLM, SamplingParams
+from kiln import LLM, SamplingParams, StructuredOutputsParams
+from kiln.bench.common import random_lora_modules
 from kiln.config.speculative import SpeculativeConfig
 from kiln.errors import ConfigError
+from kiln.layers.lora import LoraAdapter
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.grammar_masks import GrammarMasks
 from kiln.runtime.logits_processors import TokenHistory
@@ -162,3 +164,11 @@ def test_bundled_model_greedy_is_plain_greedy(smollm2_llm) -> None:
     before = spec.core.stats.spec.num_accepted_tokens
     copied = spec.chat(CHATS[:1], params)[0].outputs[0].token_ids
     assert spec.core.stats.spec.num_accepted_tokens - before >= 0.5 * len(copied)
+    # With a grammar (the proposals are masked row by row) and under a LoRA adapter, alike.
+    held = SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputsParams(
+        regex=r"Kiln converts [a-z ,]+\."))
+    assert [o.outputs[0].text for o in spec.chat(CHATS[:1], held)] == \
+        [o.outputs[0].text for o in smollm2_llm.chat(CHATS[:1], held)]
+    adapter = LoraAdapter(random_lora_modules(smollm2_llm.engine.config, 8, ("attn_q", "attn_v"), scale=0.05))
+    assert spec.chat(CHATS[:2], params, lora=adapter)[1].outputs[0].token_ids == \
+        smollm2_llm.chat(CHATS[:2], params, lora=adapter)[1].outputs[0].token_ids
