@@ -7,6 +7,7 @@ two processes racing serialise on a lock file, and the engine appears atomically
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -21,6 +22,7 @@ from kiln.checkpoint.format import ENGINE_FORMAT_VERSION, read_config, read_conf
 from kiln.config import BuildConfig, QuantConfig
 from kiln.config.quant_algos import ALGOS
 from kiln.config.engine_args import EngineArgs
+from kiln.config.speculative import SpeculativeConfig
 from kiln.convert import convert_checkpoint
 from kiln.errors import CheckpointError, ConfigError
 
@@ -158,3 +160,15 @@ def engine_for(args: EngineArgs, *, progress: bool = True, tp_size: int | None =
         args.check_engine(path, BuildConfig.from_dict(raw["build_config"]), raw["dtype"])
     return resolve_engine(path, dtype=args.dtype, build_options=args.build_options(), cache_dir=args.cache_dir,
                           progress=progress, quantization=args.quantization, tp_size=tp_size, pp_size=pp_size)
+
+
+def draft_engine_for(config: SpeculativeConfig | dict | str | None, cache_dir: str | Path | None = None,
+                     progress: bool = True) -> SpeculativeConfig | None:
+    """``config`` with its draft model (``method`` draft_model) resolved to an engine directory: a
+    source is converted and built into the cache like the target (quantized with the config's
+    ``quantization``, for a quantized copy of the target as its own draft)."""
+    config = SpeculativeConfig.parse(config)
+    if config is None or config.model is None:
+        return config
+    args = EngineArgs(model=config.model, cache_dir=cache_dir, quantization=config.quantization)
+    return dataclasses.replace(config, model=str(engine_for(args, progress=progress)), quantization=None)

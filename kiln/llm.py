@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from kiln.checkpoint.peft import load_prompt_table, read_adapter
 from kiln.config.engine_args import EngineArgs
-from kiln.engine_cache import engine_for
+from kiln.engine_cache import draft_engine_for, engine_for
 from kiln.errors import ConfigError, RequestError
 from kiln.layers.lora import LoraAdapter
 from kiln.outputs import CompletionOutput, RequestOutput, StreamDelta, beam_completions, completion
@@ -76,7 +76,7 @@ class LLM:
             num_blocks = max(1, args.kv_cache_max_tokens // self.engine.build_config.tokens_per_block)
         self.core = EngineCore(self.engine, max_num_seqs=args.max_batch_size, max_num_tokens=args.max_num_tokens,
                                num_blocks=num_blocks, enable_prefix_caching=args.enable_prefix_caching,
-                               speculative_config=args.speculative_config)
+                               speculative_config=draft_engine_for(args.speculative_config, args.cache_dir, progress))
         self.core.use_grammar_tokenizer(self.processor.grammar_tokenizer)
         self._lora_adapters: dict[object, LoraAdapter] = {}  # by adapter directory or task id
 

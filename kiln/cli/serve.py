@@ -7,7 +7,7 @@ from pathlib import Path
 from kiln import env
 from kiln.cli.world import add_world_flags, rank_zero
 from kiln.config.engine_args import EngineArgs
-from kiln.engine_cache import engine_for
+from kiln.engine_cache import draft_engine_for, engine_for
 from kiln.errors import ConfigError
 from kiln.runtime.executor import ExecutorConfig, KvCacheConfig
 from kiln.runtime.tool_parsers import TOOL_CALL_PARSERS
@@ -60,7 +60,8 @@ def serve(args) -> int:
 
     engine_dir = engine_dir_for(args)
     config = ExecutorConfig(max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-                            max_queue_size=args.max_queue_size, speculative_config=args.speculative_config,
+                            max_queue_size=args.max_queue_size,
+                            speculative_config=draft_engine_for(args.speculative_config, args.cache_dir),
                             kv_cache_config=KvCacheConfig(max_tokens=args.kv_cache_max_tokens,
                                                           enable_block_reuse=args.enable_prefix_caching))
     loras = {}

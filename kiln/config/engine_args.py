@@ -100,7 +100,9 @@ class EngineArgs:
         "speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' proposes the tokens that followed the last "
         "n tokens' latest earlier occurrence in the prompt and output, and the model keeps those it agrees "
-        "with (the same greedy output, the same sampling distribution; default: off)")
+        "with (the same greedy output, the same sampling distribution); '{\"method\": \"draft_model\", "
+        "\"model\": \"SOURCE\", \"num_speculative_tokens\": 4}' proposes with a draft model of the same "
+        "vocabulary (\"quantization\": \"W4A16\" builds a quantized copy; default: off)")
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -25,6 +25,7 @@ from kiln.distributed import world
 from kiln.errors import CapacityError, ConfigError, KilnError, RequestError, WorldError
 from kiln.runtime.beam_search import BeamHypothesis, BeamSearch, BeamSearchParams
 from kiln.runtime.block_pool import BlockPool
+from kiln.runtime.draft import DraftProposer
 from kiln.runtime.engine import Engine
 from kiln.runtime.kv_blocks import KV_CACHE_MEMORY_FRACTION, agreed_num_blocks, common_window
 from kiln.runtime.model_runner import ModelRunner
@@ -32,16 +33,13 @@ from kiln.runtime.prompt_tuning import PromptTable, check_prompt_ids, check_tabl
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import RunnerOutput, Scheduler
 from kiln.runtime.sequence import FinishReason, Sequence
-from kiln.runtime.speculative import SpecDecodeStats, can_speculate, propose_ngram
+from kiln.runtime.speculative import SpecDecodeStats, Speculator
 from kiln.runtime.worker import CacheSettings, Leader
 
 # Steps in a row whose every request failed with an internal error: past this, the engine
 # itself is taken to be broken and ``step`` raises (an engine that fails everything must say
 # so, not answer each request with an error forever).
 MAX_FAILED_STEPS = 8
-# The most tokens a step verifying proposals computes: below it a CPU step costs about one read
-# of the weights whatever its tokens, past it speculation would cost more than it saves.
-SPECULATIVE_TOKEN_BUDGET = 64
 
 
 @dataclass
@@ -101,7 +99,7 @@ class EngineCore:
         self.pipeline_depth = engine.config.mapping.pp_size
         if speculative_config is not None and self.pipeline_depth > 1:
             raise ConfigError("speculative_config: speculative decoding runs without pipeline stages (pp_size 1)")
-        self.speculative = SpeculativeConfig.parse(speculative_config)
+        speculative_config = SpeculativeConfig.parse(speculative_config)
         self._in_flight: deque = deque()
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, block, self.max_num_seqs, self.max_num_tokens, capacity_policy,
@@ -111,7 +109,14 @@ class EngineCore:
         self._requests: dict[int, SequenceGroup] = {}  # seq_id -> request, for live sequences
         self._failures: list[tuple[SequenceGroup, Exception]] = []  # requests that failed alone, not yet taken
         self._failed_steps = 0  # steps in a row that advanced nothing and failed with an internal error
-        self.stats = StepStats(spec=self.scheduler.spec_stats if self.speculative is not None else None)
+        self.stats = StepStats(spec=self.scheduler.spec_stats if speculative_config is not None else None)
+        self.speculator = None  # proposes tokens before each step, when speculative decoding is on
+        if speculative_config is not None:
+            drafter = None
+            if speculative_config.method == "draft_model":
+                drafter = DraftProposer(engine, speculative_config.model, num_blocks * block, self.max_num_seqs,
+                                        EngineCore)
+            self.speculator = Speculator(speculative_config, drafter)
 
     def close(self) -> None:
         """Release the other ranks of a world (their ``follow`` returns); a no-op in one process."""
@@ -222,6 +227,8 @@ class EngineCore:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
+        if self.speculator is not None:
+            self.speculator.forget(seq.seq_id)
         self.scheduler.finish(seq)
         self.runner.release(seq)
         self._requests.pop(seq.seq_id, None)
@@ -243,8 +250,8 @@ class EngineCore:
         (each step of a sequence still waits for its previous token)."""
         started = time.perf_counter()
         if len(self._in_flight) < self.pipeline_depth:
-            if self.speculative is not None:
-                self._propose()
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running)
             out = self.scheduler.schedule(self._micro_batch_seqs())
             if out.chunks:
                 self.runner.submit(out)
@@ -301,22 +308,6 @@ class EngineCore:
             raise RuntimeError(f"{MAX_FAILED_STEPS} steps in a row failed every request they ran; "
                                f"the last error: {internal[0]!r}") from internal[0]
         return [request for request, _ in requests.values()]
-
-    def _propose(self) -> None:
-        """Proposed tokens for each running sequence that decodes and may speculate. Verifying
-        ``k`` proposals computes ``k + 1`` tokens: while the batch is small, a decode step reads
-        the weights for little compute and that is nearly free; past ``SPECULATIVE_TOKEN_BUDGET``
-        tokens a step is compute-bound, and speculation switches off."""
-        running = self.scheduler.running
-        k = self.speculative.num_speculative_tokens
-        enabled = len(running) * (k + 1) <= SPECULATIVE_TOKEN_BUDGET
-        for seq in running:
-            seq.spec_tokens = []
-            if enabled and can_speculate(seq) and seq.num_computed_tokens == seq.num_tokens - 1:
-                room = seq.max_total_tokens - seq.num_tokens - 1  # the step adds up to k + 1 tokens
-                if seq.spec_limit is not None:
-                    room = min(room, seq.spec_limit)
-                seq.spec_tokens = propose_ngram(seq.token_ids, self.speculative, room)
 
     def _micro_batch_seqs(self) -> int | None:
         """The most sequences one micro-batch takes: an even share of the work, so each stage

@@ -71,3 +71,44 @@ def propose_ngram(token_ids: list[int], config: SpeculativeConfig, limit: int) -
                 if len(follow):
                     return follow.tolist()
     return []
+
+
+# The most tokens a step verifying proposals computes: below it a CPU step costs about one read
+# of the weights whatever its tokens, past it speculation would cost more than it saves.
+SPECULATIVE_TOKEN_BUDGET = 64
+
+
+class Speculator:
+    """Proposes tokens for the decoding sequences of the next step: n-gram lookup, or ``drafter``
+    (``kiln.runtime.draft.DraftProposer``) for a draft model."""
+
+    def __init__(self, config: SpeculativeConfig, drafter=None):
+        self.config = config
+        self.drafter = drafter
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Set each running sequence's ``spec_tokens``: for one that decodes and may speculate,
+        up to ``num_speculative_tokens`` and about as many as it kept last time (``spec_limit``).
+        Verifying ``k`` proposals computes ``k + 1`` tokens: while the batch is small a decode step
+        reads the weights for little compute, nearly free; past ``SPECULATIVE_TOKEN_BUDGET`` tokens
+        a step is compute-bound, and speculation switches off."""
+        k = self.config.num_speculative_tokens
+        enabled = len(running) * (k + 1) <= SPECULATIVE_TOKEN_BUDGET
+        wanted = []
+        for seq in running:
+            seq.spec_tokens = []
+            if enabled and can_speculate(seq) and seq.num_computed_tokens == seq.num_tokens - 1:
+                room = seq.max_total_tokens - seq.num_tokens - 1  # the step adds up to k + 1 tokens
+                if seq.spec_limit is not None:
+                    room = min(room, seq.spec_limit)
+                if self.drafter is None:
+                    seq.spec_tokens = propose_ngram(seq.token_ids, self.config, room)
+                else:
+                    wanted.append((seq, min(room, k)))
+        if self.drafter is not None:
+            self.drafter.propose(wanted)
+
+    def forget(self, seq_id: int) -> None:
+        """A sequence ended: drop what was kept for it (its draft mirror)."""
+        if self.drafter is not None:
+            self.drafter.forget(seq_id)

@@ -117,6 +117,28 @@ def test_greedy_output_is_plain_greedy_token_for_token(tiny) -> None:
         [o.outputs[0].token_ids for o in plain.generate(PROMPTS, controlled)]
 
 
+def test_a_draft_model_proposes_and_greedy_stays_plain_greedy(tiny, tmp_path) -> None:
+    """The target itself as its draft keeps every proposal; a different model of the same
+    vocabulary (other random weights, one layer) keeps few; both give plain greedy's tokens."""
+    plain, _ = tiny
+    other = tmp_path / "other"
+    make_tiny_llama_with_tokenizer(other / "hf", seed=7, layers=1)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    for draft in (plain.engine_dir, other / "hf"):
+        spec = LLM(plain.engine_dir, speculative_config={"method": "draft_model", "model": str(draft),
+                                                         "num_speculative_tokens": 3},
+                   cache_dir=tmp_path / "cache", progress=False)
+        assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == expected
+        stats = spec.core.stats.spec
+        assert stats.num_drafts > 0
+        if draft == plain.engine_dir:
+            assert stats.num_accepted_tokens == stats.num_draft_tokens
+            assert spec.core.speculator.drafter.core.has_unfinished is False  # mirrors end with their sequences
+    with pytest.raises(ConfigError, match="speculative_config.model"):
+        SpeculativeConfig.parse({"method": "draft_model"})
+
+
 def _run(core: EngineCore, prompt: list[int], tokens: int) -> Sequence:
     request = core.add_request(prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True), None)
     (seq,) = request.seqs
