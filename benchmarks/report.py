@@ -220,24 +220,27 @@ def _speculative(records: list[dict]) -> list[str]:
     latest = {(r["gguf"], _cpu(r)): r for r in records if r.get("kind") == "speculative"}
     if not latest:
         return []
-    rows = ["| date | CPU | GGUF | workload | kiln plain / n-gram tok/s | speed-up | kept, tokens a step | "
-            "llama.cpp plain / prompt lookup tok/s | kiln n-gram / llama.cpp lookup | command |",
-            "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
+    rows = ["| date | CPU | GGUF, kiln target | workload | kiln plain / n-gram tok/s | speed-up | kept, tokens a step | "
+            "kiln draft model: tok/s, speed-up, kept | llama.cpp plain / prompt lookup tok/s | "
+            "kiln n-gram / llama.cpp lookup | command |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(latest.values(), key=lambda r: r["date"], reverse=True)[:ROWS]:
         for name, w in r["workloads"].items():
             t = w["decode_tok_s"]
             peer = (f"{_tok_s(t['llama.cpp'])} / {_tok_s(t['llama.cpp prompt lookup'])} | "
                     f"{t['kiln ngram'] / t['llama.cpp prompt lookup']:.2f}x") if "llama.cpp" in t else "- | -"
-            rows.append(f"| {r['date'][:10]} | {_cpu(r)} | {r['gguf']} | {name} ({w['prompts']}) | "
-                        f"{_tok_s(t['kiln'])} / {_tok_s(t['kiln ngram'])} | {t['kiln ngram'] / t['kiln']:.2f}x | "
-                        f"{w['kiln_acceptance_rate']:.0%}, {w['kiln_mean_accepted_length']:.2f} | {peer} | "
-                        f"`{_short(r['command'])}` |")
+            draft = (f"{_tok_s(t['kiln draft'])}, {t['kiln draft'] / t['kiln']:.2f}x, {w['draft_acceptance_rate']:.0%}"
+                     if "kiln draft" in t else "-")
+            rows.append(f"| {r['date'][:10]} | {_cpu(r)} | {r['gguf']}, {r.get('target_dtype', 'its own')} | "
+                        f"{name} ({w['prompts']}) | {_tok_s(t['kiln'])} / {_tok_s(t['kiln ngram'])} | "
+                        f"{t['kiln ngram'] / t['kiln']:.2f}x | {w['kiln_acceptance_rate']:.0%}, "
+                        f"{w['kiln_mean_accepted_length']:.2f} | {draft} | {peer} | `{_short(r['command'])}` |")
     return ["## Speculative decoding: n-gram proposals, batch 1, kiln and llama.cpp", "",
             "`python benchmarks/speculative.py`: ShareGPT prompts (input-grounded: summarize or copy-edit a given "
             "text; open chat: first user turns), greedy, decode tok/s after the first token summed over a workload; "
             "kiln with `{\"method\": \"ngram\"}` and llama-cpp-python's `LlamaPromptLookupDecoding`, the same "
-            "proposal length, the same GGUF, in turn per prompt. The 1.7B-shaped model has random weights: its "
-            "acceptance says nothing of a trained model's.", "", *rows]
+            "proposal length, the same GGUF, in turn per prompt; a bfloat16 target's draft model is the GGUF's own "
+            "Q4_1 build of the same weights. The 1.7B-shaped model has random weights: its acceptance says nothing "
+            "of a trained model's.", "", *rows]
 
 
 def render(records: list[dict]) -> str:

@@ -84,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip prompts longer than this many tokens (default 1024)")
     p.add_argument("--k", type=int, default=6, help="tokens proposed per step, both engines (default 6)")
     p.add_argument("--ngram", type=int, default=3, help="longest n-gram looked up, both engines (default 3)")
+    p.add_argument("--target_dtype", default="auto",
+                   help="kiln's target engine dtype (default auto: the file's own quantization; bfloat16 or "
+                        "float32 dequantize it)")
+    p.add_argument("--draft", help="also run kiln with this draft model (engine or source), e.g. the GGUF itself "
+                                   "beside a bfloat16 target: a quantized copy of the target as its draft")
+    p.add_argument("--draft_k", type=int, default=4, help="tokens the draft proposes per step (default 4)")
     p.add_argument("--no_llamacpp", action="store_true", help="kiln only (llama-cpp-python not installed)")
     p.add_argument("--output_json", default=str(Path(__file__).parent / "results.jsonl"),
                    help="append the record here (default benchmarks/results.jsonl)")
@@ -91,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.ngram,
             "prompt_lookup_min": 1}
-    plain = LLM(args.gguf, cache_dir=args.cache_dir, max_seq_len=2048, progress=False)
+    plain = LLM(args.gguf, cache_dir=args.cache_dir, max_seq_len=2048, dtype=args.target_dtype, progress=False)
     engines = {"kiln": plain, "kiln ngram": LLM(plain.engine_dir, speculative_config=spec, progress=False)}
+    if args.draft:
+        engines["kiln draft"] = LLM(plain.engine_dir, cache_dir=args.cache_dir, progress=False, speculative_config={
+            "method": "draft_model", "model": args.draft, "num_speculative_tokens": args.draft_k})
     end_id = plain.processor.end_id
     if not args.no_llamacpp:
         import llama_cpp
@@ -108,26 +117,32 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict[str, dict] = {}
     for workload, prompts in loads.items():
         totals = {name: [0, 0.0] for name in engines}
-        spec_stats = engines["kiln ngram"].core.stats.spec
-        before = (spec_stats.num_drafts, spec_stats.num_draft_tokens, spec_stats.num_accepted_tokens)
+        before = {name: _counts(llm) for name, llm in engines.items() if name.startswith("kiln ")}
         for prompt in prompts:
             for name, llm in engines.items():
                 run = kiln_run(llm, prompt, args.new_tokens) if name.startswith("kiln") else \
                     llamacpp_run(llm, prompt, args.new_tokens, end_id)
                 totals[name][0] += run[0]
                 totals[name][1] += run[1]
-        drafts, proposed, kept = (now - then for now, then in zip(
-            (spec_stats.num_drafts, spec_stats.num_draft_tokens, spec_stats.num_accepted_tokens), before))
         figures[workload] = {"prompts": len(prompts), "decode_tok_s": {n: t / s for n, (t, s) in totals.items()},
-                             "tokens": {n: t for n, (t, _) in totals.items()},
-                             "kiln_acceptance_rate": kept / proposed if proposed else 0.0,
-                             "kiln_mean_accepted_length": 1 + kept / drafts if drafts else 0.0}
+                             "tokens": {n: t for n, (t, _) in totals.items()}}
+        for name, then in before.items():
+            drafts, proposed, kept = (now - was for now, was in zip(_counts(engines[name]), then))
+            key = "kiln" if name == "kiln ngram" else "draft"
+            figures[workload][f"{key}_acceptance_rate"] = kept / proposed if proposed else 0.0
+            figures[workload][f"{key}_mean_accepted_length"] = 1 + kept / drafts if drafts else 0.0
         print(format_workload(workload, figures[workload]), flush=True)
     append_record(args.output_json, new_record(
         "speculative", gguf=Path(args.gguf).name, k=args.k, ngram=args.ngram, new_tokens=args.new_tokens,
+        target_dtype=plain.engine.config.dtype, draft=args.draft and Path(args.draft).name, draft_k=args.draft_k,
         threads=threads, machine=machine_facts(), workloads=figures,
         command=" ".join(["python", "benchmarks/speculative.py", *(argv or sys.argv[1:])])))
     return 0
+
+
+def _counts(llm: LLM) -> tuple[int, int, int]:
+    spec = llm.core.stats.spec
+    return spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
 
 
 def format_workload(name: str, f: dict) -> str:
@@ -137,6 +152,9 @@ def format_workload(name: str, f: dict) -> str:
         lines.append(f"  {engine:26} {value:8.1f} ({f['tokens'][engine]})")
     lines.append(f"  kiln ngram / kiln {tok_s['kiln ngram'] / tok_s['kiln']:.2f}x; kept "
                  f"{f['kiln_acceptance_rate']:.0%} of proposals, {f['kiln_mean_accepted_length']:.2f} tokens a step")
+    if "kiln draft" in tok_s:
+        lines.append(f"  kiln draft / kiln {tok_s['kiln draft'] / tok_s['kiln']:.2f}x; kept "
+                     f"{f['draft_acceptance_rate']:.0%} of proposals, {f['draft_mean_accepted_length']:.2f} tokens a step")
     if "llama.cpp prompt lookup" in tok_s:
         peer = tok_s["llama.cpp prompt lookup"]
         lines.append(f"  kiln ngram / llama.cpp prompt lookup {tok_s['kiln ngram'] / peer:.2f}x; "

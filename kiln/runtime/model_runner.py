@@ -37,6 +37,10 @@ from kiln.step.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
+# The longest chunk of generated tokens run as one-token queries (a decode step) rather than as a
+# prompt chunk: verification (proposals and one) and a draft model's catch-up are this short.
+MAX_SPLIT_TOKENS = 17
+
 ACTIVATIONS_TAG = 2  # a stage's output to the next stage
 
 
@@ -234,9 +238,10 @@ class ModelRunner:
                 ids = ids + seq.spec_tokens[:n - len(ids)]
             input_ids.extend(ids)
             positions.extend(range(start, start + n))
-            # A chunk verifying proposals is as many one-token queries, each seeing the positions up to
-            # its own, so it runs as a decode step does (the native decode kernel included).
-            split = bool(seq.spec_tokens) and chunk.completes and n == 1 + len(seq.spec_tokens)
+            # A chunk verifying proposals, or a few generated tokens to catch up with (a draft model's
+            # sequence after the target kept its proposals), is as many one-token queries, each seeing
+            # the positions up to its own, so it runs as a decode step does (native kernel included).
+            split = chunk.completes and 1 < n <= MAX_SPLIT_TOKENS and start >= seq.num_prompt_tokens
             query_lens.extend([1] * n if split else [n])
             seq_lens.extend(range(start + 1, start + n + 1) if split else [start + n])
             tables.extend([seq.block_ids] * (n if split else 1))
@@ -274,9 +279,10 @@ class ModelRunner:
             send_tensor(self.model(ids, positions, md, self.kv_caches, hidden), m.rank + m.tp_size,
                         ACTIVATIONS_TAG)
             return None, []
-        if hidden is None and not step.context_rows and len(step.last_token) == len(step.query_lens) \
-                == len(step.input_ids):
-            logits = self.model.decode_logits(ids, positions, md, self.kv_caches)  # every token is sampled
+        if hidden is None and not step.context_rows and len(step.query_lens) == len(step.input_ids):
+            logits = self.model.decode_logits(ids, positions, md, self.kv_caches)  # one-token queries
+            if logits is not None and len(step.last_token) < len(step.input_ids):
+                logits = logits[torch.tensor(step.last_token, dtype=torch.long)]
         if logits is None:
             hidden = self.model(ids, positions, md, self.kv_caches, hidden)
             context = [self.model.compute_logits(hidden[offset:offset + count])
