@@ -217,11 +217,11 @@ def _structured_decode(records: list[dict]) -> list[str]:
 
 def _speculative(records: list[dict]) -> list[str]:
     """Batch-1 decode with n-gram speculation beside plain, kiln and llama.cpp, per workload."""
-    latest = {(r["gguf"], _cpu(r)): r for r in records if r.get("kind") == "speculative"}
+    latest = {(r["gguf"], r.get("target_dtype"), _cpu(r)): r for r in records if r.get("kind") == "speculative"}
     if not latest:
         return []
-    rows = ["| date | CPU | GGUF, kiln target | workload | kiln plain / n-gram tok/s | speed-up | kept, tokens a step | "
-            "kiln draft model: tok/s, speed-up, kept | llama.cpp plain / prompt lookup tok/s | "
+    rows = ["| date | CPU | GGUF, kiln target | workload | kiln plain / n-gram tok/s | speed-up | "
+            "kept, tokens a step | kiln draft model: tok/s, speed-up, kept | llama.cpp plain / prompt lookup tok/s | "
             "kiln n-gram / llama.cpp lookup | command |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(latest.values(), key=lambda r: r["date"], reverse=True)[:ROWS]:
         for name, w in r["workloads"].items():

@@ -154,7 +154,8 @@ def format_workload(name: str, f: dict) -> str:
                  f"{f['kiln_acceptance_rate']:.0%} of proposals, {f['kiln_mean_accepted_length']:.2f} tokens a step")
     if "kiln draft" in tok_s:
         lines.append(f"  kiln draft / kiln {tok_s['kiln draft'] / tok_s['kiln']:.2f}x; kept "
-                     f"{f['draft_acceptance_rate']:.0%} of proposals, {f['draft_mean_accepted_length']:.2f} tokens a step")
+                     f"{f['draft_acceptance_rate']:.0%} of proposals, "
+                     f"{f['draft_mean_accepted_length']:.2f} tokens a step")
     if "llama.cpp prompt lookup" in tok_s:
         peer = tok_s["llama.cpp prompt lookup"]
         lines.append(f"  kiln ngram / llama.cpp prompt lookup {tok_s['kiln ngram'] / peer:.2f}x; "
