@@ -42,7 +42,8 @@ class ExecutorConfig:
     iteration_stats_max: int = 1000  # how many iterations' stats to keep
     attention_backend: str = "auto"  # "native" (C decode kernel), "torch" (reference) or auto
     lora_cache_config: LoraCacheConfig = field(default_factory=LoraCacheConfig)
-    # Speculative decoding (vLLM's dict, its JSON, or a SpeculativeConfig; None: off).
+    # Speculative decoding (vLLM's dict, its JSON, or a SpeculativeConfig; None: off). A draft
+    # model is an engine directory here (LLM and kiln serve resolve sources: draft_engine_for).
     speculative_config: SpeculativeConfig | dict | str | None = None
 
 

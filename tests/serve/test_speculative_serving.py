@@ -1,5 +1,5 @@
-"""kiln serve with n-gram speculation: streams exactly what the plain server streams (greedy),
-and /metrics counts the proposals and those kept."""
+"""kiln serve with speculation (n-gram, a draft model): streams exactly what the plain server
+streams (greedy), and /metrics counts the proposals and those kept."""
 from __future__ import annotations
 
 import urllib.request
@@ -11,9 +11,13 @@ from tests.utils.server import MODEL, serve_tiny
 PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [20, 21, 22, 23, 20, 21], [7, 7, 7, 7]]
 
 
-@pytest.fixture(scope="module")
-def speculative(engine_dir):
-    s = serve_tiny(engine_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def speculative(engine_dir, request):
+    """A server speculating with n-gram lookup, or with the model itself as its draft."""
+    config = {"method": request.param, "num_speculative_tokens": 4}
+    if request.param == "draft_model":
+        config["model"] = str(engine_dir)
+    s = serve_tiny(engine_dir, speculative_config=config)
     yield s
     s.stop()
 
