@@ -9,7 +9,7 @@ its argmax, a one-token proposal, so verification's rule keeps the target distri
 """
 from __future__ import annotations
 
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, KilnError
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import FinishReason, Sequence
@@ -61,7 +61,10 @@ class DraftProposer:
             return None
         mirror = self._mirrors.get(seq.seq_id)
         if mirror is None or mirror.is_finished:
-            (mirror,) = self.core.add_request(list(seq.token_ids), self.params, None).seqs
+            try:
+                (mirror,) = self.core.add_request(list(seq.token_ids), self.params, None).seqs
+            except KilnError:  # more than the draft engine takes (its max_input_len): no proposals
+                return None
             self._mirrors[seq.seq_id] = mirror
         else:
             # The two agree up to what the mirror took last time, then as far as the target kept
