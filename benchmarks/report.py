@@ -223,7 +223,7 @@ def _speculative(records: list[dict]) -> list[str]:
     rows = ["| date | CPU | GGUF, kiln target | workload | kiln plain / n-gram tok/s | speed-up | "
             "kept, tokens a step | kiln draft model: tok/s, speed-up, kept | llama.cpp plain / prompt lookup tok/s | "
             "kiln n-gram / llama.cpp lookup | command |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in sorted(latest.values(), key=lambda r: r["date"], reverse=True)[:ROWS]:
+    for r in sorted(latest.values(), key=lambda r: r["date"], reverse=True)[:3]:  # two rows a record
         for name, w in r["workloads"].items():
             t = w["decode_tok_s"]
             peer = (f"{_tok_s(t['llama.cpp'])} / {_tok_s(t['llama.cpp prompt lookup'])} | "

@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", help="also run kiln with this draft model (engine or source), e.g. the GGUF itself "
                                    "beside a bfloat16 target: a quantized copy of the target as its draft")
     p.add_argument("--draft_k", type=int, default=4, help="tokens the draft proposes per step (default 4)")
+    p.add_argument("--draft_quantization", help="quantize the draft's source while building it (e.g. W4A16: "
+                                                "with --draft the target's own source, a quantized self-draft)")
     p.add_argument("--no_llamacpp", action="store_true", help="kiln only (llama-cpp-python not installed)")
     p.add_argument("--output_json", default=str(Path(__file__).parent / "results.jsonl"),
                    help="append the record here (default benchmarks/results.jsonl)")
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = {"kiln": plain, "kiln ngram": LLM(plain.engine_dir, speculative_config=spec, progress=False)}
     if args.draft:
         engines["kiln draft"] = LLM(plain.engine_dir, cache_dir=args.cache_dir, progress=False, speculative_config={
-            "method": "draft_model", "model": args.draft, "num_speculative_tokens": args.draft_k})
+            "method": "draft_model", "model": args.draft, "num_speculative_tokens": args.draft_k,
+            "quantization": args.draft_quantization})
     end_id = plain.processor.end_id
     if not args.no_llamacpp:
         import llama_cpp
@@ -135,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     append_record(args.output_json, new_record(
         "speculative", gguf=Path(args.gguf).name, k=args.k, ngram=args.ngram, new_tokens=args.new_tokens,
         target_dtype=plain.engine.config.dtype, draft=args.draft and Path(args.draft).name, draft_k=args.draft_k,
+        draft_quantization=args.draft_quantization,
         threads=threads, machine=machine_facts(), workloads=figures,
         command=" ".join(["python", "benchmarks/speculative.py", *(argv or sys.argv[1:])])))
     return 0

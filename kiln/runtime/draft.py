@@ -32,15 +32,14 @@ class DraftProposer:
         self._synced: dict[int, int] = {}  # target seq_id -> how many of its tokens the mirror took last time
 
     def propose(self, wanted: list[tuple[Sequence, int]]) -> None:
-        """Set ``seq.spec_tokens`` (up to ``k`` tokens) of each ``(seq, k)``; mirrors of the other
-        sequences are dropped (they are made again when needed)."""
+        """Set ``seq.spec_tokens`` (up to ``k`` tokens) of each ``(seq, k)``. The mirrors of other
+        live sequences stay (one pausing its proposals catches up a few tokens when it resumes,
+        instead of its whole prompt); ``forget`` drops a mirror when its sequence ends."""
         mirrors = {}
         for seq, k in wanted:
             mirror = self._sync(seq)
             if mirror is not None and k > 0:
                 mirrors[seq.seq_id] = (seq, mirror, k)
-        for seq_id in [i for i in self._mirrors if i not in mirrors]:
-            self.forget(seq_id)
         for _ in range(max((k for _, _, k in mirrors.values()), default=0)):
             self.core.step()
         for seq, mirror, k in mirrors.values():

@@ -330,6 +330,11 @@ class Scheduler:
         # all were kept, four more (bundled model, bf16, k 10: 2.05x plain against 1.89x with
         # "kept + 1 / all + 2" on input-grounded prompts; docs/benchmark-log.md).
         seq.spec_limit = len(proposals) + 4 if kept == len(proposals) else kept + 2
+        # A draft model's proposals that keep missing (it does not know this text) cost k draft
+        # steps each time: decode plainly for 2, 4, ... up to 32 steps, then try again. (n-gram
+        # proposals cost nothing to make and ignore the pause: pausing them lost more than it saved.)
+        seq.spec_misses = seq.spec_misses + 1 if kept == 0 else 0
+        seq.spec_pause = min(2 ** seq.spec_misses, 32) if kept == 0 else 0
         seq.num_spec_proposed += len(proposals)
         seq.num_spec_accepted += kept
         self.spec_stats.record(len(proposals), kept)

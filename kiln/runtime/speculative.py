@@ -97,6 +97,9 @@ class Speculator:
         wanted = []
         for seq in running:
             seq.spec_tokens = []
+            if self.drafter is not None and seq.spec_pause and seq.num_computed_tokens == seq.num_tokens - 1:
+                seq.spec_pause -= 1  # the draft's proposals kept missing, at k draft steps each: pause
+                continue
             if enabled and can_speculate(seq) and seq.num_computed_tokens == seq.num_tokens - 1:
                 room = seq.max_total_tokens - seq.num_tokens - 1  # the step adds up to k + 1 tokens
                 if seq.spec_limit is not None:
