@@ -144,7 +144,7 @@ class Scheduler:
                 continue
             if seq.group is not None:
                 groups.add(id(seq.group))
-            n = self._chunk_size(seq, budget, out)
+            n = self._chunk_size(seq, budget)
             if not self._reserve(seq, n, out):
                 # Free room by preempting from the back (not from a step in flight); maybe this very sequence.
                 victim = next(s for s in reversed(self.running) if not s.in_flight)
@@ -172,7 +172,7 @@ class Scheduler:
             budget -= n
         return out
 
-    def _chunk_size(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
         """A running sequence's tokens this step: what it has to catch up with, and its proposed
         tokens as far as the token budget and the free blocks allow (the rest are dropped)."""
         behind = seq.num_tokens - seq.num_computed_tokens
@@ -335,8 +335,6 @@ class Scheduler:
         # proposals cost nothing to make and ignore the pause: pausing them lost more than it saved.)
         seq.spec_misses = seq.spec_misses + 1 if kept == 0 else 0
         seq.spec_pause = min(2 ** seq.spec_misses, 32) if kept == 0 else 0
-        seq.num_spec_proposed += len(proposals)
-        seq.num_spec_accepted += kept
         self.spec_stats.record(len(proposals), kept)
         before = seq.num_tokens
         computed = seq.num_computed_tokens + chunk.num_tokens - len(proposals) + kept

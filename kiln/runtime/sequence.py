@@ -54,8 +54,6 @@ class Sequence:
     spec_limit: int | None = None  # the most tokens to propose next (follows what was kept; None: the config's)
     spec_misses: int = 0  # verifications in a row that kept nothing
     spec_pause: int = 0  # steps to decode plainly before proposing again (after misses)
-    num_spec_proposed: int = 0  # tokens proposed for this sequence so far, and of them kept
-    num_spec_accepted: int = 0
 
     @property
     def cache_salt(self) -> object:

@@ -64,10 +64,10 @@ def _generic(messages: list[dict], tools: list[dict] | None, parser: ToolCallPar
     for i, m in enumerate(messages):
         if m["role"] == "tool":
             block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
-            if out and out[-1].get("tool_results"):  # results of one turn share one message
+            if i > 0 and messages[i - 1]["role"] == "tool":  # results of one turn share one message
                 out[-1]["content"] += "\n" + block
             else:
-                out.append({"role": "user", "content": block, "tool_results": True})
+                out.append({"role": "user", "content": block})
             continue
         content = m.get("content") or ""
         if m.get("tool_calls"):
@@ -75,8 +75,6 @@ def _generic(messages: list[dict], tools: list[dict] | None, parser: ToolCallPar
                      for j, c in enumerate(m["tool_calls"])]
             content = f"{content}\n{parser.format(calls)}" if content else parser.format(calls)
         out.append({"role": m["role"], "content": content})
-    for m in out:
-        m.pop("tool_results", None)
     if tools:
         text = tools_system_text(tools, parser)
         if out and out[0]["role"] == "system":
