@@ -84,6 +84,29 @@ def test_context_splits_merge_exactly(num_seqs, threads):
     torch.testing.assert_close(out[rows], _reference(q, rows, dense, 0.125), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(9, 3, 64), (4, 4, 16), (6, 2, 80)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_rows_of_one_sequence_read_its_cache_together(dtype, num_heads, num_kv_heads, head_size, block_size):
+    """Rows at consecutive positions of one sequence (a step verifying proposed tokens) form a
+    run whose queries share each K/V block; each row still sees only the tokens up to its own
+    position: a run of 7 crossing block boundaries, a single row, a run of 3, a run of 17."""
+    longest = [block_size * 5 + 2, 9, 3 * block_size, 40]
+    q, kc, vc, _, base_tables, _, dense = _paged_case(longest, num_heads, num_kv_heads, head_size, block_size,
+                                                      dtype, seed=5)
+    runs = [7, 1, 3, 17]
+    lens = [n - run + 1 + i for n, run in zip(longest, runs) for i in range(run)]
+    seq = [j for j, run in enumerate(runs) for _ in range(run)]
+    tables = base_tables[seq].contiguous()
+    q = torch.randn(len(lens) + 2, num_heads, head_size).to(dtype)
+    rows = torch.randperm(len(lens) + 2)[: len(lens)]
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, kc, vc, rows, tables, torch.tensor(lens), out, head_size ** -0.5)
+    own = [(dense[j][0][:n], dense[j][1][:n]) for j, n in zip(seq, lens)]
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out[rows].float(), _reference(q, rows, own, head_size ** -0.5), atol=tol, rtol=tol)
+
+
 def test_reads_q_from_a_strided_qkv_view():
     q, kc, vc, rows, tables, lens, dense = _paged_case([9, 30], 6, 2, 16, 4, torch.float32, seed=2)
     qkv = torch.cat([q.reshape(q.shape[0], -1), torch.randn(q.shape[0], 64)], dim=1)  # [tokens, q | k | v]
