@@ -54,8 +54,14 @@ def _source_identity(path: Path) -> list:
     return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 
+# Bumped when conversion builds a different engine from the same source and options, so cached
+# engines built the old way are rebuilt. 2: a GGUF's head tied to a quantized table keeps codes.
+CONVERSION_REVISION = 2
+
+
 def cache_key(path: Path, options: dict) -> str:
-    blob = json.dumps({"v": ENGINE_FORMAT_VERSION, "src": _source_identity(path), "opts": options}, sort_keys=True)
+    blob = json.dumps({"v": ENGINE_FORMAT_VERSION, "conv": CONVERSION_REVISION, "src": _source_identity(path),
+                       "opts": options}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 

@@ -133,3 +133,30 @@ def test_engine_holds_the_files_blocks_in_as_many_bytes(tmp_path, qtype):
                      or (k.endswith(".weight") and f.get_tensor(k).element_size() == 1)]
     # codes, float16 scales and (Q4_1) offsets: byte for byte what the file's blocks take
     assert sum(t.numel() * t.element_size() for t in quantized) == linears
+
+
+@pytest.mark.parametrize("embedding", [Q.Q8_0, Q.Q4_1, Q.F16], ids=lambda q: q.name)
+def test_head_tied_to_a_quantized_table_reads_its_codes(tmp_path, embedding):
+    """A head tied to a quantized embedding table (SmolLM2's GGUFs: Q8_0) gets the table's codes,
+    untied; the lookup keeps the float table. A float table keeps the head tied to it."""
+    from kiln.convert import convert_checkpoint
+
+    path = tmp_path / "tied.gguf"
+    write_llama(path, [dict.fromkeys(LINEARS, Q.Q4_0)], output=None, embedding=embedding)
+    config = json.loads((convert_checkpoint(path, tmp_path / "ckpt", progress=False) / "config.json").read_text())
+    quantized = embedding != Q.F16
+    assert config["share_embedding_table"] is not quantized
+    assert ("lm_head" in config["quantization"]["quantized_layers"]) is quantized
+    if quantized:
+        with safe_open(str(tmp_path / "ckpt" / "rank0.safetensors"), "pt") as f:
+            head = {t: f.get_tensor(f"lm_head.{t}") for t in ("weight", "weights_scaling_factor", "weights_offset")
+                    if f"lm_head.{t}" in f.keys()}
+            table = f.get_tensor("transformer.vocab_embedding.weight")
+        expected = GGUFSource(path).read("model.embed_tokens.weight")
+        assert torch.equal(dequantize(head, native(embedding).bits, 32), expected)
+        assert table.dtype == torch.float32 and torch.equal(table, expected)
+        native_engine = convert_and_build(path, tmp_path / "native", {"tokens_per_block": 4}, dtype=None)
+        float_engine = convert_and_build(path, tmp_path / "float", {"tokens_per_block": 4}, dtype="bfloat16")
+        ids = torch.randint(3, 128, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+        ours, ref = kiln_prompt_logits(native_engine, ids), kiln_prompt_logits(float_engine, ids)
+        assert (ours - ref).abs().max() <= 0.02 * ref.abs().max()
