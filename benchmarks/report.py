@@ -230,7 +230,7 @@ def _speculative(records: list[dict]) -> list[str]:
                     f"{t['kiln ngram'] / t['llama.cpp prompt lookup']:.2f}x") if "llama.cpp" in t else "- | -"
             draft = (f"{_tok_s(t['kiln draft'])}, {t['kiln draft'] / t['kiln']:.2f}x, {w['draft_acceptance_rate']:.0%}"
                      if "kiln draft" in t else "-")
-            rows.append(f"| {r['date'][:10]} | {_cpu(r)} | {r['gguf']}, {r.get('target_dtype', 'its own')} | "
+            rows.append(f"| {r['date'][:10]} | {_cpu(r)} | {r['gguf']}, {r.get('target_dtype') or 'its own'} | "
                         f"{name} ({w['prompts']}) | {_tok_s(t['kiln'])} / {_tok_s(t['kiln ngram'])} | "
                         f"{t['kiln ngram'] / t['kiln']:.2f}x | {w['kiln_acceptance_rate']:.0%}, "
                         f"{w['kiln_mean_accepted_length']:.2f} | {draft} | {peer} | `{_short(r['command'])}` |")

@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_workload(workload, figures[workload]), flush=True)
     append_record(args.output_json, new_record(
         "speculative", gguf=Path(args.gguf).name, k=args.k, ngram=args.ngram, new_tokens=args.new_tokens,
-        target_dtype=plain.engine.config.dtype, draft=args.draft and Path(args.draft).name, draft_k=args.draft_k,
+        target_dtype=None if args.target_dtype == "auto" else plain.engine.config.dtype,  # None: the file's own
+        draft=args.draft and Path(args.draft).name, draft_k=args.draft_k,
         draft_quantization=args.draft_quantization,
         threads=threads, machine=machine_facts(), workloads=figures,
         command=" ".join(["python", "benchmarks/speculative.py", *(argv or sys.argv[1:])])))
