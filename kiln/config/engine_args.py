@@ -153,7 +153,7 @@ class EngineArgs:
     def build_limits(self) -> dict:
         """Every build limit and run-time limit given: what an explicit ``kiln build`` builds with."""
         limits = self.of_kind(BUILD, LIMIT)
-        del limits["dtype"]
+        limits.pop("dtype", None)  # None (the source's own) is not "set"
         return limits
 
     def build_options(self) -> dict:

@@ -95,20 +95,21 @@ static inline __m512 reduce16(const __m512 v[16]) {
 static inline __attribute__((always_inline)) int64_t scores16_##SUFFIX(                           \
         const float *q, const T *kb, int64_t ntok, const int64_t D, float *out, prefetch_cursor *pf) { \
     if (D % 16 != 0) return 0;                                                                     \
-    int64_t t = 0;                                                                                 \
-    for (; t + 16 <= ntok; t += 16) {                                                              \
+    for (int64_t t = 0; t < ntok; t += 16) {                                                       \
         __m512 v[16];                                                                              \
         for (int j = 0; j < 16; ++j) {                                                             \
             const T *kt = kb + (t + j) * D;                                                        \
-            prefetch_rows(pf, 1);                                                                  \
             __m512 acc = _mm512_setzero_ps();                                                      \
-            for (int64_t d = 0; d < D; d += 16)                                                    \
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16_##SUFFIX(kt + d), acc);      \
+            if (t + j < ntok) {  /* past the block's tokens: a zero score, never read */           \
+                prefetch_rows(pf, 1);                                                              \
+                for (int64_t d = 0; d < D; d += 16)                                                \
+                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16_##SUFFIX(kt + d), acc);  \
+            }                                                                                      \
             v[j] = acc;                                                                            \
         }                                                                                          \
         _mm512_storeu_ps(out + t, reduce16(v));                                                    \
     }                                                                                              \
-    return t;                                                                                      \
+    return ntok;                                                                                   \
 }
 DEFINE_SCORES16(f32, float)
 #else
@@ -140,14 +141,14 @@ static inline __attribute__((always_inline)) int64_t scores16_bf16_heads(
     for (int g = 0; g < G; ++g)
         for (int64_t c = 0; c < D / 32; ++c)
             qb[g][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * D + 32 * c + 16), _mm512_loadu_ps(q + g * D + 32 * c));
-    int64_t t = 0;
-    for (; t + 16 <= ntok; t += 16) {
+    for (int64_t t = 0; t < ntok; t += 16) {
         __m512 v[G][16];
         for (int j = 0; j < 16; ++j) {
             const bf16_t *kt = kb + (t + j) * D;
-            prefetch_rows(pf, 1);
             __m512bh k[8];
-            for (int64_t c = 0; c < D / 32; ++c) k[c] = (__m512bh)_mm512_loadu_si512(kt + 32 * c);
+            for (int64_t c = 0; c < D / 32; ++c)  /* past the block's tokens: zero rows, never read */
+                k[c] = (__m512bh)(t + j < ntok ? _mm512_loadu_si512(kt + 32 * c) : _mm512_setzero_si512());
+            if (t + j < ntok) prefetch_rows(pf, 1);
             for (int g = 0; g < G; ++g) {
                 __m512 acc = _mm512_setzero_ps();
                 for (int64_t c = 0; c < D / 32; ++c) acc = _mm512_dpbf16_ps(acc, qb[g][c], k[c]);
@@ -156,7 +157,7 @@ static inline __attribute__((always_inline)) int64_t scores16_bf16_heads(
         }
         for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * score_stride + t, reduce16(v[g]));
     }
-    return t;
+    return ntok;
 }
 
 /* The group in runs of up to 4 heads, each run with its head count a constant. */
@@ -312,6 +313,63 @@ static void *scratch(size_t bytes) {
     return buffer;
 }
 
+/* Softmax's two passes over a block's scores of one query head: scale_max scales s[0..n) and
+ * returns the larger of m and their maximum; exp_sum sets s[i] = exp(s[i] - m) and returns their
+ * sum. Sixteen lanes at a time with an inline exp (2^f for the fraction f of x log2(e), a
+ * degree-6 polynomial, relative error ~2e-7, times 2^n by scalef): the library's vector expf
+ * is a call per 8 floats, and with a verifying step's queries the calls took half the kernel. */
+#if defined(__AVX512F__)
+static inline __m512 exp16(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147181f));  /* |f| <= ln2 / 2 */
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline float scale_max(float *s, int64_t n, float scale, float m) {
+    const __m512 vs = _mm512_set1_ps(scale);
+    __m512 vm = _mm512_set1_ps(m);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), vs);
+        _mm512_mask_storeu_ps(s + i, k, x);
+        vm = _mm512_mask_max_ps(vm, k, vm, x);
+    }
+    return _mm512_reduce_max_ps(vm);
+}
+
+static inline float exp_sum(float *s, int64_t n, float m) {
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vm));
+        _mm512_mask_storeu_ps(s + i, k, e);
+        sum = _mm512_mask_add_ps(sum, k, sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+#else
+static inline float scale_max(float *s, int64_t n, float scale, float m) {
+    for (int64_t i = 0; i < n; ++i) { s[i] *= scale; m = s[i] > m ? s[i] : m; }
+    return m;
+}
+
+static inline float exp_sum(float *s, int64_t n, float m) {
+    float sum = 0.f;
+    _Pragma("omp simd reduction(+:sum)")
+    for (int64_t i = 0; i < n; ++i) { s[i] = expf(s[i] - m); sum += s[i]; }
+    return sum;
+}
+#endif
+
 /* The optional score adjustments of a block: scale, soft-cap, ALiBi bias (pos0 is the first
  * token's position relative to the query, <= 0). Separate from the plain scaling loop so
  * layers without them keep it as it was. */
@@ -361,7 +419,9 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
         int64_t b_begin, int64_t b_end, int64_t group, int64_t num_kv_heads, int64_t kvh,          \
         int64_t block_size, float scale, const int64_t D, int64_t first, const float *slopes,      \
         float softcap, const int64_t *limits, float *run_max, float *run_sum, float *acc) {        \
-    float qf[group * D], scores[group * (block_size + 1)];                                         \
+    /* Scores in whole groups of 16 tokens (see scores16), plus the zero after an odd count. */    \
+    const int64_t score_stride = (block_size + 15) / 16 * 16 + 1;                                  \
+    float qf[group * D], scores[group * score_stride];                                             \
     /* Codes (KT) are staged per block into CT rows; a float cache is read in place. */            \
     const int staged = sizeof(KT) != sizeof(CT);                                                   \
     CT k_rows[staged ? block_size * D : 1], v_rows[staged ? block_size * D : 1];                   \
@@ -396,11 +456,11 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
         const CT *kb = STAGE(k_run, ntok * D, k_rows);                                             \
         /* Every head's scores first (the group's heads share each K row), then each head's        \
          * online-softmax update, then every head's weighted V sum (sharing each V row). */        \
-        const int64_t done = VEC_SCORES(qf, kb, ntok, D, group, scores, block_size + 1, &this_v);  \
+        const int64_t done = VEC_SCORES(qf, kb, ntok, D, group, scores, score_stride, &this_v);    \
         float rescale[group];                                                                      \
         for (int64_t g = 0; g < group; ++g) {                                                      \
             const float *qg = qf + g * D;                                                          \
-            float *sg = scores + g * (block_size + 1);                                             \
+            float *sg = scores + g * score_stride;                                                 \
             float m = run_max[g];                                                                  \
             /* A query sees the tokens before its own limit only; the rest weigh 0. */             \
             const int64_t lim = limits ? limits[g] - b * block_size - t0 : ntok;                   \
@@ -417,20 +477,18 @@ static inline __attribute__((always_inline)) void NAME##_part(                  
                 adjust_scores(sg, vis, scale, softcap, slopes ? slopes + g : NULL, b * block_size + t0 - (len - 1));\
                 for (int64_t i = 0; i < vis; ++i) m = sg[i] > m ? sg[i] : m;                       \
             } else {                                                                               \
-                for (int64_t i = 0; i < vis; ++i) { sg[i] *= scale; m = sg[i] > m ? sg[i] : m; }   \
+                m = scale_max(sg, vis, scale, m);                                                  \
             }                                                                                      \
             rescale[g] = expf(run_max[g] - m);                                                     \
-            float sum = 0.f;                                                                       \
-            _Pragma("omp simd reduction(+:sum)")                                                   \
-            for (int64_t i = 0; i < vis; ++i) { sg[i] = expf(sg[i] - m); sum += sg[i]; }           \
+            const float sum = exp_sum(sg, vis, m);                                                 \
             for (int64_t i = vis; i <= ntok; ++i) sg[i] = 0.f; /* and after an odd count, for pairwise sums */ \
             run_max[g] = m;                                                                        \
             run_sum[g] = run_sum[g] * rescale[g] + sum;                                            \
         }                                                                                          \
         const CT *vb = STAGE(v_run, ntok * D, v_rows);                                             \
-        if (VEC_PV(scores, block_size + 1, vb, ntok, D, group, rescale, acc, &next_k)) continue;   \
+        if (VEC_PV(scores, score_stride, vb, ntok, D, group, rescale, acc, &next_k)) continue;     \
         for (int64_t g = 0; g < group; ++g) {                                                      \
-            const float *sg = scores + g * (block_size + 1);                                       \
+            const float *sg = scores + g * score_stride;                                           \
             float *ag = acc + g * D, a[D];                                                         \
             for (int64_t d = 0; d < D; ++d) a[d] = ag[d] * rescale[g];                             \
             for (int64_t i = 0; i < ntok; ++i) {                                                   \
@@ -480,10 +538,13 @@ int NAME(const T *q, int64_t q_stride, const KT *k_cache, const KT *v_cache,    
     int64_t run_start[num_seqs + 1];                                                               \
     const int64_t num_runs = find_runs(block_tables, seq_lens, num_seqs, max_blocks, block_size,   \
                                        group, D, window, alibi_slopes != NULL, run_start);          \
-    /* Few tasks (a run's KV head) cannot keep every thread busy: split each one's blocks into     \
-     * ranges and merge them after (flash-decoding). */                                            \
-    const int64_t tasks = num_runs * num_kv_heads;                                                 \
-    const int64_t splits = tasks >= 4 * num_threads ? 1 : (4 * num_threads + tasks - 1) / tasks;   \
+    /* Each row's blocks go in up to `splits` ranges, merged after (flash-decoding), so that one  \
+     * sequence's KV heads make enough tasks to keep every thread busy. A range is a power of two \
+     * of blocks, the fewest that make at most `splits` ranges of the row's own length: a row's   \
+     * ranges, and so its rounding, do not depend on the rows beside it (a step verifying         \
+     * proposals computes a row as a plain decode step would, and a request's greedy tokens do    \
+     * not depend on its batch). */                                                               \
+    const int64_t splits = (4 * num_threads + num_kv_heads - 1) / num_kv_heads;                    \
     const int64_t state = group * (D + 2); /* run_max, run_sum, acc[D] per query head */           \
     float *parts = scratch(sizeof(float) * num_seqs * splits * num_kv_heads * state);              \
     if (!parts) return 2;                                                                          \
@@ -497,7 +558,8 @@ int NAME(const T *q, int64_t q_stride, const KT *k_cache, const KT *v_cache,    
                 /* A sliding window starts at token first: its blocks are split, the earlier ones skipped. */ \
                 const int64_t first = window > 0 && seq_lens[s] > window ? seq_lens[s] - window : 0; \
                 const int64_t fb = first / block_size;                                             \
-                const int64_t per = (nblocks - fb + splits - 1) / splits;                          \
+                int64_t per = 1;                                                                   \
+                while (per * splits < nblocks - fb) per *= 2;                                      \
                 const int64_t b0 = fb + sp * per, b1 = b0 + per < nblocks ? b0 + per : nblocks;    \
                 /* A run's queries: each row's heads of this KV head in turn, each row seeing its own \
                  * length; a single row's state goes straight to its slot. */                      \

@@ -107,6 +107,24 @@ def test_rows_of_one_sequence_read_its_cache_together(dtype, num_heads, num_kv_h
     torch.testing.assert_close(out[rows].float(), _reference(q, rows, own, head_size ** -0.5), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(9, 3, 64), (6, 2, 80)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_a_row_in_a_run_computes_what_it_computes_alone(dtype, num_heads, num_kv_heads, head_size, block_size):
+    """Bit for bit: a step verifying proposals must compute what plain decode steps would, or
+    greedy speculation could pick other tokens at near-ties. Lengths 41..47 keep every row's
+    context ranges the same (see the kernel's splits)."""
+    q, kc, vc, _, tables, _, _ = _paged_case([47], num_heads, num_kv_heads, head_size, block_size, dtype, seed=6)
+    lens = torch.arange(41, 48)
+    q = torch.randn(len(lens), num_heads, head_size).to(dtype)
+    rows, tables = torch.arange(len(lens)), tables.expand(len(lens), -1).contiguous()
+    together, alone = torch.empty_like(q), torch.empty_like(q)
+    paged_decode_attention(q, kc, vc, rows, tables, lens, together, 0.125)
+    for i in range(len(lens)):
+        paged_decode_attention(q, kc, vc, rows[i:i + 1], tables[i:i + 1], lens[i:i + 1], alone, 0.125)
+    assert torch.equal(together, alone)
+
+
 def test_reads_q_from_a_strided_qkv_view():
     q, kc, vc, rows, tables, lens, dense = _paged_case([9, 30], 6, 2, 16, 4, torch.float32, seed=2)
     qkv = torch.cat([q.reshape(q.shape[0], -1), torch.randn(q.shape[0], 64)], dim=1)  # [tokens, q | k | v]

@@ -174,6 +174,27 @@ CHATS = [[{"role": "user", "content": f"Copy this text exactly, word for word:\n
          [{"role": "user", "content": "Write a haiku about speculative decoding."}]]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", None])
+def test_bfloat16_greedy_is_plain_greedy_too(dtype, tmp_path_factory) -> None:
+    """bfloat16 activations, whose rounding flips near-ties wherever a row's arithmetic differs:
+    a step verifying proposals computes each row as a plain decode step does, bit for bit, so
+    greedy output is plain greedy's, as in float32. A bfloat16 engine whatever the batch (the
+    four chats decode together); the file's own Q4_1 linears while a step holds at most 8 rows
+    (the GEMV's; more take dequantized tiles, other arithmetic), so one chat at a time."""
+    from tests.utils.real_model import smollm2_gguf_path
+
+    plain = LLM(smollm2_gguf_path(), cache_dir=tmp_path_factory.mktemp("smollm2"), dtype=dtype, max_seq_len=512,
+                progress=False)
+    spec = LLM(plain.engine_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 6},
+               progress=False)
+    params = SamplingParams(max_tokens=64, temperature=0)
+    batches = [CHATS] if dtype else [[chat] for chat in CHATS]
+    for chats in batches:
+        assert [o.outputs[0].token_ids for o in spec.chat(chats, params)] == \
+            [o.outputs[0].token_ids for o in plain.chat(chats, params)]
+    assert spec.core.stats.spec.num_accepted_tokens > 0
+
+
 def test_bundled_model_greedy_is_plain_greedy(smollm2_llm) -> None:
     """The bundled SmolLM2 (float32): copying, summarizing and open prompts, with proposals of
     up to 6 tokens, give plain greedy's tokens; copying keeps most proposals."""
