@@ -222,7 +222,8 @@ def _speculative(records: list[dict]) -> list[str]:
         return []
     rows = ["| date | CPU | GGUF, kiln target | workload | kiln plain / n-gram tok/s | speed-up | "
             "kept, tokens a step | kiln draft model: tok/s, speed-up, kept | llama.cpp plain / prompt lookup tok/s | "
-            "kiln n-gram / llama.cpp lookup | command |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+            "kiln n-gram / llama.cpp lookup | every proposal kept: kiln / llama.cpp speed-up | command |",
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(latest.values(), key=lambda r: r["date"], reverse=True)[:3]:  # two rows a record
         for name, w in r["workloads"].items():
             t = w["decode_tok_s"]
@@ -230,10 +231,14 @@ def _speculative(records: list[dict]) -> list[str]:
                     f"{t['kiln ngram'] / t['llama.cpp prompt lookup']:.2f}x") if "llama.cpp" in t else "- | -"
             draft = (f"{_tok_s(t['kiln draft'])}, {t['kiln draft'] / t['kiln']:.2f}x, {w['draft_acceptance_rate']:.0%}"
                      if "kiln draft" in t else "-")
+            oracle = (f"{t['kiln oracle'] / t['kiln']:.2f}x / " + (
+                f"{t['llama.cpp oracle'] / t['llama.cpp']:.2f}x" if "llama.cpp oracle" in t else "-")
+                if "kiln oracle" in t else "-")
             rows.append(f"| {r['date'][:10]} | {_cpu(r)} | {r['gguf']}, {r.get('target_dtype') or 'its own'} | "
                         f"{name} ({w['prompts']}) | {_tok_s(t['kiln'])} / {_tok_s(t['kiln ngram'])} | "
                         f"{t['kiln ngram'] / t['kiln']:.2f}x | {w['kiln_acceptance_rate']:.0%}, "
-                        f"{w['kiln_mean_accepted_length']:.2f} | {draft} | {peer} | `{_short(r['command'])}` |")
+                        f"{w['kiln_mean_accepted_length']:.2f} | {draft} | {peer} | {oracle} | "
+                        f"`{_short(r['command'])}` |")
     return ["## Speculative decoding: n-gram proposals, batch 1, kiln and llama.cpp", "",
             "`python benchmarks/speculative.py`: ShareGPT prompts (input-grounded: summarize or copy-edit a given "
             "text; open chat: first user turns), greedy, decode tok/s after the first token summed over a workload; "

@@ -16,6 +16,11 @@ with ``LlamaPromptLookupDecoding(num_pred_tokens=K)``. Greedy, up to ``--new_tok
 (an end token stops each); decode tok/s is the tokens after the first over their time, summed
 over a workload's prompts. kiln's acceptance (proposed tokens kept, tokens per verifying step)
 is printed beside. Appends a record (kind "speculative") to ``--output_json``.
+
+``--oracle`` adds both engines with oracle proposals: each engine's own plain answer to the
+prompt, K tokens at a time, so every proposal is kept. That is the ceiling of speculation at the
+model's size whatever its weights, the one figure a model of random weights (whose proposals
+are never kept) gives: what verifying K tokens in one step costs.
 """
 from __future__ import annotations
 
@@ -50,27 +55,48 @@ def workloads(tokenizer, count: int, max_prompt_tokens: int) -> dict[str, list[l
     return out
 
 
-def kiln_run(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[int, float]:
-    """Tokens after the first and their seconds, one greedy stream."""
-    first, count = None, 0
+def kiln_run(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[int, float, list[int]]:
+    """Tokens after the first, their seconds and the answer's tokens, one greedy stream."""
+    first, answer = None, []
     for delta in llm.stream(prompt, SamplingParams(max_tokens=new_tokens, temperature=0)):
-        count += len(delta.token_ids)
+        answer += delta.token_ids
         if first is None:
-            first, count = time.perf_counter(), 0
-    return count, time.perf_counter() - first
+            first, count = time.perf_counter(), len(answer)
+    return len(answer) - count, time.perf_counter() - first, answer
 
 
-def llamacpp_run(llm, prompt: list[int], new_tokens: int, end_id: int) -> tuple[int, float]:
+def llamacpp_run(llm, prompt: list[int], new_tokens: int, end_id: int) -> tuple[int, float, list[int]]:
     llm.reset()
-    first, count = None, 0
-    for i, token in enumerate(llm.generate(prompt, temp=0.0, top_k=1, reset=True)):
-        if i == 0:
+    first, answer = None, []
+    for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+        answer.append(token)
+        if first is None:
             first = time.perf_counter()
-        else:
-            count += 1
-        if token == end_id or i + 1 == new_tokens:
+        if token == end_id or len(answer) == new_tokens:
             break
-    return count, time.perf_counter() - first
+    return len(answer) - 1, time.perf_counter() - first, answer
+
+
+class Oracle:
+    """Proposals from a known answer to the running prompt: the next ``k`` of its tokens after
+    what the sequence holds. As kiln's n-gram proposer (``propose_ngram``'s arguments) and as a
+    llama-cpp-python draft model (called with the sequence's token ids)."""
+
+    def __init__(self, k: int):
+        self.k, self.prompt_len, self.answer = k, 0, []
+
+    def start(self, prompt: list[int], answer: list[int]) -> None:
+        self.prompt_len, self.answer = len(prompt), list(answer)
+
+    def propose_ngram(self, token_ids, config, limit: int) -> list[int]:
+        done = len(token_ids) - self.prompt_len
+        return self.answer[done:done + min(limit, config.num_speculative_tokens)]
+
+    def __call__(self, input_ids, **kwargs):
+        import numpy as np
+
+        done = len(input_ids) - self.prompt_len
+        return np.asarray(self.answer[done:done + self.k], dtype=np.intc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft_k", type=int, default=4, help="tokens the draft proposes per step (default 4)")
     p.add_argument("--draft_quantization", help="quantize the draft's source while building it (e.g. W4A16: "
                                                 "with --draft the target's own source, a quantized self-draft)")
+    p.add_argument("--oracle", action="store_true",
+                   help="also run both engines with oracle proposals (their own plain answers: every proposal "
+                        "kept), the ceiling of speculation at this model's size")
     p.add_argument("--no_llamacpp", action="store_true", help="kiln only (llama-cpp-python not installed)")
     p.add_argument("--output_json", default=str(Path(__file__).parent / "results.jsonl"),
                    help="append the record here (default benchmarks/results.jsonl)")
@@ -105,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         engines["kiln draft"] = LLM(plain.engine_dir, cache_dir=args.cache_dir, progress=False, speculative_config={
             "method": "draft_model", "model": args.draft, "num_speculative_tokens": args.draft_k,
             "quantization": args.draft_quantization})
+    oracles = {"kiln oracle": Oracle(args.k), "llama.cpp oracle": Oracle(args.k)} if args.oracle else {}
+    if args.oracle:
+        engines["kiln oracle"] = LLM(plain.engine_dir, speculative_config=spec, progress=False)
     end_id = plain.processor.end_id
     if not args.no_llamacpp:
         import llama_cpp
@@ -116,24 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         engines["llama.cpp"] = llama()
         engines["llama.cpp prompt lookup"] = llama(logits_all=True, draft_model=LlamaPromptLookupDecoding(
             max_ngram_size=args.ngram, num_pred_tokens=args.k))  # verification reads every row's logits
+        if args.oracle:
+            engines["llama.cpp oracle"] = llama(logits_all=True, draft_model=oracles["llama.cpp oracle"])
     loads = workloads(plain.tokenizer, args.prompts, args.max_prompt_tokens)
-    figures: dict[str, dict] = {}
+    figures = {}
     for workload, prompts in loads.items():
-        totals = {name: [0, 0.0] for name in engines}
-        before = {name: _counts(llm) for name, llm in engines.items() if name.startswith("kiln ")}
-        for prompt in prompts:
-            for name, llm in engines.items():
-                run = kiln_run(llm, prompt, args.new_tokens) if name.startswith("kiln") else \
-                    llamacpp_run(llm, prompt, args.new_tokens, end_id)
-                totals[name][0] += run[0]
-                totals[name][1] += run[1]
-        figures[workload] = {"prompts": len(prompts), "decode_tok_s": {n: t / s for n, (t, s) in totals.items()},
-                             "tokens": {n: t for n, (t, _) in totals.items()}}
-        for name, then in before.items():
-            drafts, proposed, kept = (now - was for now, was in zip(_counts(engines[name]), then))
-            key = "kiln" if name == "kiln ngram" else "draft"
-            figures[workload][f"{key}_acceptance_rate"] = kept / proposed if proposed else 0.0
-            figures[workload][f"{key}_mean_accepted_length"] = 1 + kept / drafts if drafts else 0.0
+        figures[workload] = run_workload(engines, oracles, prompts, args.new_tokens, end_id)
         print(format_workload(workload, figures[workload]), flush=True)
     append_record(args.output_json, new_record(
         "speculative", gguf=Path(args.gguf).name, k=args.k, ngram=args.ngram, new_tokens=args.new_tokens,
@@ -143,6 +163,39 @@ def main(argv: list[str] | None = None) -> int:
         threads=threads, machine=machine_facts(), workloads=figures,
         command=" ".join(["python", "benchmarks/speculative.py", *(argv or sys.argv[1:])])))
     return 0
+
+
+def run_workload(engines: dict, oracles: dict[str, Oracle], prompts: list[list[int]], new_tokens: int,
+                 end_id: int) -> dict:
+    """Every engine on every prompt, in turn; the workload's figures. An oracle engine runs
+    after its plain peer, whose answer it proposes."""
+    import kiln.runtime.speculative as speculative
+
+    totals = {name: [0, 0.0] for name in engines}
+    before = {name: _counts(llm) for name, llm in engines.items() if name.startswith("kiln ")}
+    ngram = speculative.propose_ngram
+    for prompt in prompts:
+        answers = {}
+        for name, llm in engines.items():
+            kiln = name.startswith("kiln")
+            if name in oracles:
+                oracles[name].start(prompt, answers["kiln" if kiln else "llama.cpp"])
+            speculative.propose_ngram = oracles[name].propose_ngram if name == "kiln oracle" else ngram
+            try:
+                count, seconds, answers[name] = kiln_run(llm, prompt, new_tokens) if kiln else \
+                    llamacpp_run(llm, prompt, new_tokens, end_id)
+            finally:
+                speculative.propose_ngram = ngram
+            totals[name][0] += count
+            totals[name][1] += seconds
+    figures = {"prompts": len(prompts), "decode_tok_s": {n: t / s for n, (t, s) in totals.items()},
+               "tokens": {n: t for n, (t, _) in totals.items()}}
+    for name, then in before.items():
+        drafts, proposed, kept = (now - was for now, was in zip(_counts(engines[name]), then))
+        key = {"kiln ngram": "kiln", "kiln draft": "draft", "kiln oracle": "oracle"}[name]
+        figures[f"{key}_acceptance_rate"] = kept / proposed if proposed else 0.0
+        figures[f"{key}_mean_accepted_length"] = 1 + kept / drafts if drafts else 0.0
+    return figures
 
 
 def _counts(llm: LLM) -> tuple[int, int, int]:
@@ -161,6 +214,10 @@ def format_workload(name: str, f: dict) -> str:
         lines.append(f"  kiln draft / kiln {tok_s['kiln draft'] / tok_s['kiln']:.2f}x; kept "
                      f"{f['draft_acceptance_rate']:.0%} of proposals, "
                      f"{f['draft_mean_accepted_length']:.2f} tokens a step")
+    if "kiln oracle" in tok_s:
+        peer = f", llama.cpp {tok_s['llama.cpp oracle'] / tok_s['llama.cpp']:.2f}x" if "llama.cpp oracle" in tok_s else ""
+        lines.append(f"  oracle proposals (all kept): kiln {tok_s['kiln oracle'] / tok_s['kiln']:.2f}x{peer}; kiln kept "
+                     f"{f['oracle_acceptance_rate']:.0%}, {f['oracle_mean_accepted_length']:.2f} tokens a step")
     if "llama.cpp prompt lookup" in tok_s:
         peer = tok_s["llama.cpp prompt lookup"]
         lines.append(f"  kiln ngram / llama.cpp prompt lookup {tok_s['kiln ngram'] / peer:.2f}x; "
