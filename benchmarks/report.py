@@ -217,19 +217,22 @@ def _structured_decode(records: list[dict]) -> list[str]:
 
 def _speculative(records: list[dict]) -> list[str]:
     """Batch-1 decode with n-gram speculation beside plain, kiln and llama.cpp, per workload."""
-    latest = {(r["gguf"], r.get("target_dtype"), _cpu(r)): r for r in records if r.get("kind") == "speculative"}
+    latest = {(r["gguf"], r.get("target_dtype"), r.get("draft_quantization"), _cpu(r)): r
+              for r in records if r.get("kind") == "speculative"}
     if not latest:
         return []
     rows = ["| date | CPU | GGUF, kiln target | workload | kiln plain / n-gram tok/s | speed-up | "
-            "kept, tokens a step | kiln draft model: tok/s, speed-up, kept | llama.cpp plain / prompt lookup tok/s | "
-            "kiln n-gram / llama.cpp lookup | every proposal kept: kiln / llama.cpp speed-up | command |",
+            "kept, tokens a step | kiln draft model: quantization, tok/s, speed-up, kept | "
+            "llama.cpp plain / prompt lookup tok/s | kiln n-gram / llama.cpp lookup | "
+            "every proposal kept: kiln / llama.cpp speed-up | command |",
             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(latest.values(), key=lambda r: r["date"], reverse=True)[:3]:  # two rows a record
         for name, w in r["workloads"].items():
             t = w["decode_tok_s"]
             peer = (f"{_tok_s(t['llama.cpp'])} / {_tok_s(t['llama.cpp prompt lookup'])} | "
                     f"{t['kiln ngram'] / t['llama.cpp prompt lookup']:.2f}x") if "llama.cpp" in t else "- | -"
-            draft = (f"{_tok_s(t['kiln draft'])}, {t['kiln draft'] / t['kiln']:.2f}x, {w['draft_acceptance_rate']:.0%}"
+            draft = (f"{r.get('draft_quantization') or 'its own'}: {_tok_s(t['kiln draft'])}, "
+                     f"{t['kiln draft'] / t['kiln']:.2f}x, {w['draft_acceptance_rate']:.0%}"
                      if "kiln draft" in t else "-")
             oracle = (f"{t['kiln oracle'] / t['kiln']:.2f}x / " + (
                 f"{t['llama.cpp oracle'] / t['llama.cpp']:.2f}x" if "llama.cpp oracle" in t else "-")
@@ -243,9 +246,11 @@ def _speculative(records: list[dict]) -> list[str]:
             "`python benchmarks/speculative.py`: ShareGPT prompts (input-grounded: summarize or copy-edit a given "
             "text; open chat: first user turns), greedy, decode tok/s after the first token summed over a workload; "
             "kiln with `{\"method\": \"ngram\"}` and llama-cpp-python's `LlamaPromptLookupDecoding`, the same "
-            "proposal length, the same GGUF, in turn per prompt; a bfloat16 target's draft model is the GGUF's own "
-            "Q4_1 build of the same weights. The 1.7B-shaped model has random weights: its acceptance says nothing "
-            "of a trained model's.", "", *rows]
+            "proposal length, the same GGUF, in turn per prompt. A bfloat16 target's draft model is the same GGUF at "
+            "its own precision, or re-quantized to W4A16 (round to nearest, as a self-draft of a bf16 checkpoint is "
+            "built). Every proposal kept: each engine proposing its own plain answer (`--oracle`), the ceiling at "
+            "the model's size whatever its weights; the 1.7B-shaped model has random weights, so its other "
+            "acceptance says nothing of a trained model's.", "", *rows]
 
 
 def render(records: list[dict]) -> str:

@@ -191,7 +191,11 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
  *   4-bit: VPDPBUSD multiplies a chunk's 4 codes of a column (unsigned bytes, one mask or
  *   shift from the load) by 4 bytes of x, twice: x = 128 hi + lo with hi signed and lo in
  *   0..127, so each 64-byte load feeds 4 instructions per row and nothing is widened. */
-#define QUANT_GEMV_MAX_ROWS 8  /* beyond, dequantized tiles on the panel kernel win */
+/* Beyond, dequantized tiles on the panel kernel win: SmolLM2-135M Q4_1 on the AMX Xeon of
+ * docs/benchmark-log.md, linears of a decode step at 9 / 11 / 13 / 16 rows 11.2 / 12.0 / 14.1 / 16.6
+ * ms against the panel's 14.1 / 14.8 / 14.5 / 14.5. Covers a step verifying up to 11 proposals,
+ * whose rows then compute what plain decode steps do. */
+#define QUANT_GEMV_MAX_ROWS 12
 
 /* k per flush: a divisor of the group (a multiple of 32) of at most 512 k. */
 static inline int64_t flush_span(const kiln_qweight *W) {

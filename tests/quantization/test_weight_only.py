@@ -45,7 +45,7 @@ def test_four_bit_codes_pack_low_nibble_first():
 
 
 @pytest.mark.parametrize("bits,zero_point", [(8, False), (4, False), (4, True)])
-@pytest.mark.parametrize("m", [1, 3, 5, 8, 17, 40])  # integer GEMV up to 8 rows (tiles of 4), dequantized tiles beyond
+@pytest.mark.parametrize("m", [1, 3, 5, 11, 17, 40])  # integer GEMV up to 12 rows (tiles of 4), dequantized tiles beyond
 @pytest.mark.parametrize("n,k", [(16, 64), (80, 96), (64, 576)])  # 1-5 output blocks: full and tail panels
 def test_quant_linear_matches_the_dequantized_matmul(bits, zero_point, m, n, k):
     w = _randn(n, k, seed=n + k)
