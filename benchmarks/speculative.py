@@ -215,9 +215,11 @@ def format_workload(name: str, f: dict) -> str:
                      f"{f['draft_acceptance_rate']:.0%} of proposals, "
                      f"{f['draft_mean_accepted_length']:.2f} tokens a step")
     if "kiln oracle" in tok_s:
-        peer = f", llama.cpp {tok_s['llama.cpp oracle'] / tok_s['llama.cpp']:.2f}x" if "llama.cpp oracle" in tok_s else ""
-        lines.append(f"  oracle proposals (all kept): kiln {tok_s['kiln oracle'] / tok_s['kiln']:.2f}x{peer}; kiln kept "
-                     f"{f['oracle_acceptance_rate']:.0%}, {f['oracle_mean_accepted_length']:.2f} tokens a step")
+        peer = tok_s.get("llama.cpp oracle")
+        peer = f", llama.cpp {peer / tok_s['llama.cpp']:.2f}x" if peer else ""
+        lines.append(f"  oracle proposals (all kept): kiln {tok_s['kiln oracle'] / tok_s['kiln']:.2f}x{peer}; "
+                     f"kiln kept {f['oracle_acceptance_rate']:.0%}, "
+                     f"{f['oracle_mean_accepted_length']:.2f} tokens a step")
     if "llama.cpp prompt lookup" in tok_s:
         peer = tok_s["llama.cpp prompt lookup"]
         lines.append(f"  kiln ngram / llama.cpp prompt lookup {tok_s['kiln ngram'] / peer:.2f}x; "

@@ -160,12 +160,19 @@ static inline __attribute__((always_inline)) int64_t scores16_bf16_heads(
     return ntok;
 }
 
-/* The group in runs of up to 4 heads, each run with its head count a constant. */
+DEFINE_SCORES16(bf16, bf16_t)
+
+/* The group in runs of up to 4 heads, each run with its head count a constant; heads of a size
+ * the bf16 dot products do not take (a multiple of 16, not of 32: Phi-2's 80) one at a time in
+ * fp32. */
 static inline __attribute__((always_inline)) int64_t group_scores_bf16(
         const float *q, const bf16_t *kb, int64_t ntok, const int64_t D, int64_t group, float *scores,
         int64_t score_stride, prefetch_cursor *pf) {
-    if (D % 32 != 0 || D > 256) return 0;
     int64_t t = 0;
+    if (D % 32 != 0 || D > 256) {
+        for (int64_t g = 0; g < group; ++g) t = scores16_bf16(q + g * D, kb, ntok, D, scores + g * score_stride, pf);
+        return t;
+    }
     for (int64_t g = 0; g < group; g += 4) {
         const float *qg = q + g * D;
         float *sg = scores + g * score_stride;
@@ -389,6 +396,14 @@ static inline void adjust_scores(float *sg, int64_t ntok, float scale, float sof
  * together: its queries, scores and state live on the stack of the thread computing them. */
 #define MAX_RUN_QUERY_FLOATS (64 * 128)
 
+/* A row's context is computed in ranges at fixed places: the first RANGE_TOKENS tokens (whole
+ * blocks, at least one), then ranges doubling in length (RANGE_TOKENS .. 2 RANGE_TOKENS, then
+ * .. 4 RANGE_TOKENS, ...): short contexts still make several tasks, long ones a few long
+ * streams. Range i starts at block range_begin(i, per), per the blocks of the first. */
+#define RANGE_TOKENS 256
+
+static inline int64_t range_begin(int64_t i, int64_t per) { return i == 0 ? 0 : per << (i - 1); }
+
 /* Splits rows 0..num_seqs-1 into runs, run i being rows start[i] .. start[i + 1] - 1, and returns
  * how many: a row joins the run before it when it is the next position of the same sequence
  * (one token longer, the same blocks), so one K/V read serves the whole run. Without a window
@@ -538,36 +553,46 @@ int NAME(const T *q, int64_t q_stride, const KT *k_cache, const KT *v_cache,    
     int64_t run_start[num_seqs + 1];                                                               \
     const int64_t num_runs = find_runs(block_tables, seq_lens, num_seqs, max_blocks, block_size,   \
                                        group, D, window, alibi_slopes != NULL, run_start);          \
-    /* Each row's blocks go in up to `splits` ranges, merged after (flash-decoding), so that one  \
-     * sequence's KV heads make enough tasks to keep every thread busy. A range is a power of two \
-     * of blocks, the fewest that make at most `splits` ranges of the row's own length: a row's   \
-     * ranges, and so its rounding, do not depend on the rows beside it (a step verifying         \
-     * proposals computes a row as a plain decode step would, and a request's greedy tokens do    \
-     * not depend on its batch). */                                                               \
-    const int64_t splits = (4 * num_threads + num_kv_heads - 1) / num_kv_heads;                    \
+    /* Each row's context goes in ranges (see range_begin), computed as tasks of their \
+     * own and merged after (flash-decoding), so one sequence keeps every thread busy. The ranges  \
+     * start at fixed places whatever the row's length and whatever rows are beside it, so a row's \
+     * rounding does not depend on them: a step verifying proposals computes each row as a plain   \
+     * decode step would, and a request's greedy tokens do not depend on its batch. A run's rows all \
+     * take its last row's ranges (those past a row's own tokens add exact zeros). */              \
+    const int64_t per = block_size >= RANGE_TOKENS ? 1 : RANGE_TOKENS / block_size;                \
+    int64_t run_splits[num_runs], first_part[num_seqs + 1], splits = 1;                            \
+    first_part[0] = 0;                                                                             \
+    for (int64_t r = 0; r < num_runs; ++r) {                                                       \
+        const int64_t last = run_start[r + 1] - 1, len = seq_lens[last];                           \
+        const int64_t first = window > 0 && len > window ? len - window : 0;                       \
+        const int64_t nblocks = (len + block_size - 1) / block_size - first / block_size;          \
+        for (run_splits[r] = 1; range_begin(run_splits[r], per) < nblocks; ++run_splits[r]) {}      \
+        splits = run_splits[r] > splits ? run_splits[r] : splits;                                  \
+        for (int64_t s = run_start[r]; s <= last; ++s) first_part[s + 1] = first_part[s] + run_splits[r]; \
+    }                                                                                              \
     const int64_t state = group * (D + 2); /* run_max, run_sum, acc[D] per query head */           \
-    float *parts = scratch(sizeof(float) * num_seqs * splits * num_kv_heads * state);              \
+    float *parts = scratch(sizeof(float) * first_part[num_seqs] * num_kv_heads * state);           \
     if (!parts) return 2;                                                                          \
     _Pragma("omp parallel for collapse(3) schedule(dynamic, 1) num_threads(num_threads)")          \
     for (int64_t r = 0; r < num_runs; ++r) {                                                       \
         for (int64_t sp = 0; sp < splits; ++sp) {                                                  \
             for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {                                     \
+                if (sp >= run_splits[r]) continue;                                                 \
                 /* The run's last row is its longest: its blocks hold every row's tokens. */       \
                 const int64_t s0 = run_start[r], rows = run_start[r + 1] - s0, s = s0 + rows - 1;  \
                 const int64_t nblocks = (seq_lens[s] + block_size - 1) / block_size;               \
                 /* A sliding window starts at token first: its blocks are split, the earlier ones skipped. */ \
                 const int64_t first = window > 0 && seq_lens[s] > window ? seq_lens[s] - window : 0; \
                 const int64_t fb = first / block_size;                                             \
-                int64_t per = 1;                                                                   \
-                while (per * splits < nblocks - fb) per *= 2;                                      \
-                const int64_t b0 = fb + sp * per, b1 = b0 + per < nblocks ? b0 + per : nblocks;    \
+                const int64_t b0 = fb + range_begin(sp, per), end = fb + range_begin(sp + 1, per);  \
+                const int64_t b1 = end < nblocks ? end : nblocks;                                  \
                 /* A run's queries: each row's heads of this KV head in turn, each row seeing its own \
                  * length; a single row's state goes straight to its slot. */                      \
                 const int64_t nq = rows * group;                                                   \
                 T qrun[rows > 1 ? nq * D : 1];                                                     \
                 int64_t limits[nq];                                                                \
                 float run_state[rows > 1 ? nq * (D + 2) : 1];                                      \
-                float *st = rows > 1 ? run_state : parts + ((s * splits + sp) * num_kv_heads + kvh) * state; \
+                float *st = rows > 1 ? run_state : parts + ((first_part[s] + sp) * num_kv_heads + kvh) * state; \
                 const T *qs = q + token_index[s] * q_stride + kvh * group * D;                     \
                 if (rows > 1) {                                                                    \
                     for (int64_t i = 0; i < rows; ++i)                                             \
@@ -581,7 +606,7 @@ int NAME(const T *q, int64_t q_stride, const KT *k_cache, const KT *v_cache,    
                                 alibi_slopes ? alibi_slopes + kvh * group : NULL, softcap,         \
                                 rows > 1 ? limits : NULL, st, st + nq, st + 2 * nq);               \
                 for (int64_t i = 0; rows > 1 && i < rows; ++i) {  /* each row's share into its own slot */ \
-                    float *row = parts + (((s0 + i) * splits + sp) * num_kv_heads + kvh) * state;  \
+                    float *row = parts + ((first_part[s0 + i] + sp) * num_kv_heads + kvh) * state; \
                     memcpy(row, run_state + i * group, sizeof(float) * group);                     \
                     memcpy(row + group, run_state + nq + i * group, sizeof(float) * group);        \
                     memcpy(row + 2 * group, run_state + 2 * nq + i * group * D, sizeof(float) * group * D); \
@@ -589,31 +614,33 @@ int NAME(const T *q, int64_t q_stride, const KT *k_cache, const KT *v_cache,    
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
-    merge_parts(parts, splits, num_seqs, num_kv_heads, group, D, out, token_index, num_heads,     \
+    merge_parts(parts, first_part, num_seqs, num_kv_heads, group, D, out, token_index, num_heads, \
                 sizeof(T) == 2, v_scale, num_threads);                                             \
     return 0;                                                                                      \
 }
 
-/* out = the merged, normalised attention of each sequence's ranges: with M the largest
+/* out = the merged, normalised attention of each row's ranges (row s's are parts first_part[s]
+ * .. first_part[s + 1] - 1): with M the largest
  * running max, sum = sum_s l_s e^(m_s - M) and acc = sum_s acc_s e^(m_s - M); times v_scale
  * (an int8 V cache's scale: acc is linear in V, so the codes are summed and scaled once). */
-static void merge_parts(const float *parts, int64_t splits, int64_t num_seqs, int64_t num_kv_heads,
+static void merge_parts(const float *parts, const int64_t *first_part, int64_t num_seqs, int64_t num_kv_heads,
                         int64_t group, int64_t D, void *out, const int64_t *token_index, int64_t num_heads,
                         int out_bf16, float v_scale, int num_threads) {
     const int64_t state = group * (D + 2);
     _Pragma("omp parallel for collapse(2) if(num_seqs * num_kv_heads >= 16) num_threads(num_threads)")
     for (int64_t s = 0; s < num_seqs; ++s) {
         for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+            const int64_t splits = first_part[s + 1] - first_part[s];
             for (int64_t g = 0; g < group; ++g) {
                 float m = -1e30f;
                 for (int64_t sp = 0; sp < splits; ++sp) {
-                    const float *st = parts + ((s * splits + sp) * num_kv_heads + kvh) * state;
+                    const float *st = parts + ((first_part[s] + sp) * num_kv_heads + kvh) * state;
                     m = st[g] > m ? st[g] : m;
                 }
                 float sum = 0.f, acc[D];
                 for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
                 for (int64_t sp = 0; sp < splits; ++sp) {
-                    const float *st = parts + ((s * splits + sp) * num_kv_heads + kvh) * state;
+                    const float *st = parts + ((first_part[s] + sp) * num_kv_heads + kvh) * state;
                     const float w = expf(st[g] - m);
                     sum += st[group + g] * w;
                     const float *a = st + 2 * group + g * D;

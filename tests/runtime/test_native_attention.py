@@ -112,11 +112,12 @@ def test_rows_of_one_sequence_read_its_cache_together(dtype, num_heads, num_kv_h
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_a_row_in_a_run_computes_what_it_computes_alone(dtype, num_heads, num_kv_heads, head_size, block_size):
     """Bit for bit: a step verifying proposals must compute what plain decode steps would, or
-    greedy speculation could pick other tokens at near-ties. Lengths 41..47 keep every row's
-    context ranges the same (see the kernel's splits)."""
-    q, kc, vc, _, tables, _, _ = _paged_case([47], num_heads, num_kv_heads, head_size, block_size, dtype, seed=6)
-    lens = torch.arange(41, 48)
-    q = torch.randn(len(lens), num_heads, head_size).to(dtype)
+    greedy speculation could pick other tokens at near-ties. Lengths 253..259 straddle the end of
+    the first 256-token range of context the kernel splits off (RANGE_TOKENS). Head sizes the
+    vector kernels take (multiples of 16; a compiler-vectorized loop serves others)."""
+    q, kc, vc, _, tables, _, _ = _paged_case([259], num_heads, num_kv_heads, head_size, block_size, dtype, seed=6)
+    lens = torch.arange(253, 260)
+    q = torch.randn(len(lens), num_heads, head_size, generator=torch.Generator().manual_seed(6)).to(dtype)
     rows, tables = torch.arange(len(lens)), tables.expand(len(lens), -1).contiguous()
     together, alone = torch.empty_like(q), torch.empty_like(q)
     paged_decode_attention(q, kc, vc, rows, tables, lens, together, 0.125)
