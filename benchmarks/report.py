@@ -38,20 +38,20 @@ def _cpu(record: dict) -> str:
     return (record.get("machine") or {}).get("cpu", "not recorded")
 
 
-def _newest(records: list[dict], kind: str) -> list[dict]:
-    """The newest record per engine, dtype and CPU; records that did not say their CPU are left
-    out (nothing measured today can be compared with them)."""
+def _newest(records: list[dict], kind: str, rows: int = ROWS) -> list[dict]:
+    """The newest ``rows`` records, one per engine (by name), dtype and CPU; records that did not
+    say their CPU are left out (nothing measured today can be compared with them)."""
     latest: dict[tuple, dict] = {}
     for r in records:
         if r.get("kind") == kind and r.get("machine", {}).get("cpu"):
-            latest[(r.get("engine"), r.get("dtype"), _cpu(r))] = r
-    return sorted(latest.values(), key=lambda r: r["date"], reverse=True)[:ROWS]
+            latest[(Path(r.get("engine") or "").name, r.get("dtype"), _cpu(r))] = r
+    return sorted(latest.values(), key=lambda r: r["date"], reverse=True)[:rows]
 
 
 def _latency(records: list[dict]) -> list[str]:
     rows = ["| date | CPU | engine | dtype | decode tok/s kiln / HF | prefill tok/s kiln / HF | TTFT s kiln / HF | command |",
             "|---|---|---|---|---:|---:|---:|---|"]
-    for r in _newest(records, "latency"):
+    for r in _newest(records, "latency", rows=1):  # the engine make demo builds and measures
         k, h = r["kiln"], r.get("hf") or {}
 
         def pair(key: str, digits: int) -> str:
@@ -226,7 +226,7 @@ def _speculative(records: list[dict]) -> list[str]:
             "llama.cpp plain / prompt lookup tok/s | kiln n-gram / llama.cpp lookup | "
             "every proposal kept: kiln / llama.cpp speed-up | command |",
             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in sorted(latest.values(), key=lambda r: r["date"], reverse=True)[:3]:  # two rows a record
+    for r in sorted(latest.values(), key=lambda r: r["date"], reverse=True)[:4]:  # two rows a record
         for name, w in r["workloads"].items():
             t = w["decode_tok_s"]
             peer = (f"{_tok_s(t['llama.cpp'])} / {_tok_s(t['llama.cpp prompt lookup'])} | "

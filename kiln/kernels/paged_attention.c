@@ -553,12 +553,12 @@ int NAME(const T *q, int64_t q_stride, const KT *k_cache, const KT *v_cache,    
     int64_t run_start[num_seqs + 1];                                                               \
     const int64_t num_runs = find_runs(block_tables, seq_lens, num_seqs, max_blocks, block_size,   \
                                        group, D, window, alibi_slopes != NULL, run_start);          \
-    /* Each row's context goes in ranges (see range_begin), computed as tasks of their \
-     * own and merged after (flash-decoding), so one sequence keeps every thread busy. The ranges  \
-     * start at fixed places whatever the row's length and whatever rows are beside it, so a row's \
-     * rounding does not depend on them: a step verifying proposals computes each row as a plain   \
-     * decode step would, and a request's greedy tokens do not depend on its batch. A run's rows all \
-     * take its last row's ranges (those past a row's own tokens add exact zeros). */              \
+    /* Each row's context goes in ranges (see range_begin), computed as tasks of their own and     \
+     * merged after (flash-decoding), so one sequence keeps every thread busy. The ranges start at \
+     * fixed places whatever the row's length and whatever rows are beside it, so a row's rounding \
+     * does not depend on them: a step verifying proposals computes each row as a plain decode step\
+     * would, and a decode row does not depend on the other rows of its step. A run's rows all take\
+     * its last row's ranges (those past a row's own tokens add exact zeros). */                   \
     const int64_t per = block_size >= RANGE_TOKENS ? 1 : RANGE_TOKENS / block_size;                \
     int64_t run_splits[num_runs], first_part[num_seqs + 1], splits = 1;                            \
     first_part[0] = 0;                                                                             \
