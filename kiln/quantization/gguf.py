@@ -104,7 +104,7 @@ def use_gguf_layout(model: nn.Module, source: GGUFSource, translate) -> QuantCon
         algo = "W8A16" if f.bits == 8 else "W4A16"
         layers[name] = LayerQuant(algo, GROUP, has_offset=f.offset)
         linear.use_weight_only(f.bits, GROUP, False, has_offset=f.offset)
-        linear.external_key_map = {**getattr(linear, "external_key_map", {}), "weight": BLOCKS}
+        linear.external_key_map = {**(getattr(linear, "external_key_map", None) or {}), "weight": BLOCKS}
         linear.weight_postprocess = _postprocess_for(types, f)
         if not f.exact:
             log.info("%s: GGUF %s rounded to nearest into 8-bit codes (a scale per %d weights)", name,
