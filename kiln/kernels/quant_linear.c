@@ -181,24 +181,30 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define HAVE_QUANT_GEMV 1
-/* A few rows of x (decode steps) straight from the codes, in integers: each row of x is
- * scaled to 16-bit fixed point (error at most 2^-15 of its largest value, finer than its own
- * bf16 rounding for all but tiny entries). Converting codes to floats instead ran 3x slower
- * than the memory here. The integer sums are flushed to fp32 per span of k (a group, or at
- * most 512 k, before they could overflow), times scale * x's scale; a group's offset
- * comes in times its sum of x.
- *   int8: VPDPWSSD multiplies the tile order's code pairs (widened to 16 bits) by x pairs.
- *   4-bit: VPDPBUSD multiplies a chunk's 4 codes of a column (unsigned bytes, one mask or
- *   shift from the load) by 4 bytes of x, twice: x = 128 hi + lo with hi signed and lo in
- *   0..127, so each 64-byte load feeds 4 instructions per row and nothing is widened. */
+/* A few rows of x (decode steps) straight from the codes, in integers. Converting codes to
+ * floats instead ran 3x slower than the memory here. The integer sums are flushed to fp32 per
+ * span of k, times scale * x's scale; a group's offset comes in times its sum of x.
+ *   int8: each row of x in 16-bit fixed point (error at most 2^-15 of its largest value); a
+ *   span is a group, or at most 512 k, before the sums could overflow. VPDPWSSD multiplies the
+ *   tile order's code pairs (widened to 16 bits) by x pairs.
+ *   4-bit: x in int8 blocks of 32 with a scale each, as llama.cpp's Q8 activations (bundled
+ *   model, every linear on this path: perplexity 7.621 at its Q4_1, 7.603 with 16-bit x, 7.611
+ *   in float32, llama.cpp's q4_1 7.620; W4A16 g64 10.735 against 10.718); a span is a block. VPDPBUSD multiplies a chunk's
+ *   4 codes of a column (unsigned bytes, one mask or shift from the load) by 4 bytes of x, so
+ *   each 64-byte load feeds 2 instructions per row and nothing is widened: a row costs half
+ *   what 16-bit x split in two bytes did, which matters past one row (verifying proposals,
+ *   batches), where the GEMV is bound by these instructions rather than by memory. */
 /* Beyond, dequantized tiles on the panel kernel win: SmolLM2-135M Q4_1 on the AMX Xeon of
- * docs/benchmark-log.md, linears of a decode step at 9 / 11 / 13 / 16 rows 11.2 / 12.0 / 14.1 / 16.6
- * ms against the panel's 14.1 / 14.8 / 14.5 / 14.5. Covers a step verifying up to 11 proposals,
- * whose rows then compute what plain decode steps do. */
+ * docs/benchmark-log.md, linears of a decode step at 9 / 11 / 13 / 16 rows 11.2 / 12.0 / 14.1 /
+ * 16.6 ms against the panel's 14.1 / 14.8 / 14.5 / 14.5 (with 16-bit x; 8-bit x moved the
+ * crossover further). Covers a step verifying up to 11 proposals, whose rows then compute what
+ * plain decode steps do. */
 #define QUANT_GEMV_MAX_ROWS 12
 
-/* k per flush: a divisor of the group (a multiple of 32) of at most 512 k. */
+/* k per flush: 4-bit, a block of x (32); else a divisor of the group (a multiple of 32) of at
+ * most 512 k. */
 static inline int64_t flush_span(const kiln_qweight *W) {
+    if (W->bits == 4) return 32;
     if (W->channel_scales) return 512;
     int64_t blocks = W->group / 32, best = 1;
     for (int64_t d = 1; d <= 16; ++d)
@@ -231,8 +237,8 @@ static inline __m512i bcast32(const void *p) {
  * scale, and the sum of each span's x as the kernel sees it. */
 typedef struct {
     const int16_t *x16;
-    const int8_t *hi, *lo;
-    const float *xscale, *xsum;
+    const int8_t *x8;
+    const float *xscale, *xsum;  /* xscale: per row (int8 weights) or per span (4-bit) */
     int64_t spans;
 } gemv_input;
 
@@ -251,9 +257,9 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
         for (int b = 0; b < NB; ++b) total[t][b] = _mm512_setzero_ps();
     for (int64_t k0 = 0; k0 < k; k0 += span) {
         const int64_t k1 = k0 + span < k ? k0 + span : k;
-        __m512i acc[4][4], acc_hi[4][4];
+        __m512i acc[4][4];
         for (int t = 0; t < MT; ++t)
-            for (int b = 0; b < NB; ++b) acc[t][b] = acc_hi[t][b] = _mm512_setzero_si512();
+            for (int b = 0; b < NB; ++b) acc[t][b] = _mm512_setzero_si512();
         if (W->bits == 8) {
             for (int64_t kb = k0 / 32; kb < k1 / 32; ++kb) {
                 const uint8_t *tiles[4];
@@ -284,10 +290,8 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
                     const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask);  /* k 8j + 4 .. */
                     for (int t = 0; t < MT; ++t) {
                         const int64_t at = (t0 + t) * k + 8 * j;
-                        acc_hi[t][b] = _mm512_dpbusd_epi32(acc_hi[t][b], low, bcast32(in->hi + at));
-                        acc_hi[t][b] = _mm512_dpbusd_epi32(acc_hi[t][b], high, bcast32(in->hi + at + 4));
-                        acc[t][b] = _mm512_dpbusd_epi32(acc[t][b], low, bcast32(in->lo + at));
-                        acc[t][b] = _mm512_dpbusd_epi32(acc[t][b], high, bcast32(in->lo + at + 4));
+                        acc[t][b] = _mm512_dpbusd_epi32(acc[t][b], low, bcast32(in->x8 + at));
+                        acc[t][b] = _mm512_dpbusd_epi32(acc[t][b], high, bcast32(in->x8 + at + 4));
                     }
                 }
             }
@@ -297,9 +301,9 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
             __m512 sv, ov;
             load_block_scales(W, nb0 + b, g, &sv, &ov);
             for (int t = 0; t < MT; ++t) {
-                const __m512i sum = W->bits == 8 ? acc[t][b] : _mm512_add_epi32(_mm512_slli_epi32(acc_hi[t][b], 7), acc[t][b]);
-                const __m512 st = _mm512_mul_ps(sv, _mm512_set1_ps(in->xscale[t0 + t]));
-                total[t][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), st, total[t][b]);
+                const float xs = W->bits == 8 ? in->xscale[t0 + t] : in->xscale[(t0 + t) * in->spans + sp];
+                const __m512 st = _mm512_mul_ps(sv, _mm512_set1_ps(xs));
+                total[t][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][b]), st, total[t][b]);
                 if (has_offsets(W))
                     total[t][b] = _mm512_fmadd_ps(ov, _mm512_set1_ps(in->xsum[(t0 + t) * in->spans + sp]), total[t][b]);
             }
@@ -309,18 +313,36 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
         for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + t * 64 + 16 * b, total[t][b]);
 }
 
-/* Each row of x in 16-bit fixed point (and, for 4-bit weights, split into hi/lo bytes), with its
- * scale and its sum per flush span. Returns the one allocation holding them. Sixteen values a
- * vector: done serially before the threads start, a scalar loop here cost as much as the
- * GEMV of a small layer. */
+/* x as the GEMV reads it, in one allocation (returned). int8 weights: each row in 16-bit fixed
+ * point, a scale per row, and the sum of each flush span's x as the kernel sees it. 4-bit
+ * weights: each block of 32 in int8 with a scale of its own (its largest value over 127, as
+ * llama.cpp's Q8 blocks hold activations), and the block's sum as the kernel sees it: one
+ * VPDPBUSD per code vector and row (16-bit x split in two bytes took two). Sixteen values a
+ * vector: done serially before the threads start, a scalar loop here cost as much as the GEMV
+ * of a small layer. */
 static void *prepare_gemv_input(const bf16_t *x, const kiln_qweight *W, int64_t m, gemv_input *in) {
     const int64_t k = W->k, span = flush_span(W), spans = k / span;
-    char *mem = malloc((sizeof(int16_t) + 2) * m * k + sizeof(float) * m * (spans + 1));
+    char *mem = malloc(sizeof(int16_t) * m * k + sizeof(float) * m * (2 * spans + 1));
     int16_t *x16 = (int16_t *)mem;
-    int8_t *hi = (int8_t *)(x16 + m * k), *lo = hi + m * k;
-    float *xscale = (float *)(lo + m * k), *xsum = xscale + m;
+    int8_t *x8 = (int8_t *)x16;  /* 4-bit weights take bytes in the same place */
+    float *xscale = (float *)(x16 + m * k), *xsum = xscale + m * spans;
     for (int64_t t = 0; t < m; ++t) {
         const bf16_t *xr = x + t * k;
+        if (W->bits == 4) {
+            for (int64_t i = 0; i < k; i += 32) {  /* span 32: k is a multiple of 32 */
+                const __m512 a = load16_bf16(xr + i), b = load16_bf16(xr + i + 16);
+                const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+                const float scale = amax > 0.f ? amax / 127.f : 1.f;
+                const __m512 inv = _mm512_set1_ps(1.f / scale);
+                const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));  /* to nearest even */
+                const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+                _mm_storeu_si128((__m128i *)(x8 + t * k + i), _mm512_cvtsepi32_epi8(qa));
+                _mm_storeu_si128((__m128i *)(x8 + t * k + i + 16), _mm512_cvtsepi32_epi8(qb));
+                xscale[t * spans + i / 32] = scale;
+                xsum[t * spans + i / 32] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)) * scale;
+            }
+            continue;
+        }
         __m512 vmax = _mm512_setzero_ps();
         for (int64_t i = 0; i < k; i += 16)  /* k is a multiple of 32 */
             vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16_bf16(xr + i)));
@@ -332,9 +354,6 @@ static void *prepare_gemv_input(const bf16_t *x, const kiln_qweight *W, int64_t 
             /* rounded to nearest even, as lrintf does in the default rounding mode */
             const __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(load16_bf16(xr + i), s));
             _mm256_storeu_si256((__m256i *)(x16 + t * k + i), _mm512_cvtepi32_epi16(q));
-            /* floor: q = 128 hi + lo, lo in 0..127 */
-            _mm_storeu_si128((__m128i *)(hi + t * k + i), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 7)));
-            _mm_storeu_si128((__m128i *)(lo + t * k + i), _mm512_cvtepi32_epi8(_mm512_and_si512(q, _mm512_set1_epi32(127))));
             sum = _mm512_add_epi32(sum, q);
             if ((i + 16) % span == 0) {  /* the span's sum of x as the kernel sees it */
                 xsum[t * spans + (i + 16) / span - 1] = (float)_mm512_reduce_add_epi32(sum) * xscale[t];
@@ -343,8 +362,7 @@ static void *prepare_gemv_input(const bf16_t *x, const kiln_qweight *W, int64_t 
         }
     }
     in->x16 = x16;
-    in->hi = hi;
-    in->lo = lo;
+    in->x8 = x8;
     in->xscale = xscale;
     in->xsum = xsum;
     in->spans = spans;
