@@ -189,11 +189,12 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
  *   tile order's code pairs (widened to 16 bits) by x pairs.
  *   4-bit: x in int8 blocks of 32 with a scale each, as llama.cpp's Q8 activations (bundled
  *   model, every linear on this path: perplexity 7.621 at its Q4_1, 7.603 with 16-bit x, 7.611
- *   in float32, llama.cpp's q4_1 7.620; W4A16 g64 10.735 against 10.718); a span is a block. VPDPBUSD multiplies a chunk's
- *   4 codes of a column (unsigned bytes, one mask or shift from the load) by 4 bytes of x, so
- *   each 64-byte load feeds 2 instructions per row and nothing is widened: a row costs half
- *   what 16-bit x split in two bytes did, which matters past one row (verifying proposals,
- *   batches), where the GEMV is bound by these instructions rather than by memory. */
+ *   in float32, llama.cpp's q4_1 7.620; W4A16 g64 10.735 against 10.718); a span is a block.
+ *   VPDPBUSD multiplies a chunk's 4 codes of a column (unsigned bytes, one mask or shift from
+ *   the load) by 4 bytes of x, so each 64-byte load feeds 2 instructions per row and nothing is
+ *   widened: a row costs half what 16-bit x split in two bytes did, which matters past one row
+ *   (verifying proposals, batches), where the GEMV is bound by these instructions rather than
+ *   by memory. */
 /* Beyond, dequantized tiles on the panel kernel win: SmolLM2-135M Q4_1 on the AMX Xeon of
  * docs/benchmark-log.md, linears of a decode step at 9 / 11 / 13 / 16 rows 11.2 / 12.0 / 14.1 /
  * 16.6 ms against the panel's 14.1 / 14.8 / 14.5 / 14.5 (with 16-bit x; 8-bit x moved the
