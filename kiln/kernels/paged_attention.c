@@ -1,4 +1,4 @@
-/* Decode attention straight from the paged KV cache (one query token per sequence).
+/* Decode attention straight from the paged KV cache (one query token per row).
  *
  * The PyTorch reference backend copies every sequence's K/V blocks into a padded tensor
  * before each layer's attention; on a CPU that copy costs as much as the attention itself.
@@ -55,10 +55,13 @@ static inline __attribute__((always_inline)) void prefetch_rows(prefetch_cursor 
         __builtin_prefetch(c->next, 0, 1);
 }
 
-/* Scores q . k for as many whole groups of 16 tokens as the block has; returns how many
- * tokens it scored (the caller finishes the rest). A dot product per token ends in a
- * horizontal sum, which dominated the kernel; here 16 tokens' partial-sum vectors are
- * reduced together by a transpose-and-add tree (~3 instructions a token instead of ~10). */
+/* Scores q . k of a block's tokens in groups of 16, the last group padded with zero rows (out
+ * holds whole groups), so a token's score comes out of the same arithmetic wherever the block
+ * ends: a step verifying proposals sees further into a block than a plain decode step and must
+ * compute the same scores. Returns ntok, or 0 where it does not apply (the caller's loop runs).
+ * A dot product per token ends in a horizontal sum, which dominated the kernel; here 16 tokens'
+ * partial-sum vectors are reduced together by a transpose-and-add tree (~3 instructions a token
+ * instead of ~10). */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -118,8 +121,7 @@ DEFINE_SCORES16(f32, float)
 #define scores16_none(q, kb, ntok, D, out, pf) ((int64_t)0)
 
 /* Scores of every query head of a GQA group, one head at a time: q [group, D] (float, unscaled),
- * scores [group, score_stride]. Returns how many leading tokens it scored (the same for every
- * head; the caller finishes the rest). */
+ * scores [group, score_stride]. Returns ntok, or 0 where the vector kernel does not apply. */
 #define DEFINE_GROUP_SCORES(SUFFIX, T, SCORES16)                                                   \
 static inline __attribute__((always_inline)) int64_t group_scores_##SUFFIX(                       \
         const float *q, const T *kb, int64_t ntok, const int64_t D, int64_t group, float *scores,  \

@@ -234,8 +234,9 @@ static inline __m512i bcast32(const void *p) {
     return _mm512_set1_epi32(v);
 }
 
-/* x prepared for the GEMV: 16-bit codes (int8 weights) or their hi/lo bytes (4-bit), each row's
- * scale, and the sum of each span's x as the kernel sees it. */
+/* x prepared for the GEMV (prepare_gemv_input): 16-bit codes and a scale per row (int8
+ * weights), or int8 codes and a scale per span of 32 (4-bit); the sum of each span's x as the
+ * kernel sees it. */
 typedef struct {
     const int16_t *x16;
     const int8_t *x8;
