@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kiln import kernels
+from kiln.errors import ConfigError
 from kiln.layers.linear import QKVColumnLinear, RowLinear
 from kiln.layers.normalization import LayerNorm, RmsNorm
 from kiln.layers.rotary import RotaryEmbedding
@@ -47,6 +48,7 @@ class Attention(nn.Module):
                  head_size: int, *, qkv_bias: bool, dense_bias: bool, rotary: RotaryEmbedding | None,
                  dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0,
                  source_transposed: bool = False, qk_norm_eps: float | None = None, qk_layernorm: bool = False,
+                 qk_norm_class: type[nn.Module] = RmsNorm, qk_norm_whole: bool = False,
                  scale: float | None = None, window: int | None = None, softcap: float | None = None,
                  alibi: bool = False):
         super().__init__()
@@ -65,11 +67,17 @@ class Attention(nn.Module):
         self.dense = RowLinear(num_heads * head_size, hidden_size, dense_bias, dtype=dtype,
                                tp_size=tp_size, tp_rank=tp_rank, source_transposed=source_transposed)
         self.rotary = rotary
-        # Qwen3: every query and key head RMS-normalised (over head_size) before rotary;
-        # Phi-2 with qk_layernorm: LayerNorm instead.
-        norm = LayerNorm if qk_layernorm else RmsNorm
-        self.q_norm = norm(head_size, qk_norm_eps, dtype=dtype) if qk_norm_eps is not None else None
-        self.k_norm = norm(head_size, qk_norm_eps, dtype=dtype) if qk_norm_eps is not None else None
+        # Qwen3: every query and key head RMS-normalised (over head_size) before rotary (Gemma 3:
+        # with its own norm class); Phi-2 with qk_layernorm: LayerNorm instead. OLMo 2
+        # (``qk_norm_whole``): one RMSNorm over the whole q and the whole k projection.
+        norm = LayerNorm if qk_layernorm else qk_norm_class
+        self.qk_norm_whole = qk_norm_whole
+        if qk_norm_whole and tp_size > 1:
+            raise ConfigError("a q/k norm over the whole projection (qk_norm_whole: OLMo 2) needs every head on "
+                              f"one rank; tp_size {tp_size} is not supported for it")
+        q_dim, k_dim = (num_heads * head_size, num_kv_heads * head_size) if qk_norm_whole else (head_size, head_size)
+        self.q_norm = norm(q_dim, qk_norm_eps, dtype=dtype) if qk_norm_eps is not None else None
+        self.k_norm = norm(k_dim, qk_norm_eps, dtype=dtype) if qk_norm_eps is not None else None
         # Quantized KV cache (INT8, FP8): float32 [2], the static per-tensor scales of K (after rotary) and V.
         self.register_parameter("kv_cache_scaling_factor", None)
 
@@ -82,10 +90,12 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         q, k, v = self.qkv(hidden, metadata.lora).split([q_size, kv_size, kv_size], dim=-1)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(num_tokens, self.num_heads, self.head_size)
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_whole:
             q = self.q_norm(q.reshape(-1, self.head_size)).view(num_tokens, self.num_heads, self.head_size)
             k = self.k_norm(k.reshape(-1, self.head_size)).view(num_tokens, self.num_kv_heads, self.head_size)
         if self.rotary is not None:

@@ -45,6 +45,7 @@ class DecoderModelForCausalLM(nn.Module):
     hf_key_map: ClassVar[dict] = {}  # customized key dict for the weights loader
     norm_class: ClassVar[type[nn.Module]] = RmsNorm  # the layer norms' class (LayerNorm, GemmaRmsNorm...)
     decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer  # a family with another layer shape overrides it
+    sublayer_norms: ClassVar[str] = "pre"  # the layers' norms when the config does not say (DecoderLayer)
 
     @classmethod
     def make_norm(cls, config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
@@ -86,6 +87,7 @@ class DecoderModelForCausalLM(nn.Module):
             for layer in self.transformer.layers.values():
                 layer.attention.qkv.interleaved_heads = True
         self.final_logit_softcap = positive_field(config, "final_logit_softcapping")  # Gemma 2
+        self.logits_scaling = positive_field(config, "logits_scaling")  # Granite: logits divided by it
         self.vocab_size_padded = math.ceil(config.vocab_size / mapping.tp_size) * mapping.tp_size
         if mapping.is_last_pp_rank:
             self.lm_head = ColumnLinear(config.get("embedding_dim") or config.hidden_size, self.vocab_size_padded,
@@ -175,8 +177,11 @@ class DecoderModelForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[n, vocab_size]`` for the given final hidden states ``[n, hidden]``
-        (soft-capped, ``cap * tanh(logits / cap)``, when the config sets ``final_logit_softcapping``)."""
+        (soft-capped, ``cap * tanh(logits / cap)``, when the config sets ``final_logit_softcapping``;
+        divided by ``logits_scaling`` where set)."""
         logits = self.lm_head(hidden)[..., : self.config.vocab_size].float()
+        if self.logits_scaling is not None:
+            logits = logits / self.logits_scaling
         if self.final_logit_softcap is not None:
             logits = self.final_logit_softcap * torch.tanh(logits / self.final_logit_softcap)
         return logits

@@ -4,43 +4,17 @@ too, before their residual adds), a sliding window on alternate layers, attentio
 logit soft-capping, and the attention scale ``query_pre_attn_scalar ** -0.5``."""
 from __future__ import annotations
 
-import torch
-
 from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
-from kiln.layers.rotary import RotaryEmbedding
 from kiln.mapping import Mapping
-from kiln.models.base import DecoderModelForCausalLM
-from kiln.models.decoder import DecoderLayer
 from kiln.models.gemma import GemmaForCausalLM
 from kiln.models.hf_config import hf_get, hf_sliding_window, rope_decoder_config
 from kiln.models.registry import register_model
 
 
-class Gemma2DecoderLayer(DecoderLayer):
-    """``h += post_layernorm(attention(input_layernorm(h)))``;
-    ``h += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))``.
-
-    ``post_layernorm`` is Hugging Face's ``post_attention_layernorm``: here it normalises the
-    attention output, not the MLP input as in the LLaMA layer.
-    """
-
-    def __init__(self, model_cls: type[DecoderModelForCausalLM], config: PretrainedConfig, layer_idx: int,
-                 rotary: RotaryEmbedding | None, engine_layout: bool):
-        super().__init__(model_cls, config, layer_idx, rotary, engine_layout)
-        dtype = self.input_layernorm.weight.dtype
-        self.pre_feedforward_layernorm = model_cls.make_norm(config, dtype)
-        self.post_feedforward_layernorm = model_cls.make_norm(config, dtype)
-
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:
-        attended = self.attention(self.input_layernorm(hidden), positions, metadata, kv_cache)
-        hidden = hidden + self.post_layernorm(attended)
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden), metadata.lora))
-
-
 @register_model("Gemma2ForCausalLM")
 class Gemma2ForCausalLM(GemmaForCausalLM):
-    decoder_layer = Gemma2DecoderLayer
+    sublayer_norms = "pre_and_post"  # four norms a layer (kiln's post_layernorm: the attention output's)
     hf_key_map = {}  # LLaMA's names; the two feed-forward norms keep theirs
 
     @classmethod

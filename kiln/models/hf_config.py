@@ -6,6 +6,7 @@ from typing import Any
 from kiln.config import PretrainedConfig
 from kiln.dtypes import DTYPES
 from kiln.errors import ConfigError
+from kiln.models.decoder import LAYER_TYPES
 
 _MISSING = object()
 
@@ -20,13 +21,23 @@ def hf_get(hf: dict, *names: str, default: Any = _MISSING) -> Any:
     return default
 
 
-def hf_rope(hf: dict) -> tuple[float, dict | None]:
-    """(rope_theta, scaling dict or None) from either config style.
+def _rope_parameters(hf: dict, layer_type: str) -> dict:
+    """``rope_parameters`` for layers of ``layer_type``: the dict itself, or its entry for that
+    type where the config keys it by layer type (Gemma 3, OLMo 3: ``{"full_attention": {...}, ...}``)."""
+    params = hf.get("rope_parameters") or {}
+    if params and set(params) <= set(LAYER_TYPES):
+        return dict(params.get(layer_type) or {})
+    return dict(params)
 
-    transformers >= 5 writes ``rope_parameters`` ({rope_type, rope_theta, factor...});
-    older configs write ``rope_theta`` and ``rope_scaling`` ({type|rope_type, factor...}).
+
+def hf_rope(hf: dict, layer_type: str = "full_attention") -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from either config style, for layers of ``layer_type``.
+
+    transformers >= 5 writes ``rope_parameters`` ({rope_type, rope_theta, factor...}, or one such
+    dict per layer type); older configs write ``rope_theta`` and ``rope_scaling`` ({type|rope_type,
+    factor...}).
     """
-    params = dict(hf.get("rope_parameters") or {})
+    params = _rope_parameters(hf, layer_type)
     scaling = dict(hf.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or scaling.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
     merged = {**params, **scaling}
@@ -35,13 +46,33 @@ def hf_rope(hf: dict) -> tuple[float, dict | None]:
     merged.pop("type", None)
     if kind == "default":
         return float(theta), None
+    if kind in ("yarn", "longrope") and hf.get("original_max_position_embeddings"):
+        merged.setdefault("original_max_position_embeddings", hf["original_max_position_embeddings"])
     return float(theta), {"rope_type": kind, **merged}
+
+
+def hf_layer_rotary(hf: dict) -> dict:
+    """kiln's ``layer_rotary`` (per-layer-type overrides of the rotary settings) from a config
+    whose ``rope_parameters`` are keyed by layer type: the settings of each type that differ
+    from the full-attention layers' (which are the default)."""
+    params = hf.get("rope_parameters") or {}
+    if not params or not set(params) <= set(LAYER_TYPES):
+        return {}
+    default = (*hf_rope(hf), _rope_parameters(hf, "full_attention").get("partial_rotary_factor"))
+    overrides = {}
+    for kind in params:
+        theta, scaling = hf_rope(hf, kind)
+        fraction = _rope_parameters(hf, kind).get("partial_rotary_factor")
+        if (theta, scaling, fraction) != default:
+            overrides[kind] = {"rotary_base": theta, "rotary_scaling": scaling,
+                               **({"rotary_pct": float(fraction)} if fraction is not None else {})}
+    return overrides
 
 
 def hf_partial_rotary(hf: dict) -> float:
     """The fraction of each head that rotary embedding rotates (1.0 unless the config says less):
     ``partial_rotary_factor`` / ``rotary_pct`` at the top level or inside ``rope_parameters``."""
-    params = hf.get("rope_parameters") or {}
+    params = _rope_parameters(hf, "full_attention")
     return float(hf_get(hf, "partial_rotary_factor", "rotary_pct", default=params.get("partial_rotary_factor", 1.0)))
 
 
@@ -88,5 +119,6 @@ def rope_decoder_config(hf: dict, dtype: str | None, mapping, architecture: str,
         position_embedding_type="rope_gpt_neox",
         mapping=mapping,
         share_embedding_table=tied,
-        extra={"rotary_base": theta, "rotary_scaling": scaling, "tie_word_embeddings": tied, **(extra or {})},
+        extra={"rotary_base": theta, "rotary_scaling": scaling, "tie_word_embeddings": tied,
+               **({"layer_rotary": layer_rotary} if (layer_rotary := hf_layer_rotary(hf)) else {}), **(extra or {})},
     )

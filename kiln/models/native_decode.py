@@ -57,7 +57,8 @@ def supports_native_decode(model) -> bool:
         if not (type(layer).__dict__.get("native_decode_shape", False) and type(layer.input_layernorm) is RmsNorm
                 and type(layer.post_layernorm) is RmsNorm and type(attn) is Attention
                 and type(mlp) is GatedMLP and mlp.fused and mlp.act is F.silu and attn.rotary is t.rotary
-                and attn.q_norm is None and not layer.parallel_residual and not layer.norm_after_residual):
+                and attn.q_norm is None and not layer.parallel_residual and not layer.norm_after_residual
+                and layer.sublayer_norms == "pre" and layer.residual_multiplier is None):
             return False
         # The step passes each layer's sliding window on; soft-capping and ALiBi it does not compute.
         if attn.softcap is not None or attn.alibi_slopes is not None or attn.scale != scale:
@@ -77,7 +78,7 @@ def supports_native_head(model) -> bool:
     t = model.transformer
     head = getattr(model, "lm_head", None)
     if (head is None or type(getattr(t, "ln_f", None)) is not RmsNorm or hasattr(t, "project_out")
-            or model.final_logit_softcap is not None):
+            or model.final_logit_softcap is not None or model.logits_scaling is not None):
         return False
     dtype = t.vocab_embedding.weight.dtype
     return (all(p.device.type == "cpu" and p.is_contiguous() for p in (*head.parameters(), t.ln_f.weight))

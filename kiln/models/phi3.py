@@ -1,5 +1,7 @@
-"""Phi-3: the LLaMA layout with its projections fused in the checkpoint (``qkv_proj``, and
-``gate_up_proj`` holding the gate's rows then the up projection's) and optional partial rotary."""
+"""Phi-3 and Phi-4-mini: the LLaMA layout with its projections fused in the checkpoint
+(``qkv_proj``, and ``gate_up_proj`` holding the gate's rows then the up projection's), optional
+partial rotary (Phi-4-mini: 3/4 of each head) with LongRoPE scaling, and a sliding window on
+every layer where the config sets one."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,6 +26,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
         config = super().config_from_hf(hf, dtype, mapping)
-        extra = dict(config.extra, rotary_pct=hf_partial_rotary(hf),
-                     attn_bias=False, dense_bias=False, mlp_bias=False)
+        extra = dict(config.extra, rotary_pct=hf_partial_rotary(hf), attn_bias=False, dense_bias=False,
+                     mlp_bias=False, sliding_window=hf.get("sliding_window"), layer_types=None)
         return dataclasses.replace(config, architecture="Phi3ForCausalLM", extra=extra)

@@ -43,7 +43,7 @@ class Qwen2MoeForCausalLM(DecoderModelForCausalLM):
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
-        experts, top_k = hf_get(hf, "num_experts"), hf_get(hf, "num_experts_per_tok")
+        experts, top_k = hf_get(hf, "num_experts", "num_local_experts"), hf_get(hf, "num_experts_per_tok")
         moe_inter, shared_inter = hf_get(hf, "moe_intermediate_size"), hf_get(hf, "shared_expert_intermediate_size")
         step = hf_get(hf, "decoder_sparse_step", default=1)
         if not isinstance(step, int) or step < 1:

@@ -1,4 +1,4 @@
-"""Mixture-of-experts families (Mixtral, Qwen2-MoE) against Hugging Face on tiny random models.
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) against Hugging Face on tiny random models.
 
 Routers are given decisive weights (tests/utils/tiny_moe_models.py) so tokens really spread
 over the experts; kiln must pick the same experts per token, weight them the same way and
@@ -24,7 +24,7 @@ from kiln.models.native_decode import supports_native_decode
 from kiln.runtime.engine import Engine
 from tests.models.zoo import LOGIT_PROMPT_LENS, built_fixture, hf_reference_fixture, parity_tests, random_prompt
 from tests.utils.compare import kiln_batch_prompt_logits, kiln_greedy
-from tests.utils.tiny_moe_models import make_mixtral, make_qwen2_moe
+from tests.utils.tiny_moe_models import make_mixtral, make_qwen2_moe, make_qwen3_moe
 
 # name -> (maker, maker kwargs, build options)
 CASES: dict[str, tuple[Callable, dict, dict]] = {
@@ -34,6 +34,8 @@ CASES: dict[str, tuple[Callable, dict, dict]] = {
     # layers 1 and 3 are sparse by the step, 3 is dense by mlp_only_layers: only layer 1 has experts
     "qwen2-moe-sparse-step": (make_qwen2_moe, dict(experts=4, top_k=2, layers=4, decoder_sparse_step=2,
                                                    mlp_only_layers=[3], norm_topk_prob=True, seed=2), {}),
+    # no shared expert, q/k norms, top-3 of 8 renormalised; layer 1 dense by mlp_only_layers
+    "qwen3-moe": (make_qwen3_moe, dict(seed=3), {}),
 }
 
 built = built_fixture(CASES)
@@ -47,7 +49,7 @@ def _hf_moe_blocks(hf) -> dict[int, torch.nn.Module]:
     return {i: layer.mlp for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")}
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "qwen2-moe-sparse-step"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "qwen2-moe-sparse-step", "qwen3-moe"])
 def test_tokens_spread_over_experts_and_kiln_routes_like_hf(built, monkeypatch, name: str) -> None:
     """Across the prompts' tokens every MoE layer uses most of its experts, and kiln picks the
     same experts for each token (in the same order) as HF's router."""

@@ -64,13 +64,13 @@ def make_gpt2(path: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, 
 
 
 def _save_random(path: Path, family: str, seed: int, save_kwargs: dict | None = None, *,
-                 model_class: str | None = None, **config):
-    """``transformers.<family>Config(**config)`` as a random float32 model (norms perturbed),
-    saved to ``path``; returns the model."""
+                 model_class: str | None = None, config_class: str | None = None, **config):
+    """``transformers.<family>Config(**config)`` (or ``config_class``) as a random float32 model
+    (norms perturbed), saved to ``path``; returns the model."""
     import transformers
 
     torch.manual_seed(seed)
-    hf_config = getattr(transformers, f"{family}Config")(**config)
+    hf_config = getattr(transformers, config_class or f"{family}Config")(**config)
     model = getattr(transformers, model_class or f"{family}ForCausalLM")(hf_config)
     _randomize_norms(model)
     model = model.float().eval()

@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face mixture-of-experts models (Mixtral, Qwen2-MoE) saved to a directory."""
+"""Tiny random Hugging Face mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) saved to a directory."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,6 +34,20 @@ def make_qwen2_moe(path: Path, *, hidden: int = 64, layers: int = 2, num_heads: 
                       max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
                       eos_token_id=2, pad_token_id=0)
     return _decisive_routers(hf, path, seed, stacked)
+
+
+def make_qwen3_moe(path: Path, *, hidden: int = 64, layers: int = 3, experts: int = 8, top_k: int = 3,
+                   moe_intermediate: int = 32, intermediate: int = 96, norm_topk_prob: bool = True,
+                   mlp_only_layers: list[int] | None = None, vocab: int = 256, seed: int = 0):
+    """A random Qwen3-MoE: per-head q/k norms, routed experts without a shared one, heads wider
+    than hidden / heads, and a dense layer where ``mlp_only_layers`` says."""
+    hf = _save_random(path, "Qwen3Moe", seed, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate,
+                      norm_topk_prob=norm_topk_prob, mlp_only_layers=[1] if mlp_only_layers is None else mlp_only_layers,
+                      max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=0)
+    return _decisive_routers(hf, path, seed, stacked=False)
 
 
 def _decisive_routers(hf, path: Path, seed: int, stacked: bool):

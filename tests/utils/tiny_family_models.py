@@ -1,0 +1,102 @@
+"""Tiny random Hugging Face models of 2025-26 dense families, each with its quirks switched on
+(no-rope layers, output norms, per-layer-type rotary, multipliers, biases, adjacent rotary
+pairs, LongRoPE), saved to a directory."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.utils.tiny_models import _save_random
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+WINDOW = 8  # shorter than the tests' prompts plus their 32 new tokens: windows really slide
+
+
+def make_smollm3(path: Path, *, seed: int = 0):
+    """SmolLM3 with every second layer NoPE and, on those, a sliding window (its config's rule)."""
+    return _save_random(path, "SmolLM3", seed, **COMMON, num_hidden_layers=4, no_rope_layer_interval=2,
+                        use_sliding_window=True, sliding_window=WINDOW, tie_word_embeddings=True)
+
+
+def make_olmo2(path: Path, *, seed: int = 0):
+    return _save_random(path, "Olmo2", seed, **COMMON, num_hidden_layers=2, tie_word_embeddings=False)
+
+
+def make_olmo3(path: Path, *, seed: int = 0):
+    """OLMo 3: three sliding layers to one full; YaRN on the full layer only."""
+    rope = {"full_attention": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 16, "beta_fast": 8.0, "beta_slow": 1.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    return _save_random(path, "Olmo3", seed, **COMMON, num_hidden_layers=4, sliding_window=WINDOW,
+                        rope_parameters=rope, tie_word_embeddings=False)
+
+
+def make_exaone4(path: Path, *, seed: int = 0):
+    """EXAONE 4: three sliding (rotary) layers to one global (NoPE) layer."""
+    return _save_random(path, "Exaone4", seed, **COMMON, num_hidden_layers=4, sliding_window=WINDOW,
+                        sliding_window_pattern=4, tie_word_embeddings=False)
+
+
+def make_granite(path: Path, *, seed: int = 0):
+    """Granite 3 with every multiplier away from 1."""
+    return _save_random(path, "Granite", seed, **COMMON, num_hidden_layers=2, embedding_multiplier=6.0,
+                        attention_multiplier=0.09, residual_multiplier=0.4, logits_scaling=4.0,
+                        tie_word_embeddings=True)
+
+
+def make_seed_oss(path: Path, *, seed: int = 0):
+    """Seed-OSS: q/k/v and attention-output biases, heads wider than hidden / heads."""
+    return _save_random(path, "SeedOss", seed, **COMMON, num_hidden_layers=2, head_dim=32, attention_bias=True,
+                        attention_out_bias=True, tie_word_embeddings=False)
+
+
+def make_ernie4_5(path: Path, *, seed: int = 0):
+    """ERNIE 4.5 with every bias on (adjacent-pair rotary is its own)."""
+    return _save_random(path, "Ernie4_5", seed, **COMMON, num_hidden_layers=2, head_dim=16, use_bias=True,
+                        tie_word_embeddings=True)
+
+
+def make_glm4(path: Path, *, seed: int = 0):
+    """GLM-4: sandwich norms, fused gate_up_proj, q/k/v biases, rotary on half of each head."""
+    return _save_random(path, "Glm4", seed, **COMMON, num_hidden_layers=2, head_dim=16, attention_bias=True,
+                        partial_rotary_factor=0.5, tie_word_embeddings=False)
+
+
+GEMMA3_TEXT = dict(COMMON, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                   layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                   hidden_activation="gelu_pytorch_tanh")
+
+
+def make_gemma3(path: Path, *, seed: int = 0):
+    """Gemma 3 (text): three sliding layers (base 10k) to one global (1M, linear scaling 8)."""
+    return _save_random(path, "Gemma3", seed, model_class="Gemma3ForCausalLM", config_class="Gemma3TextConfig",
+                        **GEMMA3_TEXT)
+
+
+def make_gemma3_multimodal(path: Path, *, seed: int = 0):
+    """A ``Gemma3ForConditionalGeneration`` checkpoint (a tiny vision tower beside the language
+    model); returns the HF model (its text logits are the reference)."""
+    import transformers
+
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    return _save_random(path, "Gemma3", seed, model_class="Gemma3ForConditionalGeneration",
+                        text_config=transformers.Gemma3TextConfig(**GEMMA3_TEXT), vision_config=vision,
+                        mm_tokens_per_image=4, image_token_index=255, boi_token_index=253, eoi_token_index=254)
+
+
+def make_phi4_mini(path: Path, *, seed: int = 0):
+    """Phi-4-mini's shape: 3/4 partial rotary with LongRoPE (short factors up to 16 positions,
+    long ones past them), tied embeddings."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    rotary_half = int(16 * 0.75) // 2
+    factors = {name: (1.0 + torch.rand(rotary_half, generator=gen) * scale).tolist()
+               for name, scale in (("short_factor", 0.5), ("long_factor", 4.0))}
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+            "partial_rotary_factor": 0.75, **factors}
+    return _save_random(path, "Phi3", seed, **{**COMMON, "max_position_embeddings": 128}, num_hidden_layers=2,
+                        rope_parameters=rope, original_max_position_embeddings=16, tie_word_embeddings=True)
