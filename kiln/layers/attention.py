@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kiln import kernels
+from kiln.checkpoint.shard_spec import ShardSpec
 from kiln.errors import ConfigError
 from kiln.layers.linear import QKVColumnLinear, RowLinear
 from kiln.layers.normalization import LayerNorm, RmsNorm
@@ -35,6 +36,25 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return slopes
 
 
+class AttentionSinks(nn.Module):
+    """gpt-oss's attention sinks: one learned logit per head (``weight`` float32 ``[heads / tp]``,
+    this rank's heads) that joins the head's softmax denominator. Hugging Face names it
+    ``self_attn.sinks`` (no ``.weight``)."""
+
+    external_key_map = {"weight": ""}
+
+    def __init__(self, num_heads: int, tp_size: int = 1, tp_rank: int = 0):
+        super().__init__()
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.weight = nn.Parameter(torch.empty(num_heads // tp_size, dtype=torch.float32), requires_grad=False)
+
+    def load_spec(self, param_name: str, num_external: int) -> list[ShardSpec]:
+        return [ShardSpec.even(0, self.tp_size, self.tp_rank)] * num_external
+
+    def postprocess(self, key: str, weights: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
+        return {key: weights[0].float()}
+
+
 class Attention(nn.Module):
     """Fused-qkv attention of one layer, this rank's heads.
 
@@ -50,7 +70,7 @@ class Attention(nn.Module):
                  source_transposed: bool = False, qk_norm_eps: float | None = None, qk_layernorm: bool = False,
                  qk_norm_class: type[nn.Module] = RmsNorm, qk_norm_whole: bool = False,
                  scale: float | None = None, window: int | None = None, softcap: float | None = None,
-                 alibi: bool = False):
+                 alibi: bool = False, sinks: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = num_heads // tp_size  # per rank
@@ -62,6 +82,7 @@ class Attention(nn.Module):
         # Derived from the config, never saved: the slopes of this rank's heads.
         slopes = alibi_slopes(num_heads)[tp_rank * self.num_heads:(tp_rank + 1) * self.num_heads] if alibi else None
         self.register_buffer("alibi_slopes", slopes, persistent=False)
+        self.sinks = AttentionSinks(num_heads, tp_size, tp_rank) if sinks else None
         self.qkv = QKVColumnLinear(hidden_size, num_heads, num_kv_heads, head_size, qkv_bias, dtype=dtype,
                                    tp_size=tp_size, tp_rank=tp_rank, source_transposed=source_transposed)
         self.dense = RowLinear(num_heads * head_size, hidden_size, dense_bias, dtype=dtype,
@@ -108,5 +129,6 @@ class Attention(nn.Module):
                 q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         out = metadata.backend.forward(q, k, v, kv_cache, metadata, self.scale, window=self.window,
                                        alibi_slopes=self.alibi_slopes, softcap=self.softcap,
-                                       kv_scales=self.kv_cache_scaling_factor)  # [tokens, heads, head]
+                                       kv_scales=self.kv_cache_scaling_factor,
+                                       sinks=None if self.sinks is None else self.sinks.weight)  # [tokens, heads, head]
         return self.dense(out.reshape(num_tokens, q_size), metadata.lora)

@@ -32,13 +32,14 @@ are quantized.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kiln import distributed, kernels
-from kiln.checkpoint.shard_spec import ShardSpec
+from kiln.checkpoint.shard_spec import ShardSpec, rank_range
 from kiln.errors import ConfigError
 from kiln.layers.activation import get_activation
 from kiln.layers.linear import Linear
@@ -65,15 +66,16 @@ class ExpertNames:
 
 
 class ReplicatedLinear(nn.Module):
-    """``y = x W^T`` with the whole weight on every rank (router, shared-expert gate)."""
+    """``y = x W^T (+ b)`` with the whole weight on every rank (router, shared-expert gate)."""
 
-    def __init__(self, in_features: int, out_features: int, *, dtype: torch.dtype | None = None):
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False, dtype: torch.dtype | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class ExpertLinear(nn.Module):
@@ -89,9 +91,14 @@ class ExpertLinear(nn.Module):
     fused_part: tuple[int, int] | None = None
     # The external tensor is already stacked over experts (else: one tensor per expert).
     stacked_source: bool = False
+    # gpt-oss: the stacked external weight is [E, in, out] (``source_transposed``), and this
+    # weight's rows are every ``count``-th of its outputs from ``index`` on (``interleaved_part``:
+    # gate and up alternate). Such tensors are read whole and cut to this rank's part here.
+    source_transposed: bool = False
+    interleaved_part: tuple[int, int] | None = None
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, tp_dim: int, *,
-                 dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0):
+                 bias: bool = False, dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
         if tp_dim not in (1, 2):
             raise ValueError(f"tp_dim is 1 (outputs) or 2 (inputs), not {tp_dim}")
@@ -101,6 +108,9 @@ class ExpertLinear(nn.Module):
         self.out_features = out_features // (tp_size if tp_dim == 1 else 1)
         self.weight = nn.Parameter(torch.empty(num_experts, self.out_features, self.in_features, dtype=dtype),
                                    requires_grad=False)
+        # [E, out]: each expert's output bias (an input-split projection's whole bias, added on rank 0 only).
+        self.bias = (nn.Parameter(torch.empty(num_experts, self.out_features, dtype=dtype), requires_grad=False)
+                     if bias else None)
         self._views: list[Linear] = []
         self._views_key: tuple | None = None
 
@@ -125,6 +135,8 @@ class ExpertLinear(nn.Module):
     # -- weight loading (kiln.checkpoint.loader) ---------------------------------------------
 
     def load_spec(self, param_name: str, num_external: int) -> list[ShardSpec]:
+        if self.source_transposed or self.interleaved_part is not None:
+            return [ShardSpec()] * num_external  # read whole; postprocess takes this rank's part
         if not self.stacked_source:  # one 2-D [out, in] tensor per expert
             return [ShardSpec.even(self.tp_dim - 1, self.tp_size, self.tp_rank)] * num_external
         if self.fused_part is None:
@@ -135,7 +147,21 @@ class ExpertLinear(nn.Module):
 
     def postprocess(self, key: str, weights: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
         tensor = weights[0] if self.stacked_source else torch.stack(weights)
+        if self.source_transposed or self.interleaved_part is not None:
+            tensor = self._rank_part(tensor, bias=key.endswith(".bias"))
         return {key: tensor.contiguous()}
+
+    def _rank_part(self, whole: torch.Tensor, bias: bool) -> torch.Tensor:
+        """This rank's ``[E, out, in]`` weight (or ``[E, out]`` bias) from a whole stacked tensor."""
+        if self.source_transposed and not bias:
+            whole = whole.transpose(1, 2)
+        if self.interleaved_part is not None:
+            index, count = self.interleaved_part
+            whole = whole[:, index::count]
+        if self.tp_size > 1 and (self.tp_dim == 1 or not bias):
+            start, stop = rank_range(whole.shape[self.tp_dim], self.tp_size, self.tp_rank)
+            whole = whole.narrow(self.tp_dim, start, stop - start)
+        return whole
 
 
 class MixtureOfExperts(nn.Module):
@@ -143,25 +169,31 @@ class MixtureOfExperts(nn.Module):
     gated shared expert.
 
     Routing: softmax over all experts' router logits (float32), the ``top_k`` largest, divided
-    by their sum when ``normalize_top_k`` (Mixtral always; Qwen2-MoE per ``norm_topk_prob``).
+    by their sum when ``normalize_top_k`` (Mixtral always; Qwen2-MoE per ``norm_topk_prob``;
+    gpt-oss's softmax over the chosen logits is the same). ``router_bias`` / ``expert_bias``:
+    biased router and expert projections (gpt-oss); ``gated_act``: ``f(fc x, gate x)`` in place
+    of ``act(fc x) * gate x`` (gpt-oss's clamped SwiGLU).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, hidden_act: str, *,
                  normalize_top_k: bool, shared_intermediate_size: int = 0, shared_expert_gate: bool = False,
                  names: ExpertNames = ExpertNames(), dtype: torch.dtype | None = None, tp_size: int = 1,
-                 tp_rank: int = 0, fused: bool = False):
+                 tp_rank: int = 0, fused: bool = False, router_bias: bool = False, expert_bias: bool = False,
+                 gated_act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
         self.num_experts, self.top_k, self.normalize_top_k = num_experts, top_k, normalize_top_k
         self.hidden_size, self.tp_size, self.fused, self.names = hidden_size, tp_size, fused, names
-        self.act = get_activation(hidden_act)
-        shard = dict(dtype=dtype, tp_size=tp_size, tp_rank=tp_rank)
-        self.router = ReplicatedLinear(hidden_size, num_experts, dtype=dtype)
+        self.act, self.gated_act = get_activation(hidden_act), gated_act
+        self.adds_proj_bias = expert_bias and tp_rank == 0  # the output bias once, not once per rank
+        shard = dict(dtype=dtype, tp_size=tp_size, tp_rank=tp_rank, bias=expert_bias)
+        self.router = ReplicatedLinear(hidden_size, num_experts, bias=router_bias, dtype=dtype)
         if fused:
             self.fused_fc = ExpertLinear(num_experts, hidden_size, 2 * intermediate_size, 1, **shard)
         else:
             self.fc = ExpertLinear(num_experts, hidden_size, intermediate_size, 1, **shard)
             self.gate = ExpertLinear(num_experts, hidden_size, intermediate_size, 1, **shard)
         self.proj = ExpertLinear(num_experts, intermediate_size, hidden_size, 2, **shard)
+        shard.pop("bias")
         self.shared_expert = (GatedMLP(hidden_size, shared_intermediate_size, hidden_act, False, fused=fused, **shard)
                               if shared_intermediate_size else None)
         self.shared_expert_gate = (ReplicatedLinear(hidden_size, 1, dtype=dtype)
@@ -216,13 +248,17 @@ class MixtureOfExperts(nn.Module):
     def expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``expert``'s output (this rank's partial sum) for rows ``x`` ``[n, hidden]``."""
         if self.fused:
-            both = self.fused_fc.matmul(expert, x)
-            if self.act is F.silu and kernels.elementwise_supported(both):
-                return self.proj.matmul(expert, kernels.silu_mul(both))
+            both = _biased(self.fused_fc, expert, x)
+            if self.gated_act is None and self.act is F.silu and kernels.elementwise_supported(both):
+                return self._project(expert, kernels.silu_mul(both))
             fc, gate = both.chunk(2, dim=-1)
         else:
-            fc, gate = self.fc.matmul(expert, x), self.gate.matmul(expert, x)
-        return self.proj.matmul(expert, self.act(fc) * gate)
+            fc, gate = _biased(self.fc, expert, x), _biased(self.gate, expert, x)
+        return self._project(expert, self.act(fc) * gate if self.gated_act is None else self.gated_act(fc, gate))
+
+    def _project(self, expert: int, h: torch.Tensor) -> torch.Tensor:
+        y = self.proj.matmul(expert, h)
+        return y + self.proj.bias[expert] if self.adds_proj_bias else y
 
     # -- checkpoints and engines --------------------------------------------------------------
 
@@ -256,8 +292,18 @@ class MixtureOfExperts(nn.Module):
     def engine_weights(self, prefix: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Fuse each expert's ``fc`` and ``gate`` rows into ``fused_fc`` (the shared expert,
         a GatedMLP, fuses its own)."""
-        fc, gate = weights.pop(f"{prefix}fc.weight"), weights.pop(f"{prefix}gate.weight")
-        return {f"{prefix}fused_fc.weight": torch.cat([fc, gate], dim=1)}
+        fused = {}
+        for kind in ("weight", "bias"):
+            if f"{prefix}fc.{kind}" in weights:
+                fc, gate = weights.pop(f"{prefix}fc.{kind}"), weights.pop(f"{prefix}gate.{kind}")
+                fused[f"{prefix}fused_fc.{kind}"] = torch.cat([fc, gate], dim=1)
+        return fused
+
+
+def _biased(linear: ExpertLinear, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """``x W_e^T (+ b_e)``: an expert projection of ``linear``, with its bias where it has one."""
+    y = linear.matmul(expert, x)
+    return y if linear.bias is None else y + linear.bias[expert]
 
 
 def _gated_mlp_partial(mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:

@@ -99,10 +99,10 @@ def layer_rotaries(config: PretrainedConfig) -> list[RotaryEmbedding | None] | N
 def attention_settings(config: PretrainedConfig, layer_idx: int) -> dict:
     """The per-layer attention keywords the config asks for: scale (``attention_multiplier``
     itself, or ``query_pre_attn_scalar ** -0.5``), sliding window, attention logit soft-cap
-    (``attn_logit_softcapping``), ALiBi."""
+    (``attn_logit_softcapping``), ALiBi, attention sinks (``attention_sinks``)."""
     scalar, multiplier = positive_field(config, "query_pre_attn_scalar"), positive_field(config, "attention_multiplier")
     scale = float(multiplier) if multiplier is not None else None if scalar is None else float(scalar) ** -0.5
-    return dict(scale=scale, window=layer_window(config, layer_idx),
+    return dict(scale=scale, window=layer_window(config, layer_idx), sinks=bool(config.get("attention_sinks", False)),
                 softcap=positive_field(config, "attn_logit_softcapping"), alibi=config.position_embedding_type == "alibi")
 
 

@@ -57,7 +57,7 @@ def supports_native_decode(model) -> bool:
         if not (type(layer).__dict__.get("native_decode_shape", False) and type(layer.input_layernorm) is RmsNorm
                 and type(layer.post_layernorm) is RmsNorm and type(attn) is Attention
                 and type(mlp) is GatedMLP and mlp.fused and mlp.act is F.silu and attn.rotary is t.rotary
-                and attn.q_norm is None and not layer.parallel_residual and not layer.norm_after_residual
+                and attn.q_norm is None and attn.sinks is None and not layer.parallel_residual and not layer.norm_after_residual
                 and layer.sublayer_norms == "pre" and layer.residual_multiplier is None):
             return False
         # The step passes each layer's sliding window on; soft-capping and ALiBi it does not compute.

@@ -9,7 +9,9 @@ paged cache in place instead of gathering it (``kiln.kernels``).
 A layer may ask for more than plain causal attention (``forward``'s keywords): a sliding
 window (a query attends to the last ``window`` positions, itself included, as Hugging Face's
 ``kv_idx > q_idx - window``), attention logit soft-capping (``softcap * tanh(score / softcap)``
-after scaling) and ALiBi (``slope * (key position - query position)`` added per head). Plain
+after scaling), ALiBi (``slope * (key position - query position)`` added per head) and
+attention sinks (gpt-oss: a learned logit per head that joins each softmax's denominator and
+takes part of the weight, attending to nothing). Plain
 layers keep the fast paths; these go through a masked path (a float mask, or explicit scores
 when soft-capped, which scaled_dot_product_attention cannot do).
 
@@ -95,16 +97,18 @@ class TorchPagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, md: AttentionMetadata,
                 scale: float, *, window: int | None = None, alibi_slopes: torch.Tensor | None = None,
-                softcap: float | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                softcap: float | None = None, kv_scales: torch.Tensor | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the step's tokens (after writing their K/V to the cache).
 
         ``window``: attend to the last ``window`` positions only; ``alibi_slopes``: float32
         ``[num_heads]`` ALiBi slopes of this rank's heads; ``softcap``: attention logit soft-cap;
         ``kv_scales``: float32 ``[2]``, the K and V scales of a quantized (int8 or float8) cache
-        (None: a cache of the compute dtype).
+        (None: a cache of the compute dtype); ``sinks``: float32 ``[num_heads]`` attention sink
+        logits of this rank's heads.
         """
         # q: [num_tokens, num_heads, head]; k, v: [num_tokens, num_kv_heads, head]
-        options = AttentionOptions(window, alibi_slopes, softcap)
+        options = AttentionOptions(window, alibi_slopes, softcap, sinks)
         k_cache, v_cache = kv_cache
         num_kv_heads = k.shape[1]
         if kv_scales is None:
@@ -145,17 +149,20 @@ class TorchPagedAttention:
 
 
 class AttentionOptions:
-    """One layer's attention beyond plain causal: sliding window, ALiBi slopes, logit soft-cap."""
+    """One layer's attention beyond plain causal: sliding window, ALiBi slopes, logit soft-cap,
+    attention sinks."""
 
-    __slots__ = ("window", "alibi_slopes", "softcap", "plain")
+    __slots__ = ("window", "alibi_slopes", "softcap", "sinks", "plain")
 
-    def __init__(self, window: int | None, alibi_slopes: torch.Tensor | None, softcap: float | None):
-        self.window, self.alibi_slopes, self.softcap = window, alibi_slopes, softcap
-        self.plain = window is None and alibi_slopes is None and softcap is None
+    def __init__(self, window: int | None, alibi_slopes: torch.Tensor | None, softcap: float | None,
+                 sinks: torch.Tensor | None = None):
+        self.window, self.alibi_slopes, self.softcap, self.sinks = window, alibi_slopes, softcap, sinks
+        self.plain = window is None and alibi_slopes is None and softcap is None and sinks is None
 
     def only_window_beyond(self, length: int) -> bool:
         """Whether the only option is a window no shorter than ``length`` keys (so it changes nothing)."""
-        return self.alibi_slopes is None and self.softcap is None and self.window >= length
+        return (self.alibi_slopes is None and self.softcap is None and self.sinks is None
+                and self.window is not None and self.window >= length)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, relative: torch.Tensor, scale: float,
@@ -169,7 +176,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, relative: torch.T
     bias = None
     if options.alibi_slopes is not None:
         bias = options.alibi_slopes.view(-1, 1, 1) * relative.to(torch.float32)  # [b, heads, q_len, kv_len]
-    if options.softcap is None and (bias is None or q.dtype == torch.float32):
+    if options.softcap is None and options.sinks is None and (bias is None or q.dtype == torch.float32):
         # (A bf16 float mask would round the ALiBi bias; those scores are computed below in fp32.)
         mask = allowed if bias is None else bias.masked_fill(~allowed, float("-inf"))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
@@ -181,8 +188,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, relative: torch.T
         scores = options.softcap * torch.tanh(scores / options.softcap)
     if bias is not None:
         scores = scores + bias
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1).to(v.dtype)
-    return torch.matmul(probs, v)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if options.sinks is None:
+        return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
+    # The sink is one more logit in each head's softmax; its share of the weight is dropped.
+    sink = options.sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -230,6 +242,8 @@ class NativePagedAttention(TorchPagedAttention):
 
     def _decode(self, q: torch.Tensor, kv_cache, st: dict, out: torch.Tensor, scale: float,
                 options: AttentionOptions, kv_scales: torch.Tensor | None) -> None:
+        if options.sinks is not None:  # the kernel has no sinks: gather the blocks (the reference's masked path)
+            return super()._decode(q, kv_cache, st, out, scale, options, kv_scales)
         k_cache, v_cache = kv_cache
         paged_decode_attention(q, k_cache, v_cache, st["decode_tokens"], st["decode_blocks"],
                                st["decode_lens"], out, scale, window=options.window,

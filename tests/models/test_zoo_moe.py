@@ -1,4 +1,4 @@
-"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) against Hugging Face on tiny random models.
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) against Hugging Face on tiny random models.
 
 Routers are given decisive weights (tests/utils/tiny_moe_models.py) so tokens really spread
 over the experts; kiln must pick the same experts per token, weight them the same way and
@@ -24,7 +24,7 @@ from kiln.models.native_decode import supports_native_decode
 from kiln.runtime.engine import Engine
 from tests.models.zoo import LOGIT_PROMPT_LENS, built_fixture, hf_reference_fixture, parity_tests, random_prompt
 from tests.utils.compare import kiln_batch_prompt_logits, kiln_greedy
-from tests.utils.tiny_moe_models import make_mixtral, make_qwen2_moe, make_qwen3_moe
+from tests.utils.tiny_moe_models import make_gpt_oss, make_mixtral, make_qwen2_moe, make_qwen3_moe
 
 # name -> (maker, maker kwargs, build options)
 CASES: dict[str, tuple[Callable, dict, dict]] = {
@@ -36,6 +36,8 @@ CASES: dict[str, tuple[Callable, dict, dict]] = {
                                                    mlp_only_layers=[3], norm_topk_prob=True, seed=2), {}),
     # no shared expert, q/k norms, top-3 of 8 renormalised; layer 1 dense by mlp_only_layers
     "qwen3-moe": (make_qwen3_moe, dict(seed=3), {}),
+    # sinks, YaRN, alternating 8-token windows, biased router and experts, clamped SwiGLU, top-3 of 8
+    "gpt-oss": (make_gpt_oss, dict(seed=4), {}),
 }
 
 built = built_fixture(CASES)

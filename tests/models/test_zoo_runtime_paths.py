@@ -20,11 +20,12 @@ FAMILIES = {
     **{name: test_zoo_key_maps.CASES[name] for name in ("qwen1", "llava-llama")},
     **{name: test_zoo_layouts.CASES[name] for name in ("opt-post-ln-project", "gptj", "phi2", "falcon-7b-mqa",
                                                         "falcon-40b-gqa")},
-    **{name: test_zoo_moe.CASES[name] for name in ("mixtral", "qwen2-moe", "qwen3-moe")},
+    **{name: test_zoo_moe.CASES[name] for name in ("mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss")},
     **test_zoo_families.CASES,
     **{name: test_zoo_attention.CASES[name] for name in ("mistral-window8", "gemma2", "bloom-6heads")},
 }
 PRECISION = {"bfloat16": 0.03, "W8A16": 0.05}  # max |kiln - HF fp32| / max |HF logit|
+SENSITIVE_IN_BF16 = {"gpt-oss"}  # bound by HF's own bf16 error (hf_bf16_error)
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,17 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
+def hf_bf16_error(hf, ids: list[int]) -> float:
+    """How far HF's own model cast to bfloat16 lands from its float32 logits (max abs difference):
+    a family whose tiny model is that sensitive (gpt-oss: clamped SwiGLU outputs far larger than
+    its logits) gets twice this as its bf16 bound instead of ``PRECISION``."""
+    import copy
+
+    with torch.no_grad():
+        low = copy.deepcopy(hf).to(torch.bfloat16)(torch.tensor([ids])).logits[0].float()
+    return (low - hf_logits(hf, ids)).abs().max().item()
+
+
 @pytest.mark.parametrize("mode", list(PRECISION))
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_prompt_logits_within_precision(family, name: str, mode: str) -> None:
@@ -57,7 +69,10 @@ def test_prompt_logits_within_precision(family, name: str, mode: str) -> None:
     prompts = [random_prompt(n, hf_vocab(hf), seed=n) for n in (17, 6)]
     for prompt, ours in zip(prompts, kiln_batch_prompt_logits(engine, prompts)):
         ref = hf_logits(hf, prompt)
-        assert (ours - ref).abs().max().item() <= PRECISION[mode] * ref.abs().max().item()
+        bound = PRECISION[mode] * ref.abs().max().item()
+        if name in SENSITIVE_IN_BF16:  # both modes run bf16 activations
+            bound = max(bound, 2 * hf_bf16_error(hf, prompt))
+        assert (ours - ref).abs().max().item() <= bound
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -69,6 +84,8 @@ def test_bf16_greedy_follows_hf_argmax(family, name: str) -> None:
     for prompt, out in zip(prompts, kiln_greedy(engine, prompts, 12)):
         full = prompt + out
         logits = hf_logits(hf, full)
-        scale = logits.abs().max().item()
+        bound = 0.03 * logits.abs().max().item()
+        if name in SENSITIVE_IN_BF16:
+            bound = max(bound, 2 * hf_bf16_error(hf, full))
         for pos in range(len(prompt) - 1, len(full) - 1):
-            assert logits[pos].max() - logits[pos, full[pos + 1]] <= 0.03 * scale, (pos, full[pos + 1])
+            assert logits[pos].max() - logits[pos, full[pos + 1]] <= bound, (pos, full[pos + 1])
