@@ -24,10 +24,12 @@ External layouts: Hugging Face files keep one tensor per expert and projection
 rank reads only its slice of every expert's intermediate dimension; a block's partial sums
 (experts and shared expert) meet in one all-reduce.
 
-The router and the shared-expert gate are :class:`ReplicatedLinear`, not :class:`Linear`, and
-the experts :class:`ExpertLinear`, so weight-only quantization (which walks ``Linear``
-modules) leaves them in float; the shared expert's projections are ordinary linears and
-are quantized.
+The router and the shared-expert gate are :class:`ReplicatedLinear`, not :class:`Linear`, so
+they stay float under any quantization. The experts (:class:`ExpertLinear`) take the weight-only
+formats (W8A16, W4A16 by round to nearest; a GGUF's own blocks) stacked expert-major: each
+expert's codes, scales and offsets are one contiguous slice that a per-expert :class:`Linear`
+view hands to the quantized kernels, so a decode step reads only its chosen experts' bytes.
+Calibrated algorithms leave them float. The shared expert's projections are ordinary linears.
 """
 from __future__ import annotations
 
@@ -78,6 +80,10 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+# The parameters of a weight-only quantized projection (kiln.quantization.weight_only's layout).
+QUANT_PARAMETERS = ("weight", "weights_scaling_factor", "zero", "weights_offset")
+
+
 class ExpertLinear(nn.Module):
     """One projection of every expert, stacked: ``weight`` ``[num_experts, out, in]`` (this
     rank's part). ``tp_dim`` 1 splits the outputs over ranks (fc, gate), 2 the inputs (proj).
@@ -113,21 +119,54 @@ class ExpertLinear(nn.Module):
                      if bias else None)
         self._views: list[Linear] = []
         self._views_key: tuple | None = None
+        self.quant_format: dict | None = None  # use_weight_only's arguments once the experts hold codes
+
+    def use_weight_only(self, bits: int, group_size: int | None, has_zero_point: bool,
+                        tensors: dict[str, torch.Tensor] | None = None, *, has_offset: bool = False,
+                        tile_order: bool = False) -> None:
+        """Give every expert :meth:`Linear.use_weight_only`'s parameters, stacked expert-major
+        (``[E, ...]`` each: one expert's codes, scales and offsets lie together, so a step reads
+        only its chosen experts' bytes): the given ``tensors``, or empty ones of those shapes."""
+        fmt = dict(bits=bits, group_size=group_size, has_zero_point=has_zero_point, has_offset=has_offset,
+                   tile_order=tile_order)
+        with torch.device("meta"):
+            one = Linear(self.in_features, self.out_features, bias=False, dtype=self.weight.dtype)
+            one.use_weight_only(bits, group_size, has_zero_point, has_offset=has_offset, tile_order=tile_order)
+        for name, p in one.named_parameters():
+            shape = (self.num_experts, *p.shape)
+            tensor = tensors[name] if tensors is not None else torch.empty(shape, dtype=p.dtype,
+                                                                            device=self.weight.device)
+            if tuple(tensor.shape) != shape or tensor.dtype != p.dtype:
+                raise ValueError(f"{name}: expected {p.dtype} {list(shape)}, got {tensor.dtype} {list(tensor.shape)}")
+            setattr(self, name, nn.Parameter(tensor, requires_grad=False))
+        self.quant_format = fmt
+
+    @property
+    def quant_bits(self) -> int | None:
+        return None if self.quant_format is None else self.quant_format["bits"]
 
     def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """``x W_e^T`` for rows ``x`` ``[n, in]`` routed to expert ``expert``."""
         return self.expert_linears()[expert].matmul(x, None)
 
     def expert_linears(self) -> list[Linear]:
-        """One :class:`Linear` per expert, viewing its slice of ``weight`` (built on first use)."""
+        """One :class:`Linear` per expert, viewing its slice of ``weight`` (and of its scales and
+        offsets, once quantized), built on first use."""
         w = self.weight
         key = (w.data_ptr(), tuple(w.shape), w.dtype)
         if self._views_key != key:  # weights are assigned at load time: rebuild the views then
+            names = [n for n in QUANT_PARAMETERS if getattr(self, n, None) is not None]
             views = []
             for e in range(self.num_experts):
                 with torch.device("meta"):
                     view = Linear(self.in_features, self.out_features, bias=False, dtype=w.dtype)
-                view.weight = nn.Parameter(w.data[e], requires_grad=False)
+                if self.quant_format is None:
+                    view.weight = nn.Parameter(w.data[e], requires_grad=False)
+                else:
+                    f = self.quant_format
+                    view.use_weight_only(f["bits"], f["group_size"], f["has_zero_point"],
+                                         {n: getattr(self, n).data[e] for n in names}, has_offset=f["has_offset"],
+                                         tile_order=f["tile_order"])
                 views.append(view)
             self._views, self._views_key = views, key
         return self._views
@@ -189,6 +228,7 @@ class MixtureOfExperts(nn.Module):
         self.router = ReplicatedLinear(hidden_size, num_experts, bias=router_bias, dtype=dtype)
         if fused:
             self.fused_fc = ExpertLinear(num_experts, hidden_size, 2 * intermediate_size, 1, **shard)
+            self.fused_fc.fused_from = ("fc", "gate")  # the checkpoint's projections it stands for
         else:
             self.fc = ExpertLinear(num_experts, hidden_size, intermediate_size, 1, **shard)
             self.gate = ExpertLinear(num_experts, hidden_size, intermediate_size, 1, **shard)
@@ -293,7 +333,7 @@ class MixtureOfExperts(nn.Module):
         """Fuse each expert's ``fc`` and ``gate`` rows into ``fused_fc`` (the shared expert,
         a GatedMLP, fuses its own)."""
         fused = {}
-        for kind in ("weight", "bias"):
+        for kind in ("bias", *QUANT_PARAMETERS):  # quantized experts: codes, scales, offsets row by row too
             if f"{prefix}fc.{kind}" in weights:
                 fc, gate = weights.pop(f"{prefix}fc.{kind}"), weights.pop(f"{prefix}gate.{kind}")
                 fused[f"{prefix}fused_fc.{kind}"] = torch.cat([fc, gate], dim=1)

@@ -164,12 +164,22 @@ def engine_layout_weights(model: nn.Module, weights: dict[str, torch.Tensor],
     if model.config.quantization.quant_algo == SMOOTHQUANT_ALGO:
         return weights
     for key in [k for k in weights if k.endswith(".weight") and f"{k[:-6]}weights_scaling_factor" in weights]:
-        codes, prefix = weights[key], key[:-6]
-        weights[key] = kernels.quant_pack(codes, 4 if codes.dtype == torch.uint8 else 8)
-        scales, offsets = kernels.quant_pack_scales(weights[f"{prefix}weights_scaling_factor"],
-                                                    weights.pop(f"{prefix}zero", None),
-                                                    weights.get(f"{prefix}weights_offset"))
-        weights[f"{prefix}weights_scaling_factor"] = scales
-        if offsets is not None:
-            weights[f"{prefix}weights_offset"] = offsets
+        prefix = key[:-6]
+        names = (key, f"{prefix}weights_scaling_factor", f"{prefix}zero", f"{prefix}weights_offset")
+        parts = [weights.pop(name, None) for name in names]
+        if parts[0].dim() == 3:  # stacked experts: each packed on its own, kept expert-major
+            packed = [_packed_quantized(*(None if t is None else t[e] for t in parts)) for e in range(len(parts[0]))]
+            packed = tuple(None if packed[0][i] is None else torch.stack([p[i] for p in packed]) for i in range(3))
+        else:
+            packed = _packed_quantized(*parts)
+        for name, tensor in zip((key, f"{prefix}weights_scaling_factor", f"{prefix}weights_offset"), packed):
+            if tensor is not None:
+                weights[name] = tensor
     return weights
+
+
+def _packed_quantized(codes: torch.Tensor, scales: torch.Tensor, zero: torch.Tensor | None,
+                      offsets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One quantized linear's checkpoint tensors in the kernels' layout: (codes, scales, offsets)."""
+    packed_scales, packed_offsets = kernels.quant_pack_scales(scales, zero, offsets)
+    return kernels.quant_pack(codes, 4 if codes.dtype == torch.uint8 else 8), packed_scales, packed_offsets

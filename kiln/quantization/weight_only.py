@@ -35,6 +35,7 @@ from kiln.config import LayerQuant, QuantConfig
 from kiln.config.quant_algos import ALGOS, MIXED_PRECISION
 from kiln.errors import ConfigError
 from kiln.layers.linear import Linear
+from kiln.layers.moe import ExpertLinear
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ SMOOTHQUANT_ALGO = "W8A8_SQ_PER_CHANNEL"  # int8 activations too: kiln.quantizat
 FP8_ALGO = "FP8"  # e4m3 weights and activations, per-tensor scales: kiln.quantization.fp8
 ACTIVATION_SCALE_ALGOS = tuple(name for name, a in ALGOS.items() if a.activation_scale)
 IMPLEMENTED_ALGOS = (*ALGOS, MIXED_PRECISION)
+# Those experts (ExpertLinear) are quantized by as well: the weight-only formats without calibration.
+EXPERT_ALGOS = (*(name for name in WEIGHT_ONLY_ALGOS if name in ROUND_TO_NEAREST_ALGOS), MIXED_PRECISION)
 # their kernels take bf16
 BF16_ENGINE_ALGOS = (*(name for name, a in ALGOS.items() if a.bf16_engine), MIXED_PRECISION)
 
@@ -109,7 +112,11 @@ def pack_4bit(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | Non
 def quantize_weight(weight: torch.Tensor, bits: int, group_size: int = 64, has_zero_point: bool = False,
                     clip: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Round-to-nearest codes and scales of a float ``weight`` ``[out, in]`` (see the module doc);
-    4-bit ``clip`` ``[out, in / group_size]``: each group's range ratio (``group_params``)."""
+    4-bit ``clip`` ``[out, in / group_size]``: each group's range ratio (``group_params``).
+    Stacked experts ``[E, out, in]`` give each tensor stacked the same way (expert by expert)."""
+    if weight.dim() == 3:
+        parts = [quantize_weight(w, bits, group_size, has_zero_point) for w in weight]
+        return {name: torch.stack([part[name] for part in parts]) for name in parts[0]}
     w = weight.detach().float()
     out_features, in_features = w.shape
     if bits == 8:
@@ -180,11 +187,13 @@ def quantized_modules(model: nn.Module, quant: QuantConfig) -> list[tuple[str, n
     for module in model.modules():
         for p in module.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
+    # Experts take the formats that need no calibration (round to nearest, a GGUF's blocks).
+    kinds = (Linear, ExpertLinear) if quant.quant_algo in EXPERT_ALGOS else Linear
     if quant.quant_algo == MIXED_PRECISION:
         return [(name, m) for name, m in model.named_modules()
-                if isinstance(m, Linear) and layer_format(name, m, quant) is not None]
+                if isinstance(m, kinds) and layer_format(name, m, quant) is not None]
     return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, Linear) and not _excluded(name, m, patterns) and owners[id(m.weight)] == 1]
+            if isinstance(m, kinds) and not _excluded(name, m, patterns) and owners[id(m.weight)] == 1]
 
 
 def use_weight_only_layout(model: nn.Module, quant: QuantConfig, tile_order: bool) -> None:
@@ -195,7 +204,7 @@ def use_weight_only_layout(model: nn.Module, quant: QuantConfig, tile_order: boo
         use_quantized_layout(name, linear, quant, tile_order)
 
 
-def use_quantized_layout(name: str, linear: Linear, quant: QuantConfig, tile_order: bool,
+def use_quantized_layout(name: str, linear: Linear | ExpertLinear, quant: QuantConfig, tile_order: bool,
                          tensors: dict[str, torch.Tensor] | None = None) -> None:
     """Switch one linear ``quant`` quantizes to its quantized parameters: ``tensors`` (its
     checkpoint tensors, as the quantizers make them) or empty ones of the right shapes."""
@@ -238,7 +247,7 @@ def quantizable_modules(model: nn.Module, quant: QuantConfig) -> tuple[list[tupl
     excluded = list(DEFAULT_EXCLUDED if quant.exclude_modules is None else quant.exclude_modules)
     chosen = []
     for name, linear in quantized_modules(model, quant):
-        out_features, in_features = linear.weight.shape
+        out_features, in_features = linear.weight.shape[-2:]  # an expert projection's: [E, out, in]
         if bits == 4 and in_features % quant.group_size:
             raise ConfigError(f"{name}: in_features {in_features} is not a multiple of group_size "
                               f"{quant.group_size}")

@@ -162,25 +162,64 @@ def test_bf16_engine_stays_close_to_float32(built, tmp_path) -> None:
     assert [len(o) for o in outputs] == [6, 6, 6]
 
 
-def test_weight_only_quantization_keeps_experts_and_routers_float(built, tmp_path) -> None:
-    """W8A16 quantizes attention and the shared expert's linears; routers, the shared-expert
-    gate and the stacked experts stay float; the quantized (bf16) engine still follows HF."""
+def test_weight_only_quantization_quantizes_experts_and_keeps_routers_float(built, tmp_path) -> None:
+    """W8A16 quantizes attention, the shared expert's linears and the experts (int8 codes and
+    scales stacked expert by expert); routers and the shared-expert gate stay float; the
+    quantized (bf16) engine still follows HF."""
     case = built("qwen2-moe")
     checkpoint = convert_checkpoint(case.hf_dir, tmp_path / "w8", quantization=QuantConfig(quant_algo="W8A16"),
                                     progress=False)
     with safe_open(str(checkpoint / "rank0.safetensors"), "pt") as f:
-        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+        tensors = {k: f.get_slice(k) for k in f.keys()}
     prefix = "transformer.layers.0."
-    assert dtypes[prefix + "attention.qkv.weight"] == "I8"
-    assert dtypes[prefix + "mlp.shared_expert.fc.weight"] == "I8"
-    for name in ("router", "fc", "gate", "proj", "shared_expert_gate"):
-        assert dtypes[f"{prefix}mlp.{name}.weight"] == "F32", name
+    assert tensors[prefix + "attention.qkv.weight"].get_dtype() == "I8"
+    assert tensors[prefix + "mlp.shared_expert.fc.weight"].get_dtype() == "I8"
+    for name in ("fc", "gate", "proj"):
+        assert tensors[f"{prefix}mlp.{name}.weight"].get_dtype() == "I8", name
+        assert tensors[f"{prefix}mlp.{name}.weights_scaling_factor"].get_shape()[0] == 8, name  # one row per expert
+    for name in ("router", "shared_expert_gate"):
+        assert tensors[f"{prefix}mlp.{name}.weight"].get_dtype() == "F32", name
     engine = build_engine(checkpoint, tmp_path / "w8-engine", progress=False)
     prompt = random_prompt(20, case.hf.config.vocab_size, seed=3)
     ours = kiln_batch_prompt_logits(engine, [prompt])[0]
     with torch.no_grad():
         ref = case.hf(torch.tensor([prompt])).logits[0]
     assert (ours - ref).abs().max() <= 0.1 * ref.abs().max()
+
+
+@pytest.mark.parametrize("algo, group_size", [("W8A16", None), ("W4A16", 32)])
+def test_quantized_experts_compute_their_dequantized_weights(tmp_path, algo: str, group_size: int | None) -> None:
+    """An engine's quantized experts (codes packed for the kernels, expert by expert) give the
+    block output that the same codes dequantized to float32 give, expert by expert and token by
+    token: the grouped quantized path reads each expert's own codes, scales and offsets."""
+    from kiln.layers.quantized_matmul import dequantize
+    from tests.conftest import convert_and_build
+
+    make_qwen3_moe(tmp_path / "hf", moe_intermediate=64, seed=5)
+    quant = QuantConfig(quant_algo=algo, **({"group_size": group_size} if group_size else {}))
+    checkpoint_model = DecoderModelForCausalLM.from_checkpoint(
+        convert_checkpoint(tmp_path / "hf", tmp_path / "ckpt", dtype="bfloat16", quantization=quant, progress=False))
+    engine = convert_and_build(tmp_path / "hf", tmp_path / "kiln", {}, dtype="bfloat16", quantization=quant)
+    block = Engine(engine).model.transformer.layers["0"].mlp
+    ref = checkpoint_model.transformer.layers["0"].mlp
+    assert block.fused_fc.quant_bits == (8 if algo == "W8A16" else 4) and block.fused_fc.quant_format["tile_order"]
+
+    def dequantized(linear) -> torch.Tensor:  # [E, out, in] float32 from the checkpoint's row-major codes
+        names = ("weight", "weights_scaling_factor", "zero", "weights_offset")
+        return torch.stack([dequantize({n: getattr(linear, n)[e] for n in names if getattr(linear, n, None) is not None},
+                                       linear.quant_bits, group_size) for e in range(linear.num_experts)])
+
+    fc, gate, proj = dequantized(ref.fc), dequantized(ref.gate), dequantized(ref.proj)
+    x = torch.randn(24, block.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    weights, experts = block.route(block.router(x))
+    expected = torch.zeros(24, block.hidden_size)
+    for t in range(24):
+        xt = x[t].float()
+        for w, e in zip(weights[t], experts[t].tolist()):
+            expected[t] += w * (proj[e] @ (torch.nn.functional.silu(fc[e] @ xt) * (gate[e] @ xt)))
+    assert len(set(experts.flatten().tolist())) >= 6  # most experts take part
+    out = block(x).float()
+    assert (out - expected).abs().max() <= 2e-2 * expected.abs().max()
 
 
 @pytest.mark.parametrize("field, value, match", [
