@@ -46,6 +46,7 @@ from kiln.errors import ConfigError
 from kiln.layers.activation import get_activation
 from kiln.layers.linear import Linear
 from kiln.layers.mlp import GatedMLP
+from kiln.layers.quantized_matmul import dequantize_mxfp4
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,9 @@ class ExpertLinear(nn.Module):
     # gate and up alternate). Such tensors are read whole and cut to this rank's part here.
     source_transposed: bool = False
     interleaved_part: tuple[int, int] | None = None
+    # gpt-oss as released: the weight comes as MXFP4 ``*_blocks`` and ``*_scales`` ([E, out, in]
+    # order), decoded exactly (E2M1 values times powers of two fit bf16 and float32).
+    mxfp4_source: bool = False
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, tp_dim: int, *,
                  bias: bool = False, dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0):
@@ -174,7 +178,7 @@ class ExpertLinear(nn.Module):
     # -- weight loading (kiln.checkpoint.loader) ---------------------------------------------
 
     def load_spec(self, param_name: str, num_external: int) -> list[ShardSpec]:
-        if self.source_transposed or self.interleaved_part is not None:
+        if self.source_transposed or self.interleaved_part is not None or self.mxfp4_source:
             return [ShardSpec()] * num_external  # read whole; postprocess takes this rank's part
         if not self.stacked_source:  # one 2-D [out, in] tensor per expert
             return [ShardSpec.even(self.tp_dim - 1, self.tp_size, self.tp_rank)] * num_external
@@ -185,6 +189,8 @@ class ExpertLinear(nn.Module):
         return [ShardSpec(1, tuple((rows, self.tp_size if i == index else 0, self.tp_rank) for i in range(count)))]
 
     def postprocess(self, key: str, weights: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
+        if self.mxfp4_source and key.endswith(".weight"):
+            weights = [dequantize_mxfp4(*weights)]
         tensor = weights[0] if self.stacked_source else torch.stack(weights)
         if self.source_transposed or self.interleaved_part is not None:
             tensor = self._rank_part(tensor, bias=key.endswith(".bias"))
@@ -192,7 +198,7 @@ class ExpertLinear(nn.Module):
 
     def _rank_part(self, whole: torch.Tensor, bias: bool) -> torch.Tensor:
         """This rank's ``[E, out, in]`` weight (or ``[E, out]`` bias) from a whole stacked tensor."""
-        if self.source_transposed and not bias:
+        if self.source_transposed and not bias and not self.mxfp4_source:
             whole = whole.transpose(1, 2)
         if self.interleaved_part is not None:
             index, count = self.interleaved_part

@@ -32,6 +32,40 @@ def dequantize(tensors: dict[str, torch.Tensor], bits: int, group_size: int | No
     return codes * per_input(scale)
 
 
+# MXFP4's E2M1 values, doubled so they are integers (-12..12): nibble -> 2 * value.
+E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def e8m0_half(exponents: torch.Tensor) -> torch.Tensor:
+    """float32 ``2 ** (e - 128)`` of E8M0 scale bytes (half the block scale, matching
+    ``E2M1_DOUBLED``): built from its bits, so exact for every byte (e < 2: float32 subnormals)."""
+    e = exponents.to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 ``[..., rows, groups * 32]`` of MXFP4 weights as Hugging Face stores them (gpt-oss):
+    ``blocks`` uint8 ``[..., rows, groups, 16]`` (element ``2j`` in the low nibble of byte ``j``,
+    ``2j + 1`` in the high one) and ``scales`` uint8 E8M0 exponents ``[..., rows, groups]``:
+    ``E2M1(code) * 2 ** (scale - 127)``, exact in float32."""
+    table = torch.tensor(E2M1_DOUBLED, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., groups, 32]
+    values = table[codes] * e8m0_half(scales)[..., None]
+    return values.flatten(-2)
+
+
+def mxfp4_from_gguf(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's MXFP4 ``(blocks, scales)`` (see ``dequantize_mxfp4``) from a GGUF MXFP4
+    tensor's raw bytes ``[rows, groups * 17]``: each 17-byte block is the E8M0 scale, then 16
+    bytes holding element ``j`` in the low nibble and ``j + 16`` in the high one."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 17)
+    low, high = blocks[..., 1:] & 0x0F, blocks[..., 1:] >> 4  # elements 0..15, 16..31
+    codes = torch.cat([low, high], dim=-1)  # [rows, groups, 32] in element order
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), blocks[..., 0].contiguous()
+
+
 def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     """float32 ``x`` rounded to the nearest e4m3 value (ties to even), saturated at +-448."""
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()

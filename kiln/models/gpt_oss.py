@@ -7,7 +7,8 @@ biases (kiln/layers/activation.py ``ClampedSwiGLU``).
 Hugging Face's stacked expert tensors are ``mlp.experts.gate_up_proj`` ``[E, hidden, 2I]``
 (inputs first; gate and up outputs alternating) and ``down_proj`` ``[E, I, hidden]``, with
 ``*_bias`` beside them; kiln reads them into its ``[E, out, in]`` experts (``ExpertLinear``'s
-``source_transposed`` / ``interleaved_part``).
+``source_transposed`` / ``interleaved_part``). Released checkpoints store the expert weights as
+MXFP4 (``*_blocks`` + ``*_scales``, ``[E, out, in]`` order), which load decoded exactly.
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from torch import nn
 
 from kiln.config import PretrainedConfig
 from kiln.dtypes import torch_dtype
-from kiln.errors import ConfigError
 from kiln.layers.activation import ClampedSwiGLU
 from kiln.layers.moe import ExpertNames, MixtureOfExperts, check_expert_config
 from kiln.mapping import Mapping
@@ -27,21 +27,21 @@ from kiln.models.registry import register_model
 class GptOssExperts(MixtureOfExperts):
     """The MoE block read from gpt-oss's stacked, transposed, interleaved expert tensors."""
 
-    def use_external_layout(self, stacked: bool) -> None:
+    def use_external_layout(self, stacked: bool, mxfp4: bool = False) -> None:
         self.router.external_key_map = {"router": self.names.router}
         if self.fused:  # an engine loads kiln's own names only
             return
         for module, part in ((self.fc, (0, 2)), (self.gate, (1, 2)), (self.proj, None)):
             tensor = "down_proj" if part is None else "gate_up_proj"
             name = "proj" if part is None else "fc" if part[0] == 0 else "gate"
-            module.external_key_map = {name: "experts", "weight": tensor, "bias": f"{tensor}_bias"}
-            module.stacked_source, module.source_transposed, module.interleaved_part = True, True, part
-            module.fused_part = None
+            weight = [f"{tensor}_blocks", f"{tensor}_scales"] if mxfp4 else tensor
+            module.external_key_map = {name: "experts", "weight": weight, "bias": f"{tensor}_bias"}
+            module.stacked_source, module.interleaved_part, module.fused_part = True, part, None
+            module.source_transposed, module.mxfp4_source = not mxfp4, mxfp4
 
     def match_external_keys(self, external: set[str]) -> None:
-        if any(k.endswith((".gate_up_proj_blocks", ".down_proj_blocks")) for k in external):
-            raise ConfigError("gpt-oss experts stored as MXFP4 blocks are not supported yet: convert a checkpoint "
-                              "with float (bf16) experts")
+        """Float experts (``[E, in, out]``) or, as gpt-oss is released, MXFP4 blocks and scales."""
+        self.use_external_layout(stacked=True, mxfp4=any(k.endswith(".gate_up_proj_blocks") for k in external))
 
 
 @register_model("GptOssForCausalLM")
