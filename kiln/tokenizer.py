@@ -10,11 +10,16 @@ from kiln.errors import ConfigError
 def hf_tokenizer(path: str | Path):
     """The Hugging Face tokenizer saved in directory ``path``, or the one in GGUF file ``path``'s
     metadata (transformers' own errors for a missing or broken one)."""
-    from transformers import AutoTokenizer  # transformers takes seconds to import: only where it is used
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # seconds to import: only where it is used
 
     path = Path(path)
     if path.is_file():  # GGUF keeps its tokenizer inside the file
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except ValueError:
+            # transformers reads the config of only some GGUF architectures (not smollm3, granite,
+            # olmo2...); the tokenizer itself it builds from the metadata alone, as it would there.
+            return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     return AutoTokenizer.from_pretrained(str(path))
 
 

@@ -17,6 +17,13 @@ A fused linear (q, k and v; an engine's gate and up) whose parts come in differe
 the finest of their formats, which holds each part exactly (8-bit codes hold 4- and 5-bit
 groups); one float part leaves the whole linear float. Layers the kernels cannot tile (out
 features not a multiple of 16) stay float too.
+
+Every architecture ``GGUFSource`` reads works alike (q/k rows un-permuted where llama.cpp's
+converter permuted them: llama, mistral, smollm3, granite). Linears that read only part of a
+tensor or reorder its rows on loading (Phi-3's and GLM-4's fused ``gate_up_proj``, ERNIE 4.5's
+and GLM-4's adjacent rotary pairs) stay float. Stacked experts (Qwen3-MoE's 3-D
+``ffn_*_exps``) are not imported at their own precision yet: the source dequantizes them on
+read and the experts stay float, as they do under ``--quant_algo``.
 """
 from __future__ import annotations
 

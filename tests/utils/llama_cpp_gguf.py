@@ -3,8 +3,10 @@
 ``convert_with_llama_cpp`` runs ``convert_hf_to_gguf.py`` from the pinned llama-cpp-python
 sdist (``tests/utils/fetch_llama_cpp_converter.py`` puts it in ``.venv/llama.cpp-convert``
 and is run here when it is missing) with the converter's bundled ``gguf-py``, not the
-``gguf`` package kiln uses. ``save_converter_tokenizer`` gives a model directory a tokenizer
-the converter accepts, which it needs for every architecture.
+``gguf`` package kiln uses (``convert_many_with_llama_cpp``: several models in one converter
+process). ``save_converter_tokenizer`` gives a model directory a tokenizer the converter accepts,
+which it needs for every architecture; ``save_sentencepiece_tokenizer`` the sentencepiece model
+the converters of ERNIE 4.5 (and other sentencepiece-only families) read.
 """
 from __future__ import annotations
 
@@ -71,6 +73,35 @@ def convert_with_llama_cpp(hf_dir: Path, out_file: Path, outtype: str = "f32") -
     return out_file
 
 
+# Runs the converter's main() once per job in one process: importing the converter (torch,
+# transformers) costs ~2 s of the ~3 s a tiny model's conversion takes.
+_BATCH = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import convert_hf_to_gguf
+for hf_dir, out_file, outtype in json.loads(sys.argv[2]):
+    print(f"converting {hf_dir}", file=sys.stderr)
+    sys.argv = ["convert_hf_to_gguf.py", hf_dir, "--outfile", out_file, "--outtype", outtype]
+    convert_hf_to_gguf.main()
+"""
+
+
+def convert_many_with_llama_cpp(jobs: list[tuple[Path, Path, str]]) -> list[Path]:
+    """``convert_with_llama_cpp`` for each (hf_dir, out_file, outtype) of ``jobs``, in one
+    converter process; returns the out files."""
+    conv = converter_dir()
+    for _, out_file, _ in jobs:
+        Path(out_file).parent.mkdir(parents=True, exist_ok=True)
+    spec = json.dumps([[str(d), str(o), t] for d, o, t in jobs])
+    proc = subprocess.run([sys.executable, "-c", _BATCH, str(conv), spec], capture_output=True, text=True,
+                          env=converter_env(conv))
+    missing = [str(o) for _, o, _ in jobs if not Path(o).is_file()]
+    if proc.returncode or missing:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-25:])
+        raise RuntimeError(f"llama.cpp's convert_hf_to_gguf.py failed ({proc.returncode}; missing {missing}):\n{tail}")
+    return [Path(o) for _, o, _ in jobs]
+
+
 def save_converter_tokenizer(hf_dir: Path, vocab_size: int) -> int:
     """Save to ``hf_dir`` a tokenizer llama.cpp's converter accepts for a model of ``vocab_size``
     tokens; returns the tokenizer's length (at most ``vocab_size``: the converter fills the
@@ -99,6 +130,27 @@ def save_converter_tokenizer(hf_dir: Path, vocab_size: int) -> int:
     if vocab_size < LLAMA_MIN_VOCAB:
         raise ValueError(f"the Llama-style converter tokenizer needs a vocab_size of at least {LLAMA_MIN_VOCAB}")
     return _save_llama_tokenizer(hf_dir, vocab_size)
+
+
+_SENTENCEPIECE = """
+import io, json, sys
+import sentencepiece
+model = io.BytesIO()
+sentencepiece.SentencePieceTrainer.train(
+    sentence_iterator=iter(json.loads(sys.argv[2])), model_writer=model, vocab_size=int(sys.argv[3]), model_type="bpe",
+    hard_vocab_limit=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+open(sys.argv[1], "wb").write(model.getvalue())
+"""
+
+
+def save_sentencepiece_tokenizer(hf_dir: Path, vocab_size: int) -> Path:
+    """Write ``hf_dir/tokenizer.model``: a sentencepiece BPE of at most ``vocab_size`` pieces
+    (<unk> <s> </s> = 0 1 2) trained on a few sentences, for the converters that read only a
+    sentencepiece model (ERNIE 4.5's). sentencepiece comes with the converter's dependencies."""
+    out = Path(hf_dir) / "tokenizer.model"
+    subprocess.run([sys.executable, "-c", _SENTENCEPIECE, str(out), json.dumps(CORPUS * 4), str(vocab_size)],
+                   check=True, capture_output=True, env=converter_env())
+    return out
 
 
 def _save_gpt2_tokenizer(directory: Path) -> int:

@@ -1,0 +1,294 @@
+"""GGUF files of the 2025-26 families, written by llama.cpp's own converter (convert_hf_to_gguf.py),
+load in kiln and compute what Hugging Face computes.
+
+Each case is a tiny random HF model (GPT-2's 50,257-token vocabulary where the converter needs a
+real tokenizer, 256 tokens for the llama-style ones), converted to an f32 GGUF by llama.cpp and
+then by kiln (float32): the GGUF reads back as the HF checkpoint tensor for tensor, kiln's float32
+logits of two prompts packed in one step equal HF's (1e-4 of the logit scale) and 8 greedy tokens
+equal HF's. Where a GGUF leaves a setting out, llama.cpp's rule decides it, so each model is built
+where HF and llama.cpp agree: Gemma 3 with 6 layers in its default pattern and
+``query_pre_attn_scalar`` = head size, SmolLM3 NoPE every 4th layer without a window, EXAONE 4
+without a window (llama.cpp's hybrid attention is the 64-layer model's only), Qwen3-MoE with no
+dense layer and renormalised top-k. One OLMo 2 file converted to q8_0 keeps its linears' blocks
+(MIXED_PRECISION) and stays within 5% of the dequantized engine. Metadata-only files check the
+rules on shapes no tiny model has, and that metadata kiln does not know is refused.
+
+The converters need real tokenizers: GPT-2's for most architectures (Phi-4-mini's tokenizer class
+says GPT2Tokenizer; GLM-4 adds ``<|user|>``), a small Llama-2 style BPE for the llama-style ones, a
+sentencepiece model for ERNIE 4.5 (built without biases: llama.cpp's ernie4_5 loads no MLP biases).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFWriter
+
+from kiln.checkpoint.gguf_source import GGUFSource
+from kiln.errors import CheckpointError
+from tests.conftest import convert_and_build
+from tests.models.zoo import random_prompt
+from tests.utils import tiny_family_models as tiny
+from tests.utils.compare import assert_logits_close, hf_greedy, kiln_batch_prompt_logits, kiln_greedy
+from tests.utils.llama_cpp_gguf import (GPT2_VOCAB, convert_many_with_llama_cpp, save_converter_tokenizer,
+                                        save_sentencepiece_tokenizer)
+from tests.utils.tiny_models import make_llama
+from tests.utils.tiny_moe_models import make_qwen3_moe
+
+V = GPT2_VOCAB
+NEW_TOKENS = 8
+
+
+def _gpt2(hf_dir: Path, gpt2: Path) -> None:
+    """GPT-2's tokenizer (built once in ``gpt2``), which the converter takes for any architecture."""
+    for file in gpt2.iterdir():
+        shutil.copy(file, hf_dir)
+
+
+def _llama(hf_dir: Path, gpt2: Path) -> None:
+    """A small Llama-2 style BPE, which the llama-style converters take without a hash."""
+    save_converter_tokenizer(hf_dir, 256)
+
+
+def _phi4(hf_dir: Path, gpt2: Path) -> None:
+    """Phi-4-mini's tokenizer is a GPT2Tokenizer, which its converter reads as GPT-2 BPE."""
+    _gpt2(hf_dir, gpt2)
+    config = hf_dir / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
+
+
+def _glm4(hf_dir: Path, gpt2: Path) -> None:
+    """GLM-4's converter looks up its end-of-turn token, <|user|> (one token past GPT-2's)."""
+    from transformers import AutoTokenizer
+
+    _gpt2(hf_dir, gpt2)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|user|>"]})
+    tokenizer.save_pretrained(hf_dir)
+
+
+def _sentencepiece(hf_dir: Path, gpt2: Path) -> None:
+    """ERNIE 4.5's converter reads only a sentencepiece tokenizer.model."""
+    save_sentencepiece_tokenizer(hf_dir, 256)
+
+
+# name -> (maker, its keyword arguments, the tokenizer its converter takes)
+CASES: dict[str, tuple[Callable, dict, Callable]] = {
+    "qwen3": (make_llama, dict(model_type="qwen3", vocab=V), _gpt2),
+    "qwen3moe": (make_qwen3_moe, dict(vocab=V, layers=2, mlp_only_layers=[]), _gpt2),
+    "gemma3": (tiny.make_gemma3, dict(vocab=V, num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=16), _gpt2),
+    "olmo2": (tiny.make_olmo2, dict(vocab=V), _gpt2),
+    "olmo3": (tiny.make_olmo3, dict(vocab=V), _gpt2),
+    "smollm3": (tiny.make_smollm3, dict(no_rope_layer_interval=4, use_sliding_window=False, sliding_window=None),
+                _llama),
+    "granite": (tiny.make_granite, {}, _llama),
+    "exaone4": (tiny.make_exaone4, dict(vocab=V, sliding_window=None, layer_types=["full_attention"] * 4), _gpt2),
+    "seed-oss": (tiny.make_seed_oss, dict(vocab=V), _gpt2),
+    "ernie4.5": (tiny.make_ernie4_5, dict(use_bias=False), _sentencepiece),  # llama.cpp loads no MLP biases
+    "glm4": (tiny.make_glm4, dict(vocab=V + 1), _glm4),
+    "phi4-mini": (tiny.make_phi4_mini, dict(vocab=V), _phi4),
+}
+WITH_TOKENIZER = "smollm3"  # kiln saves its tokenizer (transformers reads no smollm3 config); the others skip it
+
+
+@dataclass
+class Case:
+    hf: object
+    hf_dir: Path
+    gguf: Path
+    engine: Path
+
+
+def _vocab(hf) -> int:
+    return hf.config.vocab_size
+
+
+@pytest.fixture(scope="module")
+def no_tokenizer():
+    """GGUFSource.save_tokenizer as a no-op (the engines run on token ids; a 50k-token tokenizer
+    takes seconds to rebuild), but for ``WITH_TOKENIZER``."""
+    real = GGUFSource.save_tokenizer
+
+    def save(self, out):
+        if self.arch == WITH_TOKENIZER:
+            real(self, out)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GGUFSource, "save_tokenizer", save)
+        yield
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, tuple[object, Path, Path]]:
+    """name -> (HF model, its directory, its f32 GGUF), and "olmo2-q8_0" -> (None, None, a q8_0
+    GGUF of the olmo2 model): every model made, then converted in one converter process."""
+    gpt2 = tmp_path_factory.mktemp("gpt2-tokenizer")
+    save_converter_tokenizer(gpt2, V)  # built once, copied into each directory that needs it
+    made, jobs = {}, []
+    for name, (make, kwargs, tokenizer) in CASES.items():
+        root = tmp_path_factory.mktemp(name)
+        hf = make(root / "hf", **kwargs)
+        tokenizer(root / "hf", gpt2)
+        made[name] = (hf, root / "hf", root / f"{name}-f32.gguf")
+        jobs.append((root / "hf", root / f"{name}-f32.gguf", "f32"))
+    q8 = made["olmo2"][2].with_name("olmo2-q8_0.gguf")
+    convert_many_with_llama_cpp([*jobs, (made["olmo2"][1], q8, "q8_0")])
+    return {**made, "olmo2-q8_0": (None, None, q8)}
+
+
+@pytest.fixture(scope="module")
+def converted(files, tmp_path_factory, no_tokenizer) -> Callable[[str], Case]:
+    """name -> its Case, the GGUF converted and built by kiln (float32) on first use."""
+    cache: dict[str, Case] = {}
+
+    def get(name: str) -> Case:
+        if name not in cache:
+            hf, hf_dir, gguf = files[name]
+            engine = convert_and_build(gguf, tmp_path_factory.mktemp(f"{name}-kiln"), {}, dtype="float32")
+            cache[name] = Case(hf, hf_dir, gguf, engine)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gguf_reads_back_as_the_hf_checkpoint(converted, name: str) -> None:
+    """HF names, shapes and values (q/k rows un-permuted, Gemma 3's norms less 1, experts stacked)."""
+    case = converted(name)
+    source = GGUFSource(case.gguf)
+    state = case.hf.state_dict()
+    if case.hf.config.tie_word_embeddings:
+        del state["lm_head.weight"]  # llama.cpp writes no output tensor for a tied head
+    assert sorted(source.keys()) == sorted(state)
+    atol = 1e-6 if name == "gemma3" else 0.0  # stored as 1 + w in float32
+    for key, want in state.items():
+        torch.testing.assert_close(source.read(key), want, rtol=0, atol=atol, msg=key)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_and_greedy_tokens_equal_hf(converted, name: str) -> None:
+    case = converted(name)
+    prompts = [random_prompt(24, _vocab(case.hf), seed=1), random_prompt(9, _vocab(case.hf), seed=2)]
+    for prompt, logits in zip(prompts, kiln_batch_prompt_logits(case.engine, prompts)):
+        with torch.no_grad():
+            ref = case.hf(torch.tensor([prompt])).logits[0].float()
+        assert_logits_close(logits, ref)
+    assert kiln_greedy(case.engine, prompts, NEW_TOKENS) == hf_greedy(case.hf, prompts, NEW_TOKENS)
+
+
+def test_tokenizer_of_an_architecture_transformers_does_not_read(converted) -> None:
+    from transformers import AutoTokenizer
+
+    from kiln.tokenizer import hf_tokenizer
+
+    case = converted(WITH_TOKENIZER)
+    text = "The quick brown fox jumps over the lazy dog."
+    ours = hf_tokenizer(case.engine.parent / "checkpoint")
+    theirs = AutoTokenizer.from_pretrained(case.hf_dir)
+    ids = theirs(text, add_special_tokens=False).input_ids
+    assert ours(text, add_special_tokens=False).input_ids == ids and ours.decode(ids) == theirs.decode(ids)
+
+
+def test_q8_0_linears_keep_their_precision(files, no_tokenizer, tmp_path: Path) -> None:
+    """OLMo 2 (q/k not permuted, whole-projection q/k norms) as q8_0: each linear imports its
+    blocks (W8A16, a scale per 32 weights); logits within 5% of the same file dequantized."""
+    q8 = files["olmo2-q8_0"][2]
+    native = convert_and_build(q8, tmp_path / "native", {}, dtype=None)
+    dequantized = convert_and_build(q8, tmp_path / "float", {}, dtype="float32")
+    quant = json.loads((tmp_path / "native" / "checkpoint" / "config.json").read_text())["quantization"]
+    assert quant["quant_algo"] == "MIXED_PRECISION"
+    linears = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
+    assert set(quant["quantized_layers"]) == {f"transformer.layers.{i}.{n}" for i in range(2) for n in linears}
+    assert {(q["quant_algo"], q["group_size"]) for q in quant["quantized_layers"].values()} == {("W8A16", 32)}
+    prompts = [random_prompt(24, V, seed=1), random_prompt(9, V, seed=2)]
+    for ours, ref in zip(kiln_batch_prompt_logits(native, prompts), kiln_batch_prompt_logits(dequantized, prompts)):
+        assert (ours.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+# ----------------------------------------------------------------------------- metadata rules
+
+
+def _metadata_file(path: Path, arch: str, layers: int, hidden: int = 64, heads: int = 4, **extra) -> Path:
+    """A GGUF of ``arch`` with a decoder's metadata and no tensors; ``extra``: key -> value."""
+    w = GGUFWriter(path, arch)
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(2 * hidden)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(128)
+    for key, value in extra.items():
+        name = f"{arch}.{key}"
+        if isinstance(value, bool):
+            w.add_bool(name, value)
+        elif isinstance(value, int):
+            w.add_uint32(name, value)
+        elif isinstance(value, float):
+            w.add_float32(name, value)
+        else:
+            w.add_string(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gemma3_rules(tmp_path: Path) -> None:
+    """llama.cpp's defaults: every 6th layer global, sliding layers at base 10,000 unscaled, scores
+    scaled by 1/sqrt(key_length), but by 1/sqrt(hidden / heads) in the 62-layer 27B."""
+    meta = {"attention.sliding_window": 512, "attention.key_length": 32, "attention.value_length": 32,
+            "rope.freq_base": 1e6, "rope.scaling.type": "linear", "rope.scaling.factor": 8.0}
+    config = GGUFSource(_metadata_file(tmp_path / "g.gguf", "gemma3", 12, **meta)).hf_config()
+    assert config["layer_types"] == (["sliding_attention"] * 5 + ["full_attention"]) * 2
+    assert config["query_pre_attn_scalar"] == 32 and config["sliding_window"] == 512
+    assert config["rope_parameters"] == {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    big = GGUFSource(_metadata_file(tmp_path / "g27.gguf", "gemma3", 62, hidden=5376, heads=32, **meta)).hf_config()
+    assert big["query_pre_attn_scalar"] == 168
+
+
+def test_smollm3_exaone4_and_qwen3moe_rules(tmp_path: Path) -> None:
+    smollm3 = GGUFSource(_metadata_file(tmp_path / "s.gguf", "smollm3", 8)).hf_config()
+    assert smollm3["no_rope_layers"] == [1, 1, 1, 0] * 2 and not smollm3["use_sliding_window"]
+    window = {"attention.sliding_window": 4096}
+    small = GGUFSource(_metadata_file(tmp_path / "e4.gguf", "exaone4", 4, **window)).hf_config()
+    assert small["sliding_window"] is None  # llama.cpp attends globally, rotary everywhere
+    big = GGUFSource(_metadata_file(tmp_path / "e64.gguf", "exaone4", 64, **window)).hf_config()
+    assert big["sliding_window"] == 4096 and big["layer_types"] == (["sliding_attention"] * 3 + ["full_attention"]) * 16
+    experts = {"expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32}
+    moe = GGUFSource(_metadata_file(tmp_path / "m.gguf", "qwen3moe", 2, **experts)).hf_config()
+    assert moe["norm_topk_prob"] is True and moe["mlp_only_layers"] == [] and moe["moe_intermediate_size"] == 32
+
+
+@pytest.mark.parametrize(("arch", "extra", "match"), [
+    ("qwen3", {"attention.causal": False}, "qwen3.attention.causal"),
+    ("qwen3moe", {"expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32,
+                  "expert_shared_feed_forward_length": 64}, "qwen3moe.expert_shared_feed_forward_length"),
+    ("llama", {"rope.scaling.type": "longrope"}, "llama.rope.scaling.type"),
+    ("olmo2", {"rope.dimension_count": 8}, "olmo2.rope.dimension_count"),
+    ("granite", {"logit_scale": 4.0, "rope.scaling.finetuned": False}, "granite.rope.scaling.finetuned"),
+])
+def test_metadata_kiln_does_not_know_is_refused(tmp_path: Path, arch: str, extra: dict, match: str) -> None:
+    with pytest.raises(CheckpointError, match=match.replace(".", r"\.")):
+        GGUFSource(_metadata_file(tmp_path / "x.gguf", arch, 2, **extra)).hf_config()
+
+
+def test_stacked_experts_need_every_part(tmp_path: Path) -> None:
+    w = GGUFWriter(tmp_path / "moe.gguf", "qwen3moe")
+    w.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((2, 4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_up_exps\.weight is missing"):
+        GGUFSource(tmp_path / "moe.gguf")
