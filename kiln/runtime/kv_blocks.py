@@ -5,7 +5,7 @@ from __future__ import annotations
 from kiln.distributed import world_min
 from kiln.models.decoder import layer_window
 from kiln.runtime.engine import Engine
-from kiln.step.kv_cache import available_memory_bytes, kv_bytes_per_token, kv_cache_dtype
+from kiln.step.kv_cache import available_memory_bytes, cache_value_size, kv_bytes_per_token, kv_cache_dtype
 
 KV_CACHE_MEMORY_FRACTION = 0.3  # of the memory available at start-up, when no size is given
 
@@ -30,7 +30,8 @@ def default_num_blocks(engine: Engine, max_num_seqs: int, memory_fraction: float
     wanted = max_num_seqs * -(-tokens // build.tokens_per_block)
     attention = next(iter(engine.model.transformer.layers.values())).attention
     per_block = build.tokens_per_block * kv_bytes_per_token(
-        len(engine.model.transformer.layers), attention.num_kv_heads, attention.head_size, kv_cache_dtype(config))
+        len(engine.model.transformer.layers), attention.num_kv_heads, attention.head_size, kv_cache_dtype(config),
+        cache_value_size(attention))
     affordable = int(available_memory_bytes() * memory_fraction) // per_block
     return max(1, min(wanted, affordable))
 

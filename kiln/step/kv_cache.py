@@ -7,8 +7,14 @@ blocks put a head's rows a whole token row apart: at 32 KV heads of 64, every ro
 4 KB page, and decode attention read the cache at under half the machine's bandwidth). A token
 slot is ``block * block_size + offset``; ``write_slots`` and ``read_slots`` address tokens by
 their ``(blocks, offsets)`` (``slot_index``: a step computes it once for all its layers).
+
+A layer may keep V rows of another size than its K rows (``cache_value_size``): multi-head
+latent attention (DeepSeek-V2) keeps one "KV head" row per token holding the compressed latent
+and the shared rotary key, and no V at all (size 0).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -69,9 +75,17 @@ def read_slots(cache: torch.Tensor, index: SlotIndex) -> torch.Tensor:
     return cache[index[0], :, index[1]]
 
 
+def cache_value_size(attention) -> int:
+    """The V row size of an attention layer's cache: its head size, or the size the layer declares
+    (``cache_value_size``: 0 for multi-head latent attention, which keeps no V)."""
+    return getattr(attention, "cache_value_size", attention.head_size)
+
+
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                      dtype: torch.dtype, device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``num_layers`` pairs of ``[num_blocks, num_kv_heads, block_size, head_size]`` tensors.
+                      dtype: torch.dtype, device: torch.device | str = "cpu",
+                      value_size: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``num_layers`` pairs of ``[num_blocks, num_kv_heads, block_size, head_size]`` tensors (the V
+    tensors ``value_size`` wide instead, where given: 0 for a latent cache).
 
     Left uninitialised, so the OS commits memory only as blocks are first written; the
     runner zeroes each block when the scheduler hands it out if the attention backend reads
@@ -79,8 +93,13 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     On the CPU the tensors are views of one huge-page allocation (see ``host_memory``).
     """
     shape = cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-    whole = host_memory.empty((num_layers, 2, *shape), dtype, device)
-    return [(whole[i, 0], whole[i, 1]) for i in range(num_layers)]
+    if value_size is None or value_size == head_size:
+        whole = host_memory.empty((num_layers, 2, *shape), dtype, device)
+        return [(whole[i, 0], whole[i, 1]) for i in range(num_layers)]
+    v_shape = cache_shape(num_blocks, block_size, num_kv_heads, value_size)
+    k_numel = math.prod(shape)
+    whole = host_memory.empty((num_layers, k_numel + math.prod(v_shape)), dtype, device)
+    return [(whole[i, :k_numel].view(shape), whole[i, k_numel:].view(v_shape)) for i in range(num_layers)]
 
 
 def available_memory_bytes() -> int:
@@ -95,6 +114,9 @@ def available_memory_bytes() -> int:
     return 8 << 30
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
-    """Cache bytes one token takes over all layers (K and V), for cache elements of ``dtype``."""
-    return 2 * num_layers * num_kv_heads * head_size * torch.empty((), dtype=dtype).element_size()
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+                       value_size: int | None = None) -> int:
+    """Cache bytes one token takes over all layers (K and V), for cache elements of ``dtype``
+    (V rows ``value_size`` wide where given, as ``allocate_kv_cache``)."""
+    row = head_size + (head_size if value_size is None else value_size)
+    return num_layers * num_kv_heads * row * torch.empty((), dtype=dtype).element_size()

@@ -10,7 +10,7 @@ import torch
 from kiln.config import QuantConfig
 from tests.conftest import convert_and_build
 from tests.models import (test_hf_parity, test_zoo_attention, test_zoo_families, test_zoo_key_maps, test_zoo_layouts,
-                          test_zoo_moe)
+                          test_zoo_mla, test_zoo_moe)
 from tests.models.zoo import hf_vocab, random_prompt
 from tests.utils.compare import kiln_batch_prompt_logits, kiln_greedy
 
@@ -21,6 +21,7 @@ FAMILIES = {
     **{name: test_zoo_layouts.CASES[name] for name in ("opt-post-ln-project", "gptj", "phi2", "falcon-7b-mqa",
                                                         "falcon-40b-gqa")},
     **{name: test_zoo_moe.CASES[name] for name in ("mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss")},
+    "deepseek-v2": test_zoo_mla.CASES["deepseek-v2-q-lora"],
     **test_zoo_families.CASES,
     **{name: test_zoo_attention.CASES[name] for name in ("mistral-window8", "gemma2", "bloom-6heads")},
 }

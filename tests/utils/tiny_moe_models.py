@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) saved to a directory."""
+"""Tiny random Hugging Face mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss,
+DeepSeek-V2) saved to a directory."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -95,3 +96,25 @@ def make_gpt_oss(path: Path, *, hidden: int = 64, layers: int = 2, experts: int 
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.6)
     hf.save_pretrained(path)
     return hf
+
+
+def make_deepseek_v2(path: Path, *, hidden: int = 64, layers: int = 2, num_heads: int = 4,
+                     q_lora_rank: int | None = None, kv_lora_rank: int = 32, qk_nope: int = 16, qk_rope: int = 8,
+                     v_head: int = 16, experts: int = 8, top_k: int = 2, shared_experts: int = 1,
+                     moe_intermediate: int = 32, intermediate: int = 96, first_dense: int = 1,
+                     routed_scaling_factor: float = 1.5, topk_method: str = "greedy", n_group: int | None = None,
+                     topk_group: int | None = None, rope_parameters: dict | None = None, vocab: int = 256,
+                     seed: int = 0):
+    """A random DeepSeek-V2: multi-head latent attention (``q_lora_rank`` None: V2-Lite's direct
+    q_proj), dense first layers, routed experts plus shared ones, scaled routing weights."""
+    hf = _save_random(path, "DeepseekV2", seed, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+                      q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope,
+                      qk_rope_head_dim=qk_rope, v_head_dim=v_head, n_routed_experts=experts, num_experts_per_tok=top_k,
+                      n_shared_experts=shared_experts, moe_intermediate_size=moe_intermediate,
+                      first_k_dense_replace=first_dense, routed_scaling_factor=routed_scaling_factor,
+                      topk_method=topk_method, n_group=n_group, topk_group=topk_group,
+                      rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
+                      max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=0)
+    return _decisive_routers(hf, path, seed, stacked=False)
