@@ -16,6 +16,7 @@ from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 from kiln.models.gemma import GemmaForCausalLM
 from kiln.models.hf_config import hf_get, hf_sliding_window, rope_decoder_config
+from kiln.models.key_maps import NESTED_LANGUAGE_MODEL, nested_language_model_key_map
 from kiln.models.registry import register_model
 
 
@@ -44,15 +45,11 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
 
 @register_model("Gemma3ForConditionalGeneration")
 class Gemma3LanguageModel(Gemma3ForCausalLM):
-    # As released (and as transformers 5 saves it); transformers 4.50-4.57 saved the second layout.
-    hf_key_map = {"transformer": "language_model.model", "lm_head": "language_model.lm_head"}
-    _later_layout = {"transformer": "model.language_model", "lm_head": "lm_head"}
+    hf_key_map = NESTED_LANGUAGE_MODEL  # or the later layout: key_map_for picks
 
     @classmethod
     def key_map_for(cls, external_keys: set[str]) -> dict:
-        if any(k.startswith("model.language_model.") for k in external_keys):
-            return cls._later_layout
-        return cls.hf_key_map
+        return nested_language_model_key_map(external_keys)
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:

@@ -8,3 +8,16 @@ GPT2_LAYOUT = {"transformer": "transformer", "layers": "h", "ln_f": "ln_f", "lm_
 GPT2_NAMES = {**GPT2_LAYOUT, "vocab_embedding": "wte", "input_layernorm": "ln_1", "attention": "attn"}
 # One fused query_key_value and Megatron's MLP names (BLOOM, Falcon, GPT-NeoX).
 MEGATRON_NAMES = {"qkv": "query_key_value", "dense": "dense", "fc": "dense_h_to_4h", "proj": "dense_4h_to_h"}
+
+# A multimodal checkpoint's language model (LLaVA, Gemma 3): as released and as transformers
+# 5 saves it, under ``language_model.model`` with ``language_model.lm_head``; transformers
+# 4.50-4.57 saved it under ``model.language_model`` with ``lm_head``.
+NESTED_LANGUAGE_MODEL = {"transformer": "language_model.model", "lm_head": "language_model.lm_head"}
+NESTED_LANGUAGE_MODEL_LATER = {"transformer": "model.language_model", "lm_head": "lm_head"}
+
+
+def nested_language_model_key_map(external_keys: set[str]) -> dict:
+    """The key map of whichever of the two nested layouts ``external_keys`` hold."""
+    if any(k.startswith("model.language_model.") for k in external_keys):
+        return NESTED_LANGUAGE_MODEL_LATER
+    return NESTED_LANGUAGE_MODEL

@@ -14,6 +14,7 @@ import dataclasses
 from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
 from kiln.mapping import Mapping
+from kiln.models.key_maps import NESTED_LANGUAGE_MODEL, nested_language_model_key_map
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.registry import register_model
 
@@ -23,14 +24,11 @@ TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalL
 
 @register_model("LlavaForConditionalGeneration")
 class LlavaLanguageModel(LlamaForCausalLM):
-    hf_key_map = {"transformer": "language_model.model", "lm_head": "language_model.lm_head"}
-    _later_layout = {"transformer": "model.language_model", "lm_head": "lm_head"}
+    hf_key_map = NESTED_LANGUAGE_MODEL  # or the later layout: key_map_for picks
 
     @classmethod
     def key_map_for(cls, external_keys: set[str]) -> dict:
-        if any(k.startswith("model.language_model.") for k in external_keys):
-            return cls._later_layout
-        return cls.hf_key_map
+        return nested_language_model_key_map(external_keys)
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:

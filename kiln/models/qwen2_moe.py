@@ -37,7 +37,7 @@ class Qwen2MoeForCausalLM(DecoderModelForCausalLM):
         tp = config.mapping
         return MixtureOfExperts(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                                 config.num_experts_per_tok, config.hidden_act, normalize_top_k=config.norm_topk_prob,
-                                shared_intermediate_size=config.shared_expert_intermediate_size,
+                                shared_intermediate_size=config.get("shared_expert_intermediate_size") or 0,
                                 shared_expert_gate=True, names=cls.expert_names, dtype=torch_dtype(config.dtype),
                                 tp_size=tp.tp_size, tp_rank=tp.tp_rank, fused=engine_layout)
 

@@ -5,12 +5,9 @@ with Qwen2-MoE's sparse layers minus the shared expert: ``num_experts`` SiLU-gat
 a sliding window on every layer when ``use_sliding_window`` is set."""
 from __future__ import annotations
 
-from torch import nn
-
 from kiln.config import PretrainedConfig
-from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
-from kiln.layers.moe import MixtureOfExperts, check_expert_config
+from kiln.layers.moe import check_expert_config
 from kiln.mapping import Mapping
 from kiln.models.hf_config import hf_get, rope_decoder_config
 from kiln.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -19,15 +16,7 @@ from kiln.models.registry import register_model
 
 @register_model("Qwen3MoeForCausalLM")
 class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
-    @classmethod
-    def make_mlp(cls, config: PretrainedConfig, layer_idx: int, engine_layout: bool) -> nn.Module:
-        if not cls.is_sparse(config, layer_idx):
-            return super().make_mlp(config, layer_idx, engine_layout)
-        tp = config.mapping
-        return MixtureOfExperts(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                                config.num_experts_per_tok, config.hidden_act, normalize_top_k=config.norm_topk_prob,
-                                names=cls.expert_names, dtype=torch_dtype(config.dtype), tp_size=tp.tp_size,
-                                tp_rank=tp.tp_rank, fused=engine_layout)
+    """Qwen2-MoE's blocks (its ``make_mlp``); the config records no shared expert."""
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
