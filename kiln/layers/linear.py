@@ -306,6 +306,16 @@ class RowLinear(Linear):
         return y if self.bias is None else y + self.bias
 
 
+def pairs_to_halves_order(head: int, start: int, count: int) -> torch.Tensor:
+    """The row order of one ``head``-row group whose ``count`` rotary rows from ``start`` come in
+    adjacent pairs (GPT-J, GLM, DeepSeek): those rows' even indices, then their odd ones (the
+    halves kiln's rotate-half rotary pairs up), every other row in place."""
+    order = torch.arange(head)
+    rot = torch.arange(start, start + count)
+    order[start:start + count] = torch.cat([rot[0::2], rot[1::2]])
+    return order
+
+
 class QKVColumnLinear(ColumnLinear):
     """The fused ``qkv`` projection: ``[q; k; v]`` rows of this rank's heads.
 
@@ -369,8 +379,7 @@ class QKVColumnLinear(ColumnLinear):
 
     def _rotary_row_order(self) -> torch.Tensor:
         """One head's row order: the rotary dims' even indices, their odd ones, then the rest."""
-        rot = self.adjacent_rotary_dims
-        return torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, self.head_size)])
+        return pairs_to_halves_order(self.head_size, 0, self.adjacent_rotary_dims)
 
     def _rotate_half_order(self, rows: int) -> torch.Tensor:
         """The order of this rank's ``rows`` [q; k; v] rows: q and k heads reordered, v kept."""

@@ -34,7 +34,7 @@ from torch import nn
 
 from kiln.checkpoint.shard_spec import ShardSpec
 from kiln.errors import ConfigError
-from kiln.layers.linear import ColumnLinear, Linear, RowLinear
+from kiln.layers.linear import ColumnLinear, Linear, RowLinear, pairs_to_halves_order
 from kiln.layers.normalization import RmsNorm
 from kiln.layers.rotary import RotaryEmbedding
 
@@ -53,9 +53,7 @@ class RopeRowsLinear(ColumnLinear):
             raise ConfigError("pre-quantized weights of multi-head latent attention's projections are not supported")
         out = super().postprocess(key, weights, **kwargs)
         rows = out[key].shape[0]
-        one = torch.arange(self.head)
-        rot = torch.arange(self.rope_start, self.rope_start + self.rope)
-        one[self.rope_start:self.rope_start + self.rope] = torch.cat([rot[0::2], rot[1::2]])
+        one = pairs_to_halves_order(self.head, self.rope_start, self.rope)
         order = (torch.arange(rows // self.head)[:, None] * self.head + one).flatten()
         out[key] = out[key].index_select(0, order).contiguous()
         return out

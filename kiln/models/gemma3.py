@@ -15,7 +15,7 @@ from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 from kiln.models.gemma import GemmaForCausalLM
-from kiln.models.hf_config import hf_get, hf_sliding_window, rope_decoder_config
+from kiln.models.hf_config import hf_get, hf_sliding_window, hf_text_config, rope_decoder_config
 from kiln.models.key_maps import NESTED_LANGUAGE_MODEL, nested_language_model_key_map
 from kiln.models.registry import register_model
 
@@ -53,14 +53,9 @@ class Gemma3LanguageModel(Gemma3ForCausalLM):
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
-        text = dict(hf.get("text_config") or {})
-        if not text:
+        if not hf.get("text_config"):
             raise ConfigError("Gemma3ForConditionalGeneration config lacks 'text_config'")
-        text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
-        for field in ("torch_dtype", "dtype"):  # the top level says what the weights are stored as
-            if field in hf:
-                text.setdefault(field, hf[field])
-        config = super().config_from_hf(text, dtype, mapping)
+        config = super().config_from_hf(hf_text_config(hf, tie_default=True), dtype, mapping)
         # The checkpoint is an ordinary Gemma 3 language model from here on; the source is recorded.
         return dataclasses.replace(config, extra={**config.extra,
                                                   "source_architecture": "Gemma3ForConditionalGeneration"})

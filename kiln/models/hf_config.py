@@ -122,3 +122,14 @@ def rope_decoder_config(hf: dict, dtype: str | None, mapping, architecture: str,
         extra={"rotary_base": theta, "rotary_scaling": scaling, "tie_word_embeddings": tied,
                **({"layer_rotary": layer_rotary} if (layer_rotary := hf_layer_rotary(hf)) else {}), **(extra or {})},
     )
+
+
+def hf_text_config(hf: dict, tie_default: bool) -> dict:
+    """A multimodal checkpoint's ``text_config`` (LLaVA, Gemma 3) completed from its top level:
+    whether the head is tied, and the dtype the weights are stored as."""
+    text = dict(hf.get("text_config") or {})
+    text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", tie_default))
+    for field in ("torch_dtype", "dtype"):
+        if field in hf:
+            text.setdefault(field, hf[field])
+    return text

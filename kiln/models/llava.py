@@ -14,6 +14,7 @@ import dataclasses
 from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
 from kiln.mapping import Mapping
+from kiln.models.hf_config import hf_text_config
 from kiln.models.key_maps import NESTED_LANGUAGE_MODEL, nested_language_model_key_map
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.registry import register_model
@@ -32,7 +33,7 @@ class LlavaLanguageModel(LlamaForCausalLM):
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
-        text = dict(hf.get("text_config") or {})
+        text = hf_text_config(hf, tie_default=False)
         model_type = text.get("model_type", "llama")  # LLaVA's own default text model is LLaMA
         if model_type not in TEXT_ARCHITECTURES:
             raise ConfigError(f"LLaVA text_config.model_type {model_type!r}: kiln runs LLaVA language models of "
@@ -40,10 +41,6 @@ class LlavaLanguageModel(LlamaForCausalLM):
         architecture = TEXT_ARCHITECTURES[model_type]
         text = _with_defaults(model_type, text)
         text["architectures"] = [architecture]
-        text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
-        for field in ("torch_dtype", "dtype"):  # the top level says what the weights are stored as
-            if field in hf:
-                text.setdefault(field, hf[field])
         config = super().config_from_hf(text, dtype, mapping)
         # The checkpoint is an ordinary language model from here on; the source is recorded.
         return dataclasses.replace(config, architecture=architecture,

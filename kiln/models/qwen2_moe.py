@@ -43,20 +43,28 @@ class Qwen2MoeForCausalLM(DecoderModelForCausalLM):
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
-        experts, top_k = hf_get(hf, "num_experts", "num_local_experts"), hf_get(hf, "num_experts_per_tok")
-        moe_inter, shared_inter = hf_get(hf, "moe_intermediate_size"), hf_get(hf, "shared_expert_intermediate_size")
-        step = hf_get(hf, "decoder_sparse_step", default=1)
-        if not isinstance(step, int) or step < 1:
-            raise ConfigError(f"decoder_sparse_step must be a positive integer, got {step!r}")
-        if experts:
-            check_expert_config(experts, top_k, moe_inter, mapping.tp_size, experts_field="num_experts",
-                                top_k_field="num_experts_per_tok", intermediate_field="moe_intermediate_size")
-            if shared_inter % mapping.tp_size:
-                raise ConfigError(f"shared_expert_intermediate_size ({shared_inter}) is not divisible by "
-                                  f"tp_size ({mapping.tp_size})")
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+        fields = qwen_moe_fields(hf, mapping)
+        shared_inter = hf_get(hf, "shared_expert_intermediate_size")
+        if fields["num_experts"] and shared_inter % mapping.tp_size:
+            raise ConfigError(f"shared_expert_intermediate_size ({shared_inter}) is not divisible by "
+                              f"tp_size ({mapping.tp_size})")
         return rope_decoder_config(hf, dtype, mapping, "Qwen2MoeForCausalLM", extra={
-            "attn_bias": bool(hf.get("qkv_bias", True)), "dense_bias": False, "sliding_window": window,
-            "num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": moe_inter,
-            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "shared_expert_intermediate_size": shared_inter,
-            "decoder_sparse_step": step, "mlp_only_layers": list(hf.get("mlp_only_layers") or [])})
+            "attn_bias": bool(hf.get("qkv_bias", True)), "dense_bias": False,
+            "shared_expert_intermediate_size": shared_inter, **fields})
+
+
+def qwen_moe_fields(hf: dict, mapping: Mapping) -> dict:
+    """The config fields of Qwen's sparse layers (Qwen2-MoE, Qwen3-MoE), checked: experts, top-k,
+    their width, renormalisation, which layers are sparse, and the window (every layer's)."""
+    experts, top_k = hf_get(hf, "num_experts", "num_local_experts"), hf_get(hf, "num_experts_per_tok")
+    moe_inter = hf_get(hf, "moe_intermediate_size")
+    step = hf_get(hf, "decoder_sparse_step", default=1)
+    if not isinstance(step, int) or step < 1:
+        raise ConfigError(f"decoder_sparse_step must be a positive integer, got {step!r}")
+    if experts:
+        check_expert_config(experts, top_k, moe_inter, mapping.tp_size, experts_field="num_experts",
+                            top_k_field="num_experts_per_tok", intermediate_field="moe_intermediate_size")
+    return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": moe_inter,
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "decoder_sparse_step": step,
+            "mlp_only_layers": list(hf.get("mlp_only_layers") or []),
+            "sliding_window": hf.get("sliding_window") if hf.get("use_sliding_window", False) else None}
