@@ -1,7 +1,6 @@
 """Each GGUF architecture kiln reads, as a declaration: the Hugging Face class and model_type it
 becomes, its GGUF block tensors' Hugging Face names, the layouts llama.cpp's converter changed
-(q/k rows permuted for its rotary kernel, Gemma 3's norms stored as 1 + w, stacked experts split
-into gate and up), and a function turning its metadata into a Hugging Face ``config.json`` dict.
+(q/k rows permuted for its rotary kernel, Gemma 3's norms stored as 1 + w), and a function turning its metadata into a Hugging Face ``config.json`` dict.
 
 Metadata means what llama.cpp (``src/llama-model.cpp``, ``src/models/<arch>.cpp``) reads it to
 mean, with llama.cpp's defaults where a key is absent: Gemma 3's every sixth layer global and
@@ -93,25 +92,19 @@ class GGUFArchitecture:
     layers: str = "model.layers"
     permuted_qk: bool = False  # llama.cpp's converter interleaved each head's rotary halves
     norm_offset: float = 0.0  # stored norm weights are the HF weights plus this (Gemma 3: 1)
-    # HF name under <layers>.N -> the GGUF weights stacked along dim 1 to make it (experts).
-    stacked: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     transposed: tuple[str, ...] = ()  # HF name suffixes stored [out, in] in GGUF, [in, out] in HF
     extra_tensors: tuple[str, ...] = ()  # tensors the config function reads, not weights
 
-    def hf_name(self, name: str) -> tuple[str, int] | None:
-        """(HF name, part of it) of GGUF tensor ``name``; None when it has no HF counterpart."""
+    def hf_name(self, name: str) -> str | None:
+        """The HF name of GGUF tensor ``name``; None when it has no HF counterpart."""
         stem, dot, suffix = name.rpartition(".")
         if not dot or suffix not in ("weight", "bias"):
             return None
         if stem.startswith("blk."):
             _, layer, part = stem.split(".", 2)
-            if (hf := self.block.get(part)) is not None:
-                return f"{self.layers}.{layer}.{hf}.{suffix}", 0
-            for hf, parts in self.stacked.items():
-                if part in parts and suffix == "weight":
-                    return f"{self.layers}.{layer}.{hf}", parts.index(part)
-            return None
-        return (f"{self.top[stem]}.{suffix}", 0) if stem in self.top else None
+            hf = self.block.get(part)
+            return None if hf is None else f"{self.layers}.{layer}.{hf}.{suffix}"
+        return f"{self.top[stem]}.{suffix}" if stem in self.top else None
 
     def offset_of(self, gguf_name: str) -> float:
         return self.norm_offset if gguf_name.rpartition(".")[0].endswith("norm") else 0.0
@@ -123,6 +116,9 @@ LLAMA_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "o
 _ATTENTION = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
               "attn_output": "self_attn.o_proj"}
 _MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# Experts, each projection stacked ([experts, out, in]): kiln.layers.moe's ``per_projection`` layout.
+_EXPERTS = {"ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+            "ffn_down_exps": "mlp.experts.down_proj"}
 _QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _OUTPUT_NORMS = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 LLAMA_BLOCK = {**_ATTENTION, **_MLP, "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
@@ -288,11 +284,8 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", _llama, {**LLAMA_BLOCK, **_QK_NORM}),
     "qwen3moe": GGUFArchitecture(
         "Qwen3MoeForCausalLM", "qwen3_moe", _qwen3_moe,
-        {**_ATTENTION, **_QK_NORM, "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-         "ffn_gate_inp": "mlp.gate"},
-        # transformers 5's in-memory layout: [experts, gate rows then up rows, hidden], [experts, hidden, inter]
-        stacked={"mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"),
-                 "mlp.experts.down_proj": ("ffn_down_exps",)}),
+        {**_ATTENTION, **_QK_NORM, **_EXPERTS, "attn_norm": "input_layernorm",
+         "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate"}),
     "gemma3": GGUFArchitecture(
         "Gemma3ForCausalLM", "gemma3_text", _gemma3,
         {**_ATTENTION, **_MLP, **_QK_NORM, **_OUTPUT_NORMS, "attn_norm": "input_layernorm",

@@ -1,7 +1,7 @@
 """Read a GGUF file as if it were a Hugging Face checkpoint.
 
 GGUF (llama.cpp's format) renames tensors, may quantize them, reorders the rows of some query/key
-projections for its rotary kernel, shifts Gemma 3's norms, splits stacked experts and keeps the
+projections for its rotary kernel, shifts Gemma 3's norms and keeps the
 config as metadata. :class:`GGUFSource` undoes all of that, so the weights loader sees Hugging
 Face names, shapes, layouts and a Hugging Face style config; what differs per architecture is a
 declaration in ``kiln.checkpoint.gguf_architectures``.
@@ -60,10 +60,10 @@ class GGUFSource:
 
     Quantized tensors are dequantized to float32 on read; F32/F16/BF16 keep their dtype (norms
     stored with an offset come back float32, the offset taken off). Only the most recently read
-    tensor is kept, fully decoded, for further slices. With ``blocks`` each quantized 2-D weight is
+    tensor is kept, fully decoded, for further slices. With ``blocks`` each quantized weight is
     also listed as its raw blocks, ``<stem>.gguf_blocks``: uint8 ``[rows, bytes a row]`` in HF row
-    order, read whole (``kiln.quantization.gguf`` imports them without dequantizing). Stacked
-    experts (3-D; ``gate_up_proj`` made of two GGUF tensors) have no blocks: they are read as float.
+    order (stacked experts: ``[experts, rows, bytes a row]``), read whole (``kiln.quantization.gguf``
+    imports them without dequantizing).
     """
 
     def __init__(self, path: Path, blocks: bool = False):
@@ -82,7 +82,7 @@ class GGUFSource:
                                   f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         self.spec = ARCHITECTURES[self.arch]
         self._gguf: dict[str, ReaderTensor] = {}
-        found: dict[str, dict[int, ReaderTensor]] = {}
+        self._tensors: dict[str, ReaderTensor] = {}  # HF name -> its GGUF tensor
         for t in self._reader.tensors:
             self._check_size(t)
             self._gguf[t.name] = t
@@ -92,22 +92,11 @@ class GGUFSource:
             if hf is None:
                 raise CheckpointError(f"{self.path}: tensor {t.name!r} has no Hugging Face counterpart "
                                       f"for architecture {self.arch!r}")
-            found.setdefault(hf[0], {})[hf[1]] = t
-        self._tensors = {key: self._stack(key, parts) for key, parts in found.items()}
-        self._blocks = {f"{key[:-len('weight')]}{BLOCKS}": key for key, (t, *more) in self._tensors.items()
-                        if blocks and not more and not self.spec.transposed and key.endswith(".weight")
-                        and len(t.shape) == 2 and t.tensor_type not in FLOAT_TYPES}
+            self._tensors[hf] = t
+        self._blocks = {f"{key[:-len('weight')]}{BLOCKS}": key for key, t in self._tensors.items()
+                        if blocks and not self.spec.transposed and key.endswith(".weight")
+                        and len(t.shape) in (2, 3) and t.tensor_type not in FLOAT_TYPES}
         self._cached: tuple[str, torch.Tensor] | None = None
-
-    def _stack(self, key: str, parts: dict[int, ReaderTensor]) -> tuple[ReaderTensor, ...]:
-        """The GGUF tensors making HF tensor ``key``, in order (several for stacked experts)."""
-        stems = next((s for name, s in self.spec.stacked.items() if key.endswith(f".{name}")), None)
-        if stems is not None and len(parts) != len(stems):
-            layer = key[len(self.spec.layers) + 1:].partition(".")[0]
-            missing = [f"blk.{layer}.{s}.weight" for i, s in enumerate(stems) if i not in parts]
-            raise CheckpointError(f"{self.path}: {key!r} is stacked from {len(stems)} GGUF tensors; "
-                                  f"{', '.join(missing)} is missing")
-        return tuple(parts[i] for i in sorted(parts))
 
     def _check_size(self, t: ReaderTensor) -> None:
         # The reader rejects most truncations itself; this catches a short memory map it lets by.
@@ -123,10 +112,10 @@ class GGUFSource:
         return [*self._tensors, *self._blocks]
 
     def tensor_type(self, key: str) -> GGMLQuantizationType:
-        """The GGUF type of tensor ``key`` (an HF name; the first part of a stacked one)."""
-        return self._tensor(key)[0].tensor_type
+        """The GGUF type of tensor ``key`` (an HF name)."""
+        return self._tensor(key).tensor_type
 
-    def _tensor(self, key: str) -> tuple[ReaderTensor, ...]:
+    def _tensor(self, key: str) -> ReaderTensor:
         try:
             return self._tensors[key]
         except KeyError:
@@ -137,7 +126,7 @@ class GGUFSource:
         return bool(self.spec.transposed) and len(t.shape) == 2 and key.endswith(self.spec.transposed)
 
     def _offset(self, key: str) -> float:
-        return self.spec.offset_of(self._tensor(key)[0].name)
+        return self.spec.offset_of(self._tensor(key).name)
 
     def _row_heads(self, key: str) -> int | None:
         """Heads to un-permute over for permuted q/k weights and biases, else None."""
@@ -152,11 +141,10 @@ class GGUFSource:
 
     def shape(self, key: str) -> tuple[int, ...]:
         if key in self._blocks:
-            return tuple(self._tensor(self._blocks[key])[0].data.shape)
-        parts = self._tensor(key)
-        shapes = [tuple(int(d) for d in reversed(t.shape)) for t in parts]
-        shape = (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:]) if len(shapes) > 1 else shapes[0]
-        return shape[::-1] if self._transposed(key, parts[0]) else shape
+            return tuple(self._tensor(self._blocks[key]).data.shape)
+        t = self._tensor(key)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        return shape[::-1] if self._transposed(key, t) else shape
 
     def read(self, key: str, index: Index | None = None) -> torch.Tensor:
         """The tensor ``key`` in HF layout, or the part of it that ``index`` selects (a copy)."""
@@ -177,11 +165,9 @@ class GGUFSource:
             if index is not None:
                 raise CheckpointError(f"{self.path}: {key!r} (raw blocks) is read whole")
             weight = self._blocks[key]
-            return self._rows(weight, torch.from_numpy(np.array(self._tensor(weight)[0].data))).contiguous()
-        parts = self._tensor(key)
-        t = parts[0]
-        plain = (len(parts) == 1 and self._row_heads(key) is None and not self._transposed(key, t)
-                 and not self._offset(key))
+            return self._rows(weight, torch.from_numpy(np.array(self._tensor(weight).data))).contiguous()
+        t = self._tensor(key)
+        plain = self._row_heads(key) is None and not self._transposed(key, t) and not self._offset(key)
         if plain and t.tensor_type in FLOAT_TYPES:
             # No reordering needed: copy just the selected part out of the memory map.
             data = self._unquantized(t)
@@ -189,7 +175,7 @@ class GGUFSource:
         if self._cached is not None and self._cached[0] == key:
             full = self._cached[1]
         else:
-            full = self._decode(key, parts)
+            full = self._decode(key, t)
         if index is None:
             self._cached = None  # the caller takes the whole tensor; no slices will follow
             return full
@@ -218,14 +204,10 @@ class GGUFSource:
                                       "which the gguf package cannot dequantize") from None
         return w.reshape(tuple(int(d) for d in reversed(t.shape)))
 
-    def _decode(self, key: str, parts: tuple[ReaderTensor, ...]) -> torch.Tensor:
+    def _decode(self, key: str, t: ReaderTensor) -> torch.Tensor:
         self._cached = None  # free the previous tensor before building the next
-        values = [self._values(t) for t in parts]
-        if len({v.dtype for v in values}) > 1:  # stacked parts of different types
-            values = [v.float() for v in values]
-        w = values[0] if len(values) == 1 else torch.cat(values, dim=1)
-        w = self._rows(key, w)
-        if self._transposed(key, parts[0]):
+        w = self._rows(key, self._values(t))
+        if self._transposed(key, t):
             w = w.t()
         if offset := self._offset(key):
             w = w.float() - offset
@@ -236,7 +218,7 @@ class GGUFSource:
         q/k rows un-permuted (whole rows move, so blocks along a row stay intact)."""
         if (heads := self._row_heads(key)) is not None:
             if w.shape[0] % (2 * heads):
-                raise CheckpointError(f"{self.path}: tensor {self._tensor(key)[0].name!r} has {w.shape[0]} rows, "
+                raise CheckpointError(f"{self.path}: tensor {self._tensor(key).name!r} has {w.shape[0]} rows, "
                                       f"not a multiple of 2 x {heads} heads")
             w = _unpermute_rows(w, heads)
         return w

@@ -20,8 +20,8 @@ its ``gate`` rows) instead of ``fc`` and ``gate``: one matmul per active expert.
 External layouts: Hugging Face files keep one tensor per expert and projection
 (``experts.{e}.w1.weight`` or ``experts.{e}.gate_proj.weight``), which ``postprocess`` stacks
 (reference 000); transformers >= 5 holds them fused in memory (``experts.gate_up_proj``
-``[E, 2 I, hidden]``, ``experts.down_proj`` ``[E, hidden, I]``), which loads as well. Each
-rank reads only its slice of every expert's intermediate dimension; a block's partial sums
+``[E, 2 I, hidden]``, ``experts.down_proj`` ``[E, hidden, I]``), which loads as well, and so
+do GGUF files' experts, each projection stacked (``LAYOUTS``). Each rank reads only its slice of every expert's intermediate dimension; a block's partial sums
 (experts and shared expert) meet in one all-reduce.
 
 The router and the shared-expert gate are :class:`ReplicatedLinear`, not :class:`Linear`, so
@@ -79,6 +79,26 @@ class ReplicatedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+# How a checkpoint holds the experts of a block (names under the layer; ``gate_proj`` standing
+# for each family's ``ExpertNames``):
+#   per_expert      one tensor per expert and projection: ``{block}.experts.{e}.gate_proj.weight``
+#                   (Hugging Face files)
+#   fused           transformers >= 5 in memory: ``mlp.experts.gate_up_proj`` ``[E, 2 I, hidden]``
+#                   (fc rows, then gate rows) and ``mlp.experts.down_proj`` ``[E, hidden, I]``
+#   per_projection  each projection stacked over experts: ``mlp.experts.gate_proj.weight``
+#                   ``[E, I, hidden]`` (and ``.bias`` ``[E, I]``), as GGUF's ``ffn_*_exps`` read
+LAYOUTS = ("per_expert", "fused", "per_projection")
+
+
+def external_layout(external: set[str], names: "ExpertNames") -> str:
+    """The ``LAYOUTS`` entry a checkpoint with tensor names ``external`` uses."""
+    if any(k.endswith(f".{names.FUSED_FC_GATE}") for k in external):
+        return "fused"
+    if any(k.endswith(f".mlp.experts.{names.fc}.weight") for k in external):
+        return "per_projection"
+    return "per_expert"
 
 
 # The parameters of a weight-only quantized projection (kiln.quantization.weight_only's layout).
@@ -177,7 +197,13 @@ class ExpertLinear(nn.Module):
 
     # -- weight loading (kiln.checkpoint.loader) ---------------------------------------------
 
+    # Set for experts stored pre-quantized (kiln.quantization.gguf): the external tensor read whole
+    # -> this layer's stacked quantized parameters.
+    weight_postprocess = None
+
     def load_spec(self, param_name: str, num_external: int) -> list[ShardSpec]:
+        if self.weight_postprocess is not None and param_name == "weight":
+            return [ShardSpec()] * num_external  # pre-quantized tensors are read whole (tp 1 only)
         if self.source_transposed or self.interleaved_part is not None or self.mxfp4_source:
             return [ShardSpec()] * num_external  # read whole; postprocess takes this rank's part
         if not self.stacked_source:  # one 2-D [out, in] tensor per expert
@@ -189,6 +215,8 @@ class ExpertLinear(nn.Module):
         return [ShardSpec(1, tuple((rows, self.tp_size if i == index else 0, self.tp_rank) for i in range(count)))]
 
     def postprocess(self, key: str, weights: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
+        if self.weight_postprocess is not None and key.endswith(".weight"):
+            return self.weight_postprocess(key, weights)
         if self.mxfp4_source and key.endswith(".weight"):
             weights = [dequantize_mxfp4(*weights)]
         tensor = weights[0] if self.stacked_source else torch.stack(weights)
@@ -244,7 +272,7 @@ class MixtureOfExperts(nn.Module):
                               if shared_intermediate_size else None)
         self.shared_expert_gate = (ReplicatedLinear(hidden_size, 1, dtype=dtype)
                                    if shared_intermediate_size and shared_expert_gate else None)
-        self.use_external_layout(stacked=False)
+        self.use_external_layout("per_expert")
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -308,32 +336,30 @@ class MixtureOfExperts(nn.Module):
 
     # -- checkpoints and engines --------------------------------------------------------------
 
-    def use_external_layout(self, stacked: bool) -> None:
-        """Name the experts' external tensors: one per expert and projection, or (``stacked``)
-        transformers' fused ``experts.gate_up_proj`` / ``experts.down_proj``."""
+    def use_external_layout(self, layout: str) -> None:
+        """Name the experts' external tensors in ``layout`` (see ``LAYOUTS``)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"expert layout is one of {LAYOUTS}, not {layout!r}")
         n = self.names
-        block = "mlp" if stacked else n.block
+        block = n.block if layout == "per_expert" else "mlp"
         self.router.external_key_map = {"mlp": block, "router": n.router}
         if self.fused:  # an engine loads kiln's own names only
             return
-        if stacked:
-            self.fc.external_key_map = {"mlp": block, "fc": n.FUSED_FC_GATE, "weight": ""}
-            self.gate.external_key_map = {"mlp": block, "gate": n.FUSED_FC_GATE, "weight": ""}
-            self.proj.external_key_map = {"mlp": block, "proj": n.FUSED_PROJ, "weight": ""}
+        for module, name, external in ((self.fc, "fc", n.fc), (self.gate, "gate", n.gate), (self.proj, "proj", n.proj)):
+            module.fused_part, module.stacked_source = None, layout != "per_expert"
+            if layout == "per_expert":
+                module.external_key_map = {"mlp": block, name: [f"experts.{e}.{external}" for e in range(self.num_experts)]}
+            elif layout == "per_projection":
+                module.external_key_map = {"mlp": block, name: f"experts.{external}"}
+            else:
+                fused = n.FUSED_PROJ if name == "proj" else n.FUSED_FC_GATE
+                module.external_key_map = {"mlp": block, name: fused, "weight": ""}
+        if layout == "fused":
             self.fc.fused_part, self.gate.fused_part = (0, 2), (1, 2)
-            self.proj.fused_part = None
-        else:
-            for module, name, external in ((self.fc, "fc", n.fc), (self.gate, "gate", n.gate),
-                                           (self.proj, "proj", n.proj)):
-                module.external_key_map = {"mlp": block,
-                                           name: [f"experts.{e}.{external}" for e in range(self.num_experts)]}
-                module.fused_part = None
-        for module in (self.fc, self.gate, self.proj):
-            module.stacked_source = stacked
 
     def match_external_keys(self, external: set[str]) -> None:
-        """Pick the layout of the checkpoint about to be loaded (see the module docstring)."""
-        self.use_external_layout(stacked=any(k.endswith(f".{ExpertNames.FUSED_FC_GATE}") for k in external))
+        """Pick the layout of the checkpoint about to be loaded (see ``LAYOUTS``)."""
+        self.use_external_layout(external_layout(external, self.names))
 
     def engine_weights(self, prefix: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Fuse each expert's ``fc`` and ``gate`` rows into ``fused_fc`` (the shared expert,

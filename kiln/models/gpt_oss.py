@@ -17,7 +17,7 @@ from torch import nn
 from kiln.config import PretrainedConfig
 from kiln.dtypes import torch_dtype
 from kiln.layers.activation import ClampedSwiGLU
-from kiln.layers.moe import ExpertNames, MixtureOfExperts, check_expert_config
+from kiln.layers.moe import ExpertNames, MixtureOfExperts, check_expert_config, external_layout
 from kiln.mapping import Mapping
 from kiln.models.base import DecoderModelForCausalLM
 from kiln.models.hf_config import hf_get, hf_sliding_window, rope_decoder_config
@@ -27,10 +27,18 @@ from kiln.models.registry import register_model
 class GptOssExperts(MixtureOfExperts):
     """The MoE block read from gpt-oss's stacked, transposed, interleaved expert tensors."""
 
-    def use_external_layout(self, stacked: bool, mxfp4: bool = False) -> None:
+    def use_external_layout(self, layout: str) -> None:
+        """``transposed`` (Hugging Face float tensors), ``mxfp4`` (as released: blocks and scales)
+        or the generic ``per_projection`` (GGUF files)."""
+        for module in () if self.fused else (self.fc, self.gate, self.proj):
+            module.source_transposed, module.interleaved_part, module.mxfp4_source = False, None, False
+        if layout not in ("transposed", "mxfp4"):
+            super().use_external_layout(layout)
+            return
         self.router.external_key_map = {"router": self.names.router}
         if self.fused:  # an engine loads kiln's own names only
             return
+        mxfp4 = layout == "mxfp4"
         for module, part in ((self.fc, (0, 2)), (self.gate, (1, 2)), (self.proj, None)):
             tensor = "down_proj" if part is None else "gate_up_proj"
             name = "proj" if part is None else "fc" if part[0] == 0 else "gate"
@@ -40,8 +48,12 @@ class GptOssExperts(MixtureOfExperts):
             module.source_transposed, module.mxfp4_source = not mxfp4, mxfp4
 
     def match_external_keys(self, external: set[str]) -> None:
-        """Float experts (``[E, in, out]``) or, as gpt-oss is released, MXFP4 blocks and scales."""
-        self.use_external_layout(stacked=True, mxfp4=any(k.endswith(".gate_up_proj_blocks") for k in external))
+        if any(k.endswith(".gate_up_proj_blocks") for k in external):
+            self.use_external_layout("mxfp4")
+        elif external_layout(external, self.names) == "per_projection":
+            self.use_external_layout("per_projection")
+        else:
+            self.use_external_layout("transposed")
 
 
 @register_model("GptOssForCausalLM")

@@ -21,9 +21,12 @@ features not a multiple of 16) stay float too.
 Every architecture ``GGUFSource`` reads works alike (q/k rows un-permuted where llama.cpp's
 converter permuted them: llama, mistral, smollm3, granite). Linears that read only part of a
 tensor or reorder its rows on loading (Phi-3's and GLM-4's fused ``gate_up_proj``, ERNIE 4.5's
-and GLM-4's adjacent rotary pairs) stay float. Stacked experts (Qwen3-MoE's 3-D
-``ffn_*_exps``) are not imported at their own precision yet: the source dequantizes them on
-read and the experts stay float, as they do under ``--quant_algo``.
+and GLM-4's adjacent rotary pairs) stay float.
+
+Stacked experts (the 3-D ``ffn_{gate,up,down}_exps`` of Qwen3-MoE and gpt-oss files) import the
+same way, expert by expert, into :class:`ExpertLinear`'s expert-major parameters; an expert's
+gate and up projections share the finer of their formats, as a gated MLP's do (an engine fuses
+them).
 """
 from __future__ import annotations
 
@@ -39,14 +42,16 @@ from kiln.config import LayerQuant, QuantConfig
 from kiln.config.quant_algos import MIXED_PRECISION
 from kiln.layers.linear import Linear
 from kiln.layers.mlp import GatedMLP
+from kiln.layers.moe import ExpertLinear, MixtureOfExperts
 from kiln.quantization.gguf_blocks import GROUP, Native, decode, finest, native, to_format
 
 log = logging.getLogger(__name__)
 
 
-def _format(linear: Linear, types: list) -> Native | None:
-    """The kiln format of a linear made of GGUF tensors of ``types`` (None: float)."""
+def _format(linear: Linear | ExpertLinear, types: list) -> Native | None:
+    """The kiln format of a linear (or stacked experts) made of GGUF tensors of ``types`` (None: float)."""
     plain = not (linear.source_transposed or linear.fused_part is not None
+                 or getattr(linear, "interleaved_part", None) is not None or getattr(linear, "mxfp4_source", False)
                  or getattr(linear, "interleaved_heads", False) or getattr(linear, "adjacent_rotary_dims", 0))
     if not plain or any(t in FLOAT_TYPES for t in types):
         return None
@@ -69,7 +74,8 @@ def _untie_head(model: nn.Module, source: GGUFSource, embedding: str) -> Native 
     return f
 
 
-def _plan(model: nn.Module, source: GGUFSource, translate) -> dict[str, tuple[Linear, list, Native]]:
+def _plan(model: nn.Module, source: GGUFSource,
+          translate) -> dict[str, tuple[Linear | ExpertLinear, list, Native]]:
     """Each linear to import natively -> (module, its GGUF tensors' types, its format)."""
     embedding, external = set(translate("transformer.vocab_embedding.weight")), set(source.keys())
     plan = {}
@@ -77,7 +83,7 @@ def _plan(model: nn.Module, source: GGUFSource, translate) -> dict[str, tuple[Li
     if head is not None:
         plan["lm_head"] = (model.lm_head, [source.tensor_type(min(embedding))], head)
     for name, linear in model.named_modules():
-        if not isinstance(linear, Linear) or name in plan:
+        if not isinstance(linear, (Linear, ExpertLinear)) or name in plan:
             continue
         keys = translate(f"{name}.weight")
         if embedding & set(keys) or not external.issuperset(keys):
@@ -86,9 +92,9 @@ def _plan(model: nn.Module, source: GGUFSource, translate) -> dict[str, tuple[Li
         f = _format(linear, types)
         if f is not None:
             plan[name] = (linear, types, f)
-    # An engine fuses a gated MLP's fc and gate into one linear: they share the finer format.
+    # An engine fuses a gated MLP's (or experts') fc and gate into one linear: they share the finer format.
     for name, mlp in model.named_modules():
-        if isinstance(mlp, GatedMLP) and not mlp.fused:
+        if isinstance(mlp, (GatedMLP, MixtureOfExperts)) and not mlp.fused:
             pair = [f"{name}.fc", f"{name}.gate"]
             if not all(p in plan for p in pair):
                 for p in pair:
@@ -112,7 +118,8 @@ def use_gguf_layout(model: nn.Module, source: GGUFSource, translate) -> QuantCon
         layers[name] = LayerQuant(algo, GROUP, has_offset=f.offset)
         linear.use_weight_only(f.bits, GROUP, False, has_offset=f.offset)
         linear.external_key_map = {**(getattr(linear, "external_key_map", None) or {}), "weight": BLOCKS}
-        linear.weight_postprocess = _postprocess_for(types, f)
+        linear.weight_postprocess = (_experts_postprocess_for(types[0], f) if isinstance(linear, ExpertLinear)
+                                     else _postprocess_for(types, f))
         if not f.exact:
             log.info("%s: GGUF %s rounded to nearest into 8-bit codes (a scale per %d weights)", name,
                      "/".join(t.name for t in types), GROUP)
@@ -129,5 +136,17 @@ def _postprocess_for(types: list, f: Native):
         stem = key.rpartition(".")[0]
         tensors = to_format([decode(raw, t) for raw, t in zip(weights, types)], f.bits, f.offset)
         return {f"{stem}.{name}": tensor for name, tensor in tensors.items()}
+
+    return postprocess
+
+
+def _experts_postprocess_for(qtype, f: Native):
+    """An ``ExpertLinear.weight_postprocess``: a stacked GGUF tensor's raw blocks ``[E, rows,
+    bytes]`` -> the experts' kiln tensors in format ``f``, stacked expert-major."""
+
+    def postprocess(key: str, weights: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        stem = key.rpartition(".")[0]
+        experts = [to_format([decode(raw, qtype)], f.bits, f.offset) for raw in weights[0]]
+        return {f"{stem}.{name}": torch.stack([e[name] for e in experts]) for name in experts[0]}
 
     return postprocess

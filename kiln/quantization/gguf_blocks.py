@@ -13,6 +13,7 @@ Q5_0     u - 16 (u 0..31)              d                               none
 Q5_1     u (0..31)                     d                               m
 Q4_K     u (0..15)                     d * sc (6-bit sc)               -dmin * mn (6-bit mn)
 Q5_K     u (0..31)                     d * sc                          -dmin * mn
+MXFP4    2 * E2M1 value (-12..12)      2 ** (e - 128) (E8M0 byte e)    none
 =======  ============================  ==============================  ===============
 
 These decode exactly: ``code * scale + offset`` in float32 is, bit for bit, what
@@ -33,6 +34,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
+from kiln.layers.quantized_matmul import E2M1_DOUBLED, e8m0_half
 from kiln.quantization.weight_only import fp16_exact, pack_4bit
 
 T = GGMLQuantizationType
@@ -50,7 +52,7 @@ class Native:
 
 
 NATIVE = {T.Q8_0: Native(8, False), T.Q4_0: Native(4, False), T.Q4_1: Native(4, True), T.Q5_0: Native(8, False),
-          T.Q5_1: Native(8, True), T.Q4_K: Native(4, True), T.Q5_K: Native(8, True)}
+          T.Q5_1: Native(8, True), T.Q4_K: Native(4, True), T.Q5_K: Native(8, True), T.MXFP4: Native(8, False)}
 ROUNDED = Native(8, False, exact=False)  # any other quantized type: int8 codes rounded to nearest
 
 
@@ -99,6 +101,9 @@ def _decode_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.
         return _nibbles(blocks[:, 6:]) + _fifth_bits(blocks[:, 2:6]) - 16, _half(blocks, 0), None
     if qtype == T.Q5_1:
         return _nibbles(blocks[:, 8:]) + _fifth_bits(blocks[:, 4:8]), _half(blocks, 0), _half(blocks, 2)
+    if qtype == T.MXFP4:  # an E8M0 exponent, then 16 bytes of E2M1 nibbles (low: 0..15, high: 16..31)
+        codes = np.asarray(E2M1_DOUBLED, dtype=np.int16)[_nibbles(blocks[:, 1:])]
+        return codes, e8m0_half(torch.from_numpy(blocks[:, :1].copy())).numpy(), None
     # K-quants: d, dmin, 12 bytes of 6-bit sub-block scales and minimums, then the codes; each
     # 32 bytes of low nibbles hold two sub-blocks (low nibbles, then high nibbles).
     sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))

@@ -20,8 +20,8 @@ from kiln.config import LayerQuant
 from kiln.quantization import dequantize
 from kiln.quantization.gguf_blocks import NATIVE, decode, native, to_format
 from tests.conftest import convert_and_build
-from tests.utils.compare import kiln_greedy, kiln_prompt_logits
-from tests.utils.tiny_gguf import LINEARS, tensor_bytes, write_llama
+from tests.utils.compare import kiln_batch_prompt_logits, kiln_greedy, kiln_prompt_logits
+from tests.utils.tiny_gguf import EXPERTS, LINEARS, tensor_bytes, write_llama, write_qwen3_moe
 
 EXACT = list(NATIVE)
 
@@ -160,3 +160,63 @@ def test_head_tied_to_a_quantized_table_reads_its_codes(tmp_path, embedding):
         ids = torch.randint(3, 128, (12,), generator=torch.Generator().manual_seed(1)).tolist()
         ours, ref = kiln_prompt_logits(native_engine, ids), kiln_prompt_logits(float_engine, ids)
         assert (ours - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+# Stacked experts: layer 0 Q4_K_M's experts (gate/up Q4_K, down Q6_K, rounded), layer 1 gate and up
+# of different exact types (they share the finer format) and gpt-oss's MXFP4 down projection.
+EXPERT_TYPES = [dict(ffn_gate_exps=Q.Q4_K, ffn_up_exps=Q.Q4_K, ffn_down_exps=Q.Q6_K),
+                dict(ffn_gate_exps=Q.Q4_0, ffn_up_exps=Q.Q8_0, ffn_down_exps=Q.MXFP4)]
+EXPECTED_EXPERTS = {"transformer.layers.0.mlp.fc": LayerQuant(W4, 32, has_offset=True),
+                    "transformer.layers.0.mlp.gate": LayerQuant(W4, 32, has_offset=True),
+                    "transformer.layers.0.mlp.proj": LayerQuant(W8, 32),
+                    "transformer.layers.1.mlp.fc": LayerQuant(W8, 32),
+                    "transformer.layers.1.mlp.gate": LayerQuant(W8, 32),
+                    "transformer.layers.1.mlp.proj": LayerQuant(W8, 32)}
+EXPERT_PARTS = {"fc": "gate_proj", "gate": "up_proj", "proj": "down_proj"}
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("moe") / "moe.gguf"
+    write_qwen3_moe(path, EXPERT_TYPES)
+    return path
+
+
+def test_experts_keep_their_blocks_expert_by_expert(moe, tmp_path):
+    """Each expert's codes, scales and offsets hold the file's values (Q6_K: within half a step)."""
+    from kiln.convert import convert_checkpoint
+
+    checkpoint = convert_checkpoint(moe, tmp_path / "ckpt", progress=False)
+    config = json.loads((checkpoint / "config.json").read_text())
+    layers = {name: LayerQuant(**f) for name, f in config["quantization"]["quantized_layers"].items()}
+    assert {n: q for n, q in layers.items() if ".mlp." in n} == EXPECTED_EXPERTS
+    src = GGUFSource(moe)
+    with safe_open(str(checkpoint / "rank0.safetensors"), "pt") as f:
+        for name, fmt in EXPECTED_EXPERTS.items():
+            layer, part = name.split(".")[2], EXPERT_PARTS[name.rpartition(".")[2]]
+            expected = src.read(f"model.layers.{layer}.mlp.experts.{part}.weight")
+            stacked = {t: f.get_tensor(f"{name}.{t}") for t in ("weight", "weights_scaling_factor", "weights_offset")
+                       if f"{name}.{t}" in f.keys()}
+            assert all(t.shape[0] == EXPERTS for t in stacked.values())
+            for e in range(EXPERTS):
+                one = {t: v[e] for t, v in stacked.items()}
+                got = dequantize(one, fmt.bits, 32)
+                if src.tensor_type(f"model.layers.{layer}.mlp.experts.{part}.weight") == Q.Q6_K:
+                    step = one["weights_scaling_factor"].repeat_interleave(32, dim=1)
+                    assert torch.all((got - expected[e]).abs() <= step / 2 * (1 + 1e-6)), name
+                else:
+                    assert torch.equal(got, expected[e]), (name, e)
+
+
+def test_native_experts_compute_the_dequantized_engine(moe, tmp_path):
+    native_engine = convert_and_build(moe, tmp_path / "native", {"tokens_per_block": 4}, dtype=None)
+    float_engine = convert_and_build(moe, tmp_path / "float", {"tokens_per_block": 4}, dtype="bfloat16")
+    ids = torch.randint(3, 128, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    # 20 rows (dequantized tiles), then 6 rows in three sequences (decode's GEMV from the codes)
+    for prompts in ([ids], [ids[:3], ids[3:5], ids[5:6]]):
+        for ours, ref in zip(kiln_batch_prompt_logits(native_engine, prompts),
+                             kiln_batch_prompt_logits(float_engine, prompts)):
+            assert (ours - ref).abs().max() <= 0.02 * ref.abs().max()
+    # the engine holds the experts' codes, not floats: smaller than the float engine by far
+    size = lambda engine: (engine / "rank0.safetensors").stat().st_size  # noqa: E731
+    assert size(native_engine) < 0.5 * size(float_engine)

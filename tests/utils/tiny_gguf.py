@@ -25,9 +25,11 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def tensor_bytes(shape: tuple[int, int], qtype: Q, rng: np.random.Generator, permute_heads: int | None) -> np.ndarray:
-    """A GGUF tensor of ``shape`` ``[out, in]`` and ``qtype``: random weights quantized (rows
-    permuted as llama.cpp does for q/k), or random K-quant blocks."""
+def tensor_bytes(shape: tuple[int, ...], qtype: Q, rng: np.random.Generator, permute_heads: int | None) -> np.ndarray:
+    """A GGUF tensor of ``shape`` ``[out, in]`` (or ``[experts, out, in]``) and ``qtype``: random
+    weights quantized (rows permuted as llama.cpp does for q/k), or random K-quant blocks."""
+    if len(shape) == 3:
+        return np.stack([tensor_bytes(shape[1:], qtype, rng, permute_heads) for _ in range(shape[0])])
     if qtype in K_SCALES:
         block, size = GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 256, size=(shape[0], shape[1] // block, size), dtype=np.uint8)
@@ -66,6 +68,44 @@ def write_llama(path: Path, types: list[dict[str, Q]], output: Q | None = None, 
     norms = ["output_norm.weight"] + [f"blk.{i}.{n}_norm.weight" for i in range(len(types)) for n in ("attn", "ffn")]
     for name in norms:
         w.add_tensor(name, (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+EXPERTS, TOP_K, EXPERT_FFN = 4, 2, 256
+EXPERT_LINEARS = {"ffn_gate_exps": (EXPERTS, EXPERT_FFN, HIDDEN), "ffn_up_exps": (EXPERTS, EXPERT_FFN, HIDDEN),
+                  "ffn_down_exps": (EXPERTS, HIDDEN, EXPERT_FFN)}
+
+
+def write_qwen3_moe(path: Path, types: list[dict[str, Q]], seed: int = 0) -> None:
+    """A Qwen3-MoE GGUF with ``len(types)`` layers, layer i's stacked experts of ``types[i]``
+    (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``); attention in Q8_0, routers in float32
+    with weights large enough that rounding flips no expert choice."""
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(path, "qwen3moe")
+    for add, value in ((w.add_block_count, len(types)), (w.add_context_length, 256), (w.add_embedding_length, HIDDEN),
+                       (w.add_feed_forward_length, EXPERT_FFN), (w.add_head_count, HEADS),
+                       (w.add_head_count_kv, KV_HEADS), (w.add_rope_freq_base, 10000.0),
+                       (w.add_layer_norm_rms_eps, 1e-6), (w.add_vocab_size, VOCAB), (w.add_expert_count, EXPERTS),
+                       (w.add_expert_used_count, TOP_K), (w.add_expert_feed_forward_length, EXPERT_FFN)):
+        add(value)
+    tensors = {"token_embd.weight": ((VOCAB, HIDDEN), Q.Q8_0), "output.weight": ((VOCAB, HIDDEN), Q.Q8_0)}
+    for i, layer in enumerate(types):
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            tensors[f"blk.{i}.{name}.weight"] = (LINEARS[name], Q.Q8_0)
+        for name, shape in EXPERT_LINEARS.items():
+            tensors[f"blk.{i}.{name}.weight"] = (shape, layer[name])
+    for name, (shape, qtype) in tensors.items():
+        w.add_tensor(name, tensor_bytes(shape, qtype, rng, None), raw_dtype=None if qtype == Q.F32 else qtype)
+    head_dim = HIDDEN // HEADS
+    for i in range(len(types)):
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", (rng.standard_normal((EXPERTS, HIDDEN)) * 0.5).astype(np.float32))
+        for name, size in (("attn_norm", HIDDEN), ("ffn_norm", HIDDEN), ("attn_q_norm", head_dim),
+                           ("attn_k_norm", head_dim)):
+            w.add_tensor(f"blk.{i}.{name}.weight", (1 + 0.1 * rng.standard_normal(size)).astype(np.float32))
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
