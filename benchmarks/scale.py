@@ -222,12 +222,17 @@ def run_llamacpp(gguf_path: str, new_tokens: int, contexts: tuple[int, ...] = ()
 
 def gguf_bytes_per_token(path: str) -> int:
     """Bytes of a GGUF's weights one decode step reads: all, but an untied token embedding (a
-    lookup reads one row of it)."""
+    lookup reads one row of it) and, of stacked experts (``*_exps``), the ``expert_used_count`` of
+    ``expert_count`` a token is routed to."""
     import gguf
 
-    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    used, count = reader.fields.get(f"{arch}.expert_used_count"), reader.fields.get(f"{arch}.expert_count")
+    share = used.contents() / count.contents() if used is not None and count is not None else 1.0
+    tensors = {t.name: int(t.n_bytes) * (share if "_exps." in t.name else 1) for t in reader.tensors}
     untied = "output.weight" in tensors
-    return sum(tensors.values()) - (tensors["token_embd.weight"] if untied else 0)
+    return int(sum(tensors.values()) - (tensors["token_embd.weight"] if untied else 0))
 
 
 def _prompts(long_len: int) -> tuple[list[int], list[int]]:

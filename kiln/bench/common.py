@@ -121,8 +121,9 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     for block in model.modules():
         if isinstance(block, MixtureOfExperts):
             for module in block.modules():
-                if isinstance(module, ExpertLinear):
-                    read_fraction[id(module.weight)] = block.top_k / block.num_experts
+                if isinstance(module, ExpertLinear):  # codes, scales, offsets, biases alike
+                    for param in module.parameters(recurse=False):
+                        read_fraction[id(param)] = block.top_k / block.num_experts
     for p in model.parameters():
         if p.data_ptr() in seen or p.data_ptr() == skip:
             continue

@@ -139,9 +139,13 @@ def build_rank(checkpoint_dir: Path, out: Path, rank: int, model_cls: type, cast
         engine_model = model_cls(config, engine_layout=True)
         use_weight_only_layout(engine_model, config.quantization, tile_order=True)
 
+    # Parameters a module holds in float32 in any model dtype (attention sinks) stay float32 too.
+    kept = {f"{m}.{p}" for m, module in engine_model.named_modules() if getattr(module, "keeps_float32", False)
+            for p, _ in module.named_parameters(recurse=False)}
+
     def target(name: str, dtype: torch.dtype) -> torch.dtype:
         floating = dtype.is_floating_point and torch.empty((), dtype=dtype).element_size() > 1
-        return cast if cast is not None and floating and not name.endswith(QUANT_FLOAT32) else dtype
+        return cast if cast is not None and floating and not name.endswith(QUANT_FLOAT32) and name not in kept else dtype
 
     def layer_of(name: str) -> str | None:  # a decoder layer's prefix, or None for the rest
         parts = name.split(".")

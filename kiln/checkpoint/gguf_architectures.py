@@ -93,6 +93,7 @@ class GGUFArchitecture:
     permuted_qk: bool = False  # llama.cpp's converter interleaved each head's rotary halves
     norm_offset: float = 0.0  # stored norm weights are the HF weights plus this (Gemma 3: 1)
     transposed: tuple[str, ...] = ()  # HF name suffixes stored [out, in] in GGUF, [in, out] in HF
+    unsuffixed: tuple[str, ...] = ()  # HF names under <layers>.N without ".weight" (gpt-oss's sinks)
     extra_tensors: tuple[str, ...] = ()  # tensors the config function reads, not weights
 
     def hf_name(self, name: str) -> str | None:
@@ -103,6 +104,8 @@ class GGUFArchitecture:
         if stem.startswith("blk."):
             _, layer, part = stem.split(".", 2)
             hf = self.block.get(part)
+            if hf in self.unsuffixed:
+                return f"{self.layers}.{layer}.{hf}" if suffix == "weight" else None
             return None if hf is None else f"{self.layers}.{layer}.{hf}.{suffix}"
         return f"{self.top[stem]}.{suffix}" if stem in self.top else None
 
@@ -180,6 +183,18 @@ def _qwen3_moe(m: Meta) -> dict:
     return {**decoder(m, ffn=experts), **global_rope(m), "num_experts": m.int("expert_count"),
             "num_experts_per_tok": m.int("expert_used_count"), "moe_intermediate_size": experts,
             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def _gpt_oss(m: Meta) -> dict:
+    experts = m.int("expert_feed_forward_length")
+    config = decoder(m, ffn=experts)
+    # llama.cpp: even layers slide (a period of 2), every layer at one rotary base and scaling
+    # (YaRN, its correction range rounded outwards: transformers' truncate), softmax over the
+    # chosen router logits, the clamped SwiGLU at OpenAI's alpha 1.702 and limit 7.
+    return {**config, **global_rope(m), "intermediate_size": experts, "num_local_experts": m.int("expert_count"),
+            "num_experts_per_tok": m.int("expert_used_count"), "sliding_window": m.int("attention.sliding_window"),
+            "layer_types": layer_types(m, config["num_hidden_layers"], 2), "swiglu_limit": 7.0,
+            "swiglu_alpha": 1.702}
 
 
 def _gemma3(m: Meta) -> dict:
@@ -286,6 +301,10 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
         "Qwen3MoeForCausalLM", "qwen3_moe", _qwen3_moe,
         {**_ATTENTION, **_QK_NORM, **_EXPERTS, "attn_norm": "input_layernorm",
          "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate"}),
+    "gpt-oss": GGUFArchitecture(
+        "GptOssForCausalLM", "gpt_oss", _gpt_oss,
+        {**_ATTENTION, **_EXPERTS, "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+         "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.router"}, unsuffixed=("self_attn.sinks",)),
     "gemma3": GGUFArchitecture(
         "Gemma3ForCausalLM", "gemma3_text", _gemma3,
         {**_ATTENTION, **_MLP, **_QK_NORM, **_OUTPUT_NORMS, "attn_norm": "input_layernorm",

@@ -42,6 +42,7 @@ class AttentionSinks(nn.Module):
     ``self_attn.sinks`` (no ``.weight``)."""
 
     external_key_map = {"weight": ""}
+    keeps_float32 = True  # in an engine of any dtype (kiln.build)
 
     def __init__(self, num_heads: int, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()

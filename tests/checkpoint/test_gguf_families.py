@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 
 from kiln.checkpoint.gguf_source import GGUFSource
@@ -38,8 +39,9 @@ from tests.utils import tiny_family_models as tiny
 from tests.utils.compare import assert_logits_close, hf_greedy, kiln_batch_prompt_logits, kiln_greedy
 from tests.utils.llama_cpp_gguf import (GPT2_VOCAB, convert_many_with_llama_cpp, save_converter_tokenizer,
                                         save_sentencepiece_tokenizer)
+from tests.utils.tiny_gguf import requantize
 from tests.utils.tiny_models import make_llama
-from tests.utils.tiny_moe_models import make_qwen3_moe
+from tests.utils.tiny_moe_models import make_gpt_oss, make_qwen3_moe
 
 V = GPT2_VOCAB
 NEW_TOKENS = 8
@@ -82,6 +84,7 @@ def _sentencepiece(hf_dir: Path, gpt2: Path) -> None:
 CASES: dict[str, tuple[Callable, dict, Callable]] = {
     "qwen3": (make_llama, dict(model_type="qwen3", vocab=V), _gpt2),
     "qwen3moe": (make_qwen3_moe, dict(vocab=V, layers=2, mlp_only_layers=[]), _gpt2),
+    "gpt-oss": (make_gpt_oss, dict(vocab=V, intermediate=64, truncate=True), _gpt2),
     "gemma3": (tiny.make_gemma3, dict(vocab=V, num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=16), _gpt2),
     "olmo2": (tiny.make_olmo2, dict(vocab=V), _gpt2),
     "olmo3": (tiny.make_olmo3, dict(vocab=V), _gpt2),
@@ -173,14 +176,22 @@ def test_gguf_reads_back_as_the_hf_checkpoint(converted, name: str) -> None:
 
 
 def _per_projection_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' fused experts (gate_up_proj: gate rows, then up rows) as GGUF's stacked projections."""
+    """transformers' fused experts as GGUF's stacked projections: ``gate_up_proj`` gate rows then
+    up rows (Qwen3-MoE), or gpt-oss's ``[E, in, out]`` with gate and up columns alternating."""
+    gpt_oss = any(k.endswith(".gate_up_proj_bias") for k in state)
     out = {}
     for key, tensor in state.items():
-        if key.endswith(".experts.gate_up_proj"):
-            stem = key.rpartition(".")[0]
-            out[f"{stem}.gate_proj.weight"], out[f"{stem}.up_proj.weight"] = tensor.chunk(2, dim=1)
-        elif key.endswith(".experts.down_proj"):
-            out[f"{key}.weight"] = tensor
+        stem, _, name = key.rpartition(".")
+        if name == "gate_up_proj":
+            gate, up = (tensor[..., 0::2].transpose(1, 2), tensor[..., 1::2].transpose(1, 2)) if gpt_oss \
+                else tensor.chunk(2, dim=1)
+            out[f"{stem}.gate_proj.weight"], out[f"{stem}.up_proj.weight"] = gate, up
+        elif name == "gate_up_proj_bias":
+            out[f"{stem}.gate_proj.bias"], out[f"{stem}.up_proj.bias"] = tensor[:, 0::2], tensor[:, 1::2]
+        elif name == "down_proj" and ".experts." in key:
+            out[f"{key}.weight"] = tensor.transpose(1, 2) if gpt_oss else tensor
+        elif name == "down_proj_bias":
+            out[f"{stem}.down_proj.bias"] = tensor
         else:
             out[key] = tensor
     return out
@@ -224,6 +235,27 @@ def test_q8_0_linears_keep_their_precision(files, no_tokenizer, tmp_path: Path) 
     prompts = [random_prompt(24, V, seed=1), random_prompt(9, V, seed=2)]
     for ours, ref in zip(kiln_batch_prompt_logits(native, prompts), kiln_batch_prompt_logits(dequantized, prompts)):
         assert (ours.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+def test_gpt_oss_mxfp4_experts_keep_their_precision(files, no_tokenizer, tmp_path: Path) -> None:
+    """gpt-oss's GGUF as released, its experts MXFP4 (here quantized from the f32 file): each
+    expert imports its E2M1 values exactly (int8 codes under 2^(e - 128) scales). The native
+    engine (bf16) stays as close to the file's float32 engine as a bf16 engine of the dequantized
+    file does (within twice its error: gpt-oss's clamped experts make bf16 itself err by ~3%),
+    in one step and in decode-sized steps."""
+    mxfp4 = requantize(files["gpt-oss"][2], tmp_path / "oss-mxfp4.gguf",
+                       dict.fromkeys(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), Q.MXFP4))
+    native = convert_and_build(mxfp4, tmp_path / "native", {}, dtype=None)
+    quant = json.loads((tmp_path / "native" / "checkpoint" / "config.json").read_text())["quantization"]
+    experts = {n: q for n, q in quant["quantized_layers"].items() if ".mlp." in n}
+    assert set(experts) == {f"transformer.layers.{i}.mlp.{p}" for i in range(2) for p in ("fc", "gate", "proj")}
+    assert {(q["quant_algo"], q["group_size"], q.get("has_offset", False)) for q in experts.values()} == {
+        ("W8A16", 32, False)}
+    fp32, bf16 = (convert_and_build(mxfp4, tmp_path / d, {}, dtype=d) for d in ("float32", "bfloat16"))
+    prompt = random_prompt(24, V, seed=1)
+    for prompts in ([prompt], [prompt[:3], prompt[3:5], prompt[5:6]]):
+        for ours, ref, plain in zip(*(kiln_batch_prompt_logits(e, prompts) for e in (native, fp32, bf16))):
+            assert (ours.float() - ref).abs().max() <= 2 * (plain.float() - ref).abs().max()
 
 
 # ----------------------------------------------------------------------------- metadata rules

@@ -110,3 +110,29 @@ def write_qwen3_moe(path: Path, types: list[dict[str, Q]], seed: int = 0) -> Non
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def requantize(src: Path, dst: Path, types: dict[str, Q]) -> Path:
+    """A copy of the float GGUF ``src`` whose tensors named ``*.<stem>.weight`` for a stem in
+    ``types`` are quantized to its type by the gguf package (row by row: stacked experts too)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(src)
+    w = GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), field.types[0], sub)
+    for t in reader.tensors:
+        data = np.array(t.data)
+        qtype = types.get(t.name.rpartition(".")[0].rpartition(".")[2]) if t.name.endswith(".weight") else None
+        if qtype is None:
+            w.add_tensor(t.name, data)
+        else:
+            w.add_tensor(t.name, quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

@@ -73,16 +73,16 @@ def _decisive_routers(hf, path: Path, seed: int, stacked: bool):
 
 
 def make_gpt_oss(path: Path, *, hidden: int = 64, layers: int = 2, experts: int = 8, top_k: int = 3,
-                 intermediate: int = 48, window: int = 8, vocab: int = 256, seed: int = 0):
+                 intermediate: int = 48, window: int = 8, vocab: int = 256, truncate: bool = False, seed: int = 0):
     """A random gpt-oss: alternating sliding (``window``) and full layers, attention sinks,
-    YaRN, biased attention, router and experts, the clamped SwiGLU. Routers, sinks and expert
+    YaRN (``truncate``: its correction range rounded outwards, as llama.cpp always does), biased attention, router and experts, the clamped SwiGLU. Routers, sinks and expert
     biases get weights large enough to matter (the default init leaves sinks and biases at 0),
     and expert weights are large enough that the SwiGLU's clamp cuts some values."""
     hf = _save_random(path, "GptOss", seed, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       num_local_experts=experts, num_experts_per_tok=top_k, sliding_window=window,
                       rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
-                                       "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16},
+                                       "beta_slow": 1.0, "truncate": truncate, "original_max_position_embeddings": 16},
                       max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1,
                       eos_token_id=2, pad_token_id=0)
     gen = torch.Generator().manual_seed(seed + 1)

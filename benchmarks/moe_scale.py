@@ -1,0 +1,249 @@
+"""kiln beside llama.cpp on mixture-of-experts models at their real size: Qwen3-30B-A3B's shape.
+
+    python benchmarks/moe_scale.py --shape qwen3-30b-a3b --quant q4_0 [--work_dir /tmp/kiln-moe] [--rounds 2]
+
+The model has the real shape (48 layers, hidden 2048, 128 experts of width 768, 8 per token, 32
+query and 4 KV heads of 128) with **random weights** and SmolLM2's tokenizer (49,152 tokens, not
+Qwen's 152k). It is written once as a GGUF whose quantized blocks are written directly (random
+codes under scales that give weights of ~0.02; routers float32), typed as llama.cpp's quantizer
+types a file of that kind: ``q4_0`` (every linear Q4_0, the head Q6_K) or ``q4_k_m`` (Q4_K, with
+Q6_K for the head and for attn_v / ffn_down_exps on llama.cpp's "more bits" layers). A bf16
+Qwen3-30B-A3B (61 GB) would not fit this disk, so no HF directory: kiln reads the same GGUF,
+keeping every block at its own precision (experts expert-major), and both engines compute with
+the same numbers.
+
+Then, with the same thread count: kiln convert and kiln build (time, peak RSS, engine size beside
+the file's); rounds alternating kiln and llama.cpp (llama-cpp-python), a fresh process per engine
+and round: load to first token, peak RSS, prefill of 512 tokens, batch-1 greedy decode, decode
+after ``--contexts`` tokens of prompt, and the share of the machine's read bandwidth the decode
+reaches on the bytes a token reads (attention, routers, head and ``top_k`` of every layer's
+experts); kiln's batched decode at 8 and 32 sequences beside llama.cpp's ``llama-batched-bench``
+(built with cmake from the llama-cpp-python sdist: ``--batched_bench PATH``) at the same batch
+sizes. Medians. Records go to ``--output_json`` (kind "moe_scale"); ``python benchmarks/report.py``
+puts the newest into benchmarks/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import scale  # benchmarks/ is on the path: scripts run from it
+from kiln.bench.common import append_record, new_record
+from kiln.bench.machine import machine_facts
+from kiln.examples import smollm2_gguf_path
+
+SHAPES = {  # hidden, layers, heads, KV heads, head size, experts, top k, expert width, rope theta
+    "qwen3-30b-a3b": (2048, 48, 32, 4, 128, 128, 8, 768, 1e6),
+}
+VOCAB = scale.VOCAB  # SmolLM2's tokenizer
+BATCHES = scale.BATCHES
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the layers a K-quant mix gives its larger type."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_types(quant: str, name: str, layer: int, layers: int):
+    """The GGUF type llama.cpp's quantizer gives tensor ``name`` (a GGUF stem) for ``quant``."""
+    from gguf import GGMLQuantizationType as Q
+
+    if name == "output":
+        return Q.Q6_K
+    if quant == "q4_0":
+        return Q.Q4_0
+    if name in ("attn_v", "ffn_down_exps") and _more_bits(layer, layers):
+        return Q.Q6_K
+    return Q.Q4_K
+
+
+# Where each type keeps its float16 scales (byte offset -> magnitude), for weights of ~0.02.
+SCALES = {"Q4_0": {0: 5e-3}, "Q8_0": {0: 1.6e-4}, "Q4_K": {0: 1e-4, 2: 3e-4}, "Q6_K": {208: 1e-5}}
+
+
+def random_blocks(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.ndarray:
+    """``rows`` rows of random ``qtype`` blocks: random codes, scales set to plausible values."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = np.frombuffer(rng.bytes(rows * (cols // block) * size), dtype=np.uint8).reshape(rows, cols // block, size)
+    raw = raw.copy()
+    for at, magnitude in SCALES[qtype.name].items():
+        halves = (rng.uniform(0.5, 1.0, size=raw.shape[:2]) * magnitude).astype(np.float16)
+        raw[..., at:at + 2] = halves.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def gguf_tensors(shape: str, quant: str) -> dict[str, tuple[tuple[int, ...], object]]:
+    """GGUF name -> (shape in HF order ``[..., out, in]``, type) of the model."""
+    from gguf import GGMLQuantizationType as Q
+
+    hidden, layers, heads, kv_heads, head, experts, _, width, _ = SHAPES[shape]
+    out = {"token_embd.weight": ((VOCAB, hidden), tensor_types(quant, "token_embd", 0, layers)),
+           "output_norm.weight": ((hidden,), Q.F32),
+           "output.weight": ((VOCAB, hidden), tensor_types(quant, "output", 0, layers))}
+    for i in range(layers):
+        matrices = {"attn_q": (heads * head, hidden), "attn_k": (kv_heads * head, hidden),
+                    "attn_v": (kv_heads * head, hidden), "attn_output": (hidden, heads * head),
+                    "ffn_gate_exps": (experts, width, hidden), "ffn_up_exps": (experts, width, hidden),
+                    "ffn_down_exps": (experts, hidden, width)}
+        out.update({f"blk.{i}.{n}.weight": (dims, tensor_types(quant, n, i, layers)) for n, dims in matrices.items()})
+        out.update({f"blk.{i}.{n}.weight": ((size,), Q.F32) for n, size in
+                    (("attn_norm", hidden), ("ffn_norm", hidden), ("attn_q_norm", head), ("attn_k_norm", head))})
+        out[f"blk.{i}.ffn_gate_inp.weight"] = ((experts, hidden), Q.F32)
+    return out
+
+
+def write_gguf(shape: str, quant: str, out: Path) -> None:
+    """The model as a GGUF, tensor by tensor (never more than one in memory)."""
+    import gguf
+
+    hidden, layers, heads, kv_heads, head, experts, top_k, width, theta = SHAPES[shape]
+    writer = gguf.GGUFWriter(str(out), "qwen3moe")
+    writer.add_name(f"random {shape} {quant}")
+    for key, value in (("block_count", layers), ("context_length", 32768), ("embedding_length", hidden),
+                       ("feed_forward_length", 6144), ("attention.head_count", heads),
+                       ("attention.head_count_kv", kv_heads), ("attention.key_length", head),
+                       ("attention.value_length", head), ("vocab_size", VOCAB), ("expert_count", experts),
+                       ("expert_used_count", top_k), ("expert_feed_forward_length", width)):
+        writer.add_uint32(f"qwen3moe.{key}", value)
+    writer.add_float32("qwen3moe.rope.freq_base", theta)
+    writer.add_float32("qwen3moe.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_uint32("general.file_type", {"q4_0": 2, "q4_k_m": 15}[quant])
+    for key, field in gguf.GGUFReader(smollm2_gguf_path()).fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if len(field.types) > 1 else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub)
+    tensors = gguf_tensors(shape, quant)
+    for name, (dims, qtype) in tensors.items():
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        nbytes = int(np.prod(dims)) // block * size
+        byte_shape = (*dims[:-1], dims[-1] // block * size)
+        writer.add_tensor_info(name, byte_shape if qtype != gguf.GGMLQuantizationType.F32 else dims,
+                               np.dtype(np.uint8 if qtype != gguf.GGMLQuantizationType.F32 else np.float32),
+                               nbytes, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(0)
+    for name, (dims, qtype) in tensors.items():
+        if qtype == gguf.GGMLQuantizationType.F32:
+            values = rng.standard_normal(dims) * 0.5 if "ffn_gate_inp" in name else np.ones(dims)
+            writer.write_tensor_data(values.astype(np.float32))
+        else:
+            rows = int(np.prod(dims[:-1]))
+            writer.write_tensor_data(random_blocks(rows, dims[-1], qtype, rng))
+    writer.close()
+
+
+def llama_batched_bench(binary: str, gguf_path: Path, batches: tuple[int, ...], new_tokens: int) -> dict:
+    """llama.cpp's batched decode tok/s (``S_TG``) at each batch size, 32-token prompts."""
+    argv = [binary, "-m", str(gguf_path), "-c", str(max(batches) * (32 + new_tokens) + 64), "-b", "512",
+            "-ub", "512", "-npp", "32", "-ntg", str(new_tokens), "-npl", ",".join(map(str, batches)),
+            "-t", str(torch.get_num_threads())]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-batched-bench failed:\n{done.stderr[-2000:]}")
+    figures = {}
+    for line in done.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and re.fullmatch(r"\d+", cells[2] or ""):
+            figures[f"decode_tok_s_batch{int(cells[2])}"] = float(cells[7])
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=list(SHAPES), default="qwen3-30b-a3b", help="model shape (default qwen3-30b-a3b)")
+    p.add_argument("--quant", choices=["q4_0", "q4_k_m"], default="q4_0", help="the GGUF's types (default q4_0)")
+    p.add_argument("--work_dir", default="/tmp/kiln-moe", help="where the file and engine go (reused)")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds; medians (default 2)")
+    p.add_argument("--new_tokens", type=int, default=32, help="greedy tokens decoded per round (default 32)")
+    p.add_argument("--contexts", nargs="*", type=int, default=[2048],
+                   help="also decode batch-1 after prompts of these many tokens (default 2048)")
+    p.add_argument("--batched_bench", default=None,
+                   help="path of llama.cpp's llama-batched-bench, for its batched decode beside kiln's")
+    p.add_argument("--output_json", default=str(Path(__file__).parent / "results.jsonl"),
+                   help="append the record here (default benchmarks/results.jsonl)")
+    args = p.parse_args(argv)
+    kiln = [str(Path(sys.executable).parent / "kiln")]
+    work = Path(args.work_dir) / f"{args.shape}-{args.quant}"
+    work.mkdir(parents=True, exist_ok=True)
+    gguf_path, ckpt, engine = work / "model.gguf", work / "ckpt", work / "engine"
+    if not gguf_path.is_file():
+        print(f"writing {gguf_path} (random {args.quant} blocks)", flush=True)
+        started = time.perf_counter()
+        write_gguf(args.shape, args.quant, gguf_path.with_suffix(".partial"))
+        gguf_path.with_suffix(".partial").rename(gguf_path)
+        print(f"  {gguf_path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - started:.0f} s", flush=True)
+    machine = machine_facts()
+    record = new_record("moe_scale", shape=args.shape, quant=args.quant, random_weights=True, vocab=VOCAB,
+                        threads=torch.get_num_threads(), new_tokens=args.new_tokens, rounds=args.rounds,
+                        machine=machine, gguf_bytes=gguf_path.stat().st_size)
+    steps = work / "steps.json"
+    if steps.is_file():
+        record.update(json.loads(steps.read_text()))
+    if not (engine / "config.json").is_file():
+        print("kiln convert + build", flush=True)
+        record["convert"] = scale.timed_child([*kiln, "convert", "--model_dir", str(gguf_path), "--output_dir",
+                                               str(ckpt)])
+        record["build"] = scale.timed_child([*kiln, "build", "--checkpoint_dir", str(ckpt), "--output_dir",
+                                             str(engine), "--max_batch_size", "32", "--max_seq_len", "8448",
+                                             "--max_input_len", "8192"])
+        subprocess.run(["rm", "-rf", str(ckpt)], check=True)
+        steps.write_text(json.dumps({"convert": record["convert"], "build": record["build"]}))
+    record["engine_bytes"] = sum(f.stat().st_size for f in engine.glob("*.safetensors"))
+    engines = {f"kiln {args.quant}": ("kiln", str(engine)), f"llama.cpp {args.quant}": ("llamacpp", str(gguf_path))}
+    runs: dict[str, list[dict]] = {name: [] for name in engines}
+    for r in range(args.rounds):
+        for name, (kind, path) in engines.items():
+            runs[name].append(scale.child(kind, path, args.new_tokens, tuple(args.contexts)))
+            print(f"round {r + 1}: {name}: {runs[name][-1]['decode_tok_s']:.2f} tok/s", flush=True)
+    bandwidth = machine.get("read_gbs")
+    record["engines"] = {}
+    for name, results in runs.items():
+        figures = {key: statistics.median(run[key] for run in results) for key in results[0] if key != "weight_bytes"}
+        figures["weight_bytes"] = results[0]["weight_bytes"]
+        if bandwidth:
+            figures["bandwidth_share"] = figures["decode_tok_s"] * figures["weight_bytes"] / (bandwidth * 1e9)
+        record["engines"][name] = figures
+    if args.batched_bench:
+        record["engines"][f"llama.cpp {args.quant}"].update(
+            llama_batched_bench(args.batched_bench, gguf_path, BATCHES, args.new_tokens // 2))
+    record["command"] = " ".join(["python", "benchmarks/moe_scale.py", *(argv if argv is not None else sys.argv[1:])])
+    print(format_moe_scale(record))
+    append_record(args.output_json, record)
+    return 0
+
+
+def format_moe_scale(record: dict) -> str:
+    gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
+    lines = [f"{record['shape']} {record['quant']} (random weights, vocab {VOCAB}), {record['threads']} threads, "
+             f"{record['new_tokens']} new tokens, median of {record['rounds']}; read bandwidth "
+             f"{record['machine'].get('read_gbs', 0):.1f} GB/s; GGUF {gb(record['gguf_bytes'])}, "
+             f"kiln engine {gb(record['engine_bytes'])}"]
+    for step in ("convert", "build"):
+        if step in record:
+            lines.append(f"  kiln {step}: {record[step]['seconds']:.0f} s, peak RSS {record[step]['peak_rss_mb']:.0f} MB")
+    for name, f in record["engines"].items():
+        share = f", {100 * f['bandwidth_share']:.0f}% of read bandwidth" if "bandwidth_share" in f else ""
+        extra = [f"batch {k.rpartition('batch')[2]}: {v:.1f}" for k, v in f.items() if k.startswith("decode_tok_s_batch")]
+        extra += [f"after {k.rpartition('context')[2]}: {v:.2f}" for k, v in f.items()
+                  if k.startswith("decode_tok_s_context")]
+        lines.append(f"  {name}: decode {f['decode_tok_s']:.2f} tok/s{share}; prefill {f['prefill_tok_s']:.1f} tok/s; "
+                     f"load {f['load_to_first_token_s']:.1f} s; peak RSS {f['peak_rss_mb']:.0f} MB; "
+                     f"{'; '.join(extra)}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
