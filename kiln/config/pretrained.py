@@ -30,6 +30,7 @@ class LayerQuant:
     group_size: int | None = None
     has_zero_point: bool = False
     has_offset: bool = False
+    codebook: str | None = None  # "e2m1": W4A16 codes are MXFP4's E2M1 nibbles (twice the value)
 
     def __post_init__(self) -> None:
         if self.quant_algo not in LAYER_ALGOS:
@@ -41,6 +42,10 @@ class LayerQuant:
             raise ConfigError(f"quantized_layers: group_size must be a positive multiple of 32, got {self.group_size!r}")
         if self.has_zero_point and (self.has_offset or self.bits == 8):
             raise ConfigError("quantized_layers: zero points are for W4A16 layers without offsets")
+        if self.codebook is not None and (self.codebook != "e2m1" or self.bits != 4 or self.has_zero_point
+                                          or self.has_offset):
+            raise ConfigError(f"quantized_layers: codebook {self.codebook!r} is not 'e2m1' on a W4A16 layer without "
+                              "zero points or offsets")
 
     @property
     def bits(self) -> int:

@@ -282,17 +282,32 @@ def quant_kernel_group(scales: torch.Tensor, group_size: int | None) -> int:
     return 0 if scales.dim() == 1 else int(group_size)
 
 
+CODES_E2M1 = 0x100  # kernels.h KILN_CODES_E2M1: or'd into the bits of MXFP4's 4-bit E2M1 codes
+CODEBOOKS = ("e2m1",)  # 4-bit codes through a table (quant_linear.c); None: plain integers
+
+
+def quant_bits_arg(bits: int, codebook: str | None) -> int:
+    """The kernels' ``bits`` argument for ``bits``-bit codes read through ``codebook``."""
+    if codebook is None:
+        return bits
+    if codebook not in CODEBOOKS or bits != 4:
+        raise ValueError(f"codebook {codebook!r} with {bits}-bit codes: the kernels take {CODEBOOKS} 4-bit codes")
+    return bits | CODES_E2M1
+
+
 def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int,
                  group_size: int | None, bias: torch.Tensor | None, out_features: int, *,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, codebook: str | None = None) -> torch.Tensor:
     """``F.linear`` of bf16 ``x`` ``[m, k]`` with a weight-only quantized weight in the kernels'
     layout: ``codes`` from ``quant_pack``, ``scales`` and ``offsets`` (or None) from
-    ``quant_pack_scales`` (see quant_linear.c); ``group_size`` is ignored for scales per channel."""
+    ``quant_pack_scales`` (see quant_linear.c); ``group_size`` is ignored for scales per channel;
+    ``codebook`` "e2m1": 4-bit codes are MXFP4's E2M1 nibbles."""
     m, k = x.shape
     y = output(out, m, out_features, torch.bfloat16)
     native_library().kiln_quant_linear_bf16(
         x.contiguous().data_ptr(), codes.data_ptr(), scales.data_ptr(),
-        offsets.data_ptr() if offsets is not None else None, bits, quant_kernel_group(scales, group_size),
+        offsets.data_ptr() if offsets is not None else None, quant_bits_arg(bits, codebook),
+        quant_kernel_group(scales, group_size),
         bias.data_ptr() if bias is not None else None, y.data_ptr(), m, out_features, k, torch.get_num_threads())
     return y
 

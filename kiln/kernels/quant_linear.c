@@ -6,6 +6,10 @@
  *   int8, per group:             w[c][k] = q * scale[c][g] + offset[c][g]  (offset 0 when not stored)
  *   4-bit:                       w[c][k] = u * scale[c][g] + offset[c][g]  (u 0..15; offset
  *                                                          -8 * scale when not stored; g = k / group)
+ *   4-bit E2M1 (bits 4 | KILN_CODES_E2M1: MXFP4's codes): u = E2M1_U[nibble], twice the E2M1
+ *     value plus 12 (0..24), offset -12 * scale when not stored, so w = 2 * E2M1 * scale (an
+ *     MXFP4 block's E8M0 scale 2^(e - 127) is scale 2^(e - 128)). One shuffle of each code
+ *     vector through the 16-entry table; everything else is the 4-bit path.
  *
  * A zero point z is the offset -z * scale; GGUF's Q4_1 / K-quant minimums are offsets as they are.
  *
@@ -38,12 +42,16 @@
 #include <immintrin.h>
 #endif
 
+/* nibble -> twice its E2M1 value plus 12: 0, 0.5, 1, 1.5, 2, 3, 4, 6, then the negatives */
+static const uint8_t E2M1_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
 typedef struct {
     const uint8_t *codes;            /* see the layouts above */
     const float *channel_scales;     /* int8 per channel: [n]; else NULL */
     const uint16_t *scales;          /* per group: float16 [n / 16][groups][16] */
     const uint16_t *offsets;         /* per group: float16 [n / 16][groups][16], or NULL */
     int64_t n, k, group, bits;       /* group: k for per-channel scales */
+    int e2m1;                        /* 4-bit codes index E2M1_U */
 } kiln_qweight;
 
 static inline float half_load(uint16_t h) {
@@ -92,7 +100,9 @@ void kiln_quant_pack(const uint8_t *codes, uint8_t *out, int64_t n, int64_t k, i
 }
 
 /* The offset a group has when none is stored: 4-bit codes are centred on 8, int8 codes on 0. */
-static inline float implicit_offset(const kiln_qweight *W, float s) { return W->bits == 4 ? -8.f * s : 0.f; }
+static inline float implicit_offset(const kiln_qweight *W, float s) {
+    return W->bits == 4 ? (W->e2m1 ? -12.f : -8.f) * s : 0.f;
+}
 
 /* Scale and offset of the 16 columns of block nb in group g (fp32). */
 static inline void column_scales(const kiln_qweight *W, int64_t nb, int64_t g, float s[16], float o[16]) {
@@ -113,8 +123,16 @@ static inline void column_scales(const kiln_qweight *W, int64_t nb, int64_t g, f
 /* The 4-bit code of column c, k index kk (kk < 32) of k block kb in block nb (chunk order). */
 static inline int code4(const kiln_qweight *W, int64_t nb, int64_t kb, int c, int kk) {
     const uint8_t byte = W->codes[chunk_at(W->n, W->k, nb, kb * 4 + kk / 8) + 4 * c + kk % 4];
-    return (kk % 8) < 4 ? byte & 0x0f : byte >> 4;
+    const int u = (kk % 8) < 4 ? byte & 0x0f : byte >> 4;
+    return W->e2m1 ? E2M1_U[u] : u;
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* E2M1_U in each 128-bit lane, for VPSHUFB (a byte's low 4 bits pick within its lane). */
+static inline __m512i e2m1_table(void) {
+    return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)E2M1_U));
+}
+#endif
 
 static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, int64_t kblocks, bf16_t *scratch) {
     const kiln_qweight *W = weight;
@@ -150,10 +168,12 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
                 continue;
             }
             const __m512i mask = _mm512_set1_epi8(0x0f);
+            const __m512i table = e2m1_table();
             for (int j = 0; j < 4; ++j) {
                 const __m512i bytes = _mm512_loadu_si512(W->codes + chunk_at(W->n, W->k, nb0 + b, kb * 4 + j));
-                const __m512i nibbles[2] = {_mm512_and_si512(bytes, mask),
-                                            _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask)};
+                __m512i nibbles[2] = {_mm512_and_si512(bytes, mask), _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask)};
+                if (W->e2m1)
+                    for (int h = 0; h < 2; ++h) nibbles[h] = _mm512_shuffle_epi8(table, nibbles[h]);
                 for (int h = 0; h < 2; ++h) {
                     const __m512i rows = _mm512_permutexvar_epi8(pick, nibbles[h]);  /* rows 4j + 2h, 4j + 2h + 1 */
                     for (int r = 0; r < 2; ++r) {
@@ -282,14 +302,18 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
                 }
             }
         } else {
-            const __m512i mask = _mm512_set1_epi8(0x0f);
+            const __m512i mask = _mm512_set1_epi8(0x0f), table = e2m1_table();
             for (int64_t j = k0 / 8; j < k1 / 8; ++j) {
                 for (int b = 0; b < NB; ++b) {
                     const uint8_t *chunk = panel + (j * NB + b) * 64;
                     _mm_prefetch((const char *)(chunk + next_panel), _MM_HINT_T0);
                     const __m512i bytes = _mm512_loadu_si512(chunk);
-                    const __m512i low = _mm512_and_si512(bytes, mask);                       /* k 8j .. 8j + 3 */
-                    const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask);  /* k 8j + 4 .. */
+                    __m512i low = _mm512_and_si512(bytes, mask);                       /* k 8j .. 8j + 3 */
+                    __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask);  /* k 8j + 4 .. */
+                    if (W->e2m1) {
+                        low = _mm512_shuffle_epi8(table, low);
+                        high = _mm512_shuffle_epi8(table, high);
+                    }
                     for (int t = 0; t < MT; ++t) {
                         const int64_t at = (t0 + t) * k + 8 * j;
                         acc[t][b] = _mm512_dpbusd_epi32(acc[t][b], low, bcast32(in->x8 + at));
@@ -402,12 +426,12 @@ static void quant_gemv(const bf16_t *x, const kiln_qweight *W, const bf16_t *bia
 #endif
 
 /* group 0: int8 codes with float32 scales per output channel; else float16 scales (and offsets,
- * or NULL) per group of k. */
+ * or NULL) per group of k. bits: 8, 4, or 4 | KILN_CODES_E2M1. */
 void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const void *scales, const void *offsets,
                             int64_t bits, int64_t group, const bf16_t *bias, bf16_t *y, int64_t m, int64_t n,
                             int64_t k, int num_threads) {
     const kiln_qweight W = {codes, group ? NULL : scales, group ? scales : NULL, group ? offsets : NULL,
-                            n, k, group ? group : k, bits};
+                            n, k, group ? group : k, bits & ~KILN_CODES_E2M1, (bits & KILN_CODES_E2M1) != 0};
 #ifdef HAVE_QUANT_GEMV
     if (m <= QUANT_GEMV_MAX_ROWS) {
         quant_gemv(x, &W, bias, y, m, num_threads);

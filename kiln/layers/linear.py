@@ -53,6 +53,7 @@ class Linear(nn.Module):
                      if bias else None)
 
     quant_bits: int | None = None  # 8 or 4 once use_weight_only() switched the weight to codes
+    codebook: str | None = None  # "e2m1": those 4-bit codes are MXFP4's E2M1 nibbles
     act_quant: bool = False  # True once use_w8a8() switched to SmoothQuant W8A8 (int8 activations too)
     fp8: bool = False  # True once use_fp8() switched to FP8 e4m3 weights and activations
     # The weight (codes, or an engine's float bf16 weight: kernels.pack_bf16) is in the kernels' tile layout.
@@ -76,13 +77,15 @@ class Linear(nn.Module):
 
     def use_weight_only(self, bits: int, group_size: int | None, has_zero_point: bool,
                         tensors: dict[str, torch.Tensor] | None = None, *, has_offset: bool = False,
-                        tile_order: bool = False) -> None:
+                        tile_order: bool = False, codebook: str | None = None) -> None:
         """Replace the float weight by weight-only quantized parameters (the given ``tensors``, or
         empty ones of the right shapes): ``weight`` codes, ``weights_scaling_factor`` (8-bit with
         ``group_size`` None: one per output channel; else one per group) and, per group, the
         integer ``zero`` (``has_zero_point``, 4-bit) or the float ``weights_offset``
         (``has_offset``). ``tile_order``: the tensors are in the kernels' layout (an engine's:
-        ``kernels.quant_pack`` and ``quant_pack_scales``, where a zero point becomes an offset)."""
+        ``kernels.quant_pack`` and ``quant_pack_scales``, where a zero point becomes an offset).
+        ``codebook`` "e2m1": 4-bit codes are MXFP4's E2M1 nibbles (``quantized_matmul.dequantize``)."""
+        kernels.quant_bits_arg(bits, codebook)  # a ValueError for a codebook the kernels lack
         out_features, in_features = self.weight.shape
         grouped = (out_features, in_features // group_size) if group_size is not None else None
         shapes = {"weight": ((out_features, in_features), torch.int8) if bits == 8
@@ -97,7 +100,7 @@ class Linear(nn.Module):
                 if name in shapes:
                     shapes[name] = ((out_features // 16, grouped[1], 16), torch.float16)
         self._set_parameters(shapes, tensors)
-        self.quant_bits, self.group_size, self.tile_order = bits, group_size, tile_order
+        self.quant_bits, self.group_size, self.tile_order, self.codebook = bits, group_size, tile_order, codebook
 
     def use_prequant_scale(self, factor: torch.Tensor | None = None) -> None:
         """Give a quantized layer AWQ's ``prequant_scaling_factor`` (float32 ``[in_features]``,
@@ -150,7 +153,7 @@ class Linear(nn.Module):
         """The float32 weight a quantized layer stands for (row-major codes only)."""
         tensors = {name: getattr(self, name) for name in ("weight", "weights_scaling_factor", "zero", "weights_offset")
                    if hasattr(self, name)}
-        return dequantize(tensors, self.quant_bits, self.group_size)
+        return dequantize(tensors, self.quant_bits, self.group_size, self.codebook)
 
     def _quantized_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         prequant = getattr(self, "prequant_scaling_factor", None)
@@ -164,7 +167,8 @@ class Linear(nn.Module):
             return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
         y = kernels.quant_linear(x.reshape(-1, self.in_features).to(torch.bfloat16), self.weight,
                                  self.weights_scaling_factor, getattr(self, "weights_offset", None), self.quant_bits,
-                                 self.group_size, None if bias is None else bias.to(torch.bfloat16), self.out_features)
+                                 self.group_size, None if bias is None else bias.to(torch.bfloat16), self.out_features,
+                                 codebook=self.codebook)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

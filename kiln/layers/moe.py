@@ -147,15 +147,16 @@ class ExpertLinear(nn.Module):
 
     def use_weight_only(self, bits: int, group_size: int | None, has_zero_point: bool,
                         tensors: dict[str, torch.Tensor] | None = None, *, has_offset: bool = False,
-                        tile_order: bool = False) -> None:
+                        tile_order: bool = False, codebook: str | None = None) -> None:
         """Give every expert :meth:`Linear.use_weight_only`'s parameters, stacked expert-major
         (``[E, ...]`` each: one expert's codes, scales and offsets lie together, so a step reads
         only its chosen experts' bytes): the given ``tensors``, or empty ones of those shapes."""
         fmt = dict(bits=bits, group_size=group_size, has_zero_point=has_zero_point, has_offset=has_offset,
-                   tile_order=tile_order)
+                   tile_order=tile_order, codebook=codebook)
         with torch.device("meta"):
             one = Linear(self.in_features, self.out_features, bias=False, dtype=self.weight.dtype)
-            one.use_weight_only(bits, group_size, has_zero_point, has_offset=has_offset, tile_order=tile_order)
+            one.use_weight_only(bits, group_size, has_zero_point, has_offset=has_offset, tile_order=tile_order,
+                                codebook=codebook)
         for name, p in one.named_parameters():
             shape = (self.num_experts, *p.shape)
             tensor = tensors[name] if tensors is not None else torch.empty(shape, dtype=p.dtype,
@@ -190,7 +191,7 @@ class ExpertLinear(nn.Module):
                     f = self.quant_format
                     view.use_weight_only(f["bits"], f["group_size"], f["has_zero_point"],
                                          {n: getattr(self, n).data[e] for n in names}, has_offset=f["has_offset"],
-                                         tile_order=f["tile_order"])
+                                         tile_order=f["tile_order"], codebook=f["codebook"])
                 views.append(view)
             self._views, self._views_key = views, key
         return self._views

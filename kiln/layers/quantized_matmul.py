@@ -11,13 +11,22 @@ from kiln import kernels
 E4M3_MAX = 448.0  # the largest finite e4m3 value
 
 
-def dequantize(tensors: dict[str, torch.Tensor], bits: int, group_size: int | None = 64) -> torch.Tensor:
+# MXFP4's E2M1 values, doubled so they are integers (-12..12): nibble -> 2 * value.
+E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def dequantize(tensors: dict[str, torch.Tensor], bits: int, group_size: int | None = 64,
+               codebook: str | None = None) -> torch.Tensor:
     """The float32 weight ``[out, in]`` that row-major ``tensors`` (``quantize_weight``'s, or an
     imported GGUF linear's) stand for: ``code * scale`` per channel; per group ``code * scale +
-    weights_offset``, or ``(code - zero) * scale`` (zero 8 for 4-bit codes, 0 for int8 ones)."""
+    weights_offset``, or ``(code - zero) * scale`` (zero 8 for 4-bit codes, 0 for int8 ones).
+    ``codebook`` "e2m1": each 4-bit code is an E2M1 nibble standing for twice its value (MXFP4's
+    blocks under scales 2^(e - 128))."""
     codes, scale = tensors["weight"], tensors["weights_scaling_factor"]
     if bits == 4:
         codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).view(codes.shape[0], -1)
+    if codebook == "e2m1":
+        return torch.tensor(E2M1_DOUBLED, dtype=torch.float32)[codes.long()] * scale.repeat_interleave(group_size, dim=1)
     codes = codes.float()
     if scale.dim() == 1:
         return codes * scale[:, None]
@@ -31,9 +40,6 @@ def dequantize(tensors: dict[str, torch.Tensor], bits: int, group_size: int | No
         codes = codes - 8.0
     return codes * per_input(scale)
 
-
-# MXFP4's E2M1 values, doubled so they are integers (-12..12): nibble -> 2 * value.
-E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 def e8m0_half(exponents: torch.Tensor) -> torch.Tensor:

@@ -247,7 +247,8 @@ def _linear_weights(linear) -> kernels.LinearWeights:
                                      ptr(linear.weights_scaling_factor), None, fp8=1, **extras)
     if linear.quant_bits:
         scales = linear.weights_scaling_factor
-        return kernels.LinearWeights(ptr(linear.weight), ptr(linear.bias), None, linear.quant_bits,
+        return kernels.LinearWeights(ptr(linear.weight), ptr(linear.bias), None,
+                                     kernels.quant_bits_arg(linear.quant_bits, linear.codebook),
                                      kernels.quant_kernel_group(scales, linear.group_size), ptr(scales),
                                      ptr(getattr(linear, "weights_offset", None)), fp8=0, **extras)
     packed = linear.packed_weight() if linear.weight.dtype == torch.bfloat16 else None

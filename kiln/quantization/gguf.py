@@ -117,8 +117,8 @@ def use_gguf_layout(model: nn.Module, source: GGUFSource, translate) -> QuantCon
     layers = {}
     for name, (linear, types, f) in plan.items():
         algo = "W8A16" if f.bits == 8 else "W4A16"
-        layers[name] = LayerQuant(algo, GROUP, has_offset=f.offset)
-        linear.use_weight_only(f.bits, GROUP, False, has_offset=f.offset)
+        layers[name] = LayerQuant(algo, GROUP, has_offset=f.offset, codebook=f.codebook)
+        linear.use_weight_only(f.bits, GROUP, False, has_offset=f.offset, codebook=f.codebook)
         linear.external_key_map = {**(getattr(linear, "external_key_map", None) or {}), "weight": BLOCKS}
         linear.weight_postprocess = (_experts_postprocess_for(types[0], f) if isinstance(linear, ExpertLinear)
                                      else _postprocess_for(types, f))
@@ -136,7 +136,7 @@ def _postprocess_for(types: list, f: Native):
 
     def postprocess(key: str, weights: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         stem = key.rpartition(".")[0]
-        tensors = to_format([decode(raw, t) for raw, t in zip(weights, types)], f.bits, f.offset)
+        tensors = to_format([decode(raw, t) for raw, t in zip(weights, types)], f.bits, f.offset, f.codebook)
         return {f"{stem}.{name}": tensor for name, tensor in tensors.items()}
 
     return postprocess
@@ -152,7 +152,7 @@ def _experts_postprocess_for(qtype, f: Native):
         # Every step is row by row: a run of experts decodes at once (a few hundred MB of
         # intermediates at most: 128 experts at once took 3.8 GB for Qwen3-30B-A3B's shapes).
         run = max(1, EXPERT_RUN_WEIGHTS // (rows * raw.shape[2]))
-        parts = [to_format([decode(raw[e:e + run].reshape(-1, raw.shape[2]), qtype)], f.bits, f.offset)
+        parts = [to_format([decode(raw[e:e + run].reshape(-1, raw.shape[2]), qtype)], f.bits, f.offset, f.codebook)
                  for e in range(0, experts, run)]
         return {f"{stem}.{name}": torch.cat([p[name] for p in parts]).reshape(experts, rows, *parts[0][name].shape[1:])
                 for name in parts[0]}

@@ -16,6 +16,9 @@ Q5_K     u (0..31)                     d * sc                          -dmin * m
 MXFP4    2 * E2M1 value (-12..12)      2 ** (e - 128) (E8M0 byte e)    none
 =======  ============================  ==============================  ===============
 
+MXFP4 keeps its 4-bit nibbles in kiln's ``e2m1`` codebook (the kernels map each nibble to twice
+its E2M1 value), so its blocks take 4.5 bits a weight (float16 scales), not 8.5 as int8 codes.
+
 These decode exactly: ``code * scale + offset`` in float32 is, bit for bit, what
 ``gguf.quants.dequantize`` computes (every product here is exact in float32). Any other type
 (Q6_K's 16-weight sub-blocks, Q2_K, Q3_K, the IQ types) is dequantized by the gguf package and
@@ -49,10 +52,11 @@ class Native:
     bits: int
     offset: bool
     exact: bool = True
+    codebook: str | None = None  # "e2m1": 4-bit codes are E2M1 nibbles (MXFP4)
 
 
 NATIVE = {T.Q8_0: Native(8, False), T.Q4_0: Native(4, False), T.Q4_1: Native(4, True), T.Q5_0: Native(8, False),
-          T.Q5_1: Native(8, True), T.Q4_K: Native(4, True), T.Q5_K: Native(8, True), T.MXFP4: Native(8, False)}
+          T.Q5_1: Native(8, True), T.Q4_K: Native(4, True), T.Q5_K: Native(8, True), T.MXFP4: Native(4, False, codebook="e2m1")}
 ROUNDED = Native(8, False, exact=False)  # any other quantized type: int8 codes rounded to nearest
 
 
@@ -132,14 +136,32 @@ def decode(raw: torch.Tensor, qtype: GGMLQuantizationType) -> Decoded:
 
 
 def finest(formats: list[Native]) -> Native:
-    """The format holding every one of ``formats`` exactly: the most bits, an offset if any has one."""
-    return Native(max(f.bits for f in formats), any(f.offset for f in formats), all(f.exact for f in formats))
+    """The format holding every one of ``formats`` exactly: the most bits, an offset if any has
+    one; 8 bits where 4-bit formats read their codes differently (E2M1 beside integers)."""
+    bits, codebooks = max(f.bits for f in formats), {f.codebook for f in formats}
+    if len(codebooks) > 1:
+        bits, codebooks = 8, {None}
+    return Native(bits, any(f.offset for f in formats), all(f.exact for f in formats),
+                  codebooks.pop() if bits == 4 else None)
 
 
-def to_format(parts: list[Decoded], bits: int, offset: bool) -> dict[str, torch.Tensor]:
+# twice an E2M1 value (-12..12) + 12 -> its nibble (-1: not an E2M1 value); -0 is nibble 0
+_E2M1_NIBBLE = np.full(25, -1, dtype=np.int16)
+for _nibble, _doubled in reversed(list(enumerate(E2M1_DOUBLED))):
+    _E2M1_NIBBLE[_doubled + 12] = _nibble
+
+
+def to_format(parts: list[Decoded], bits: int, offset: bool, codebook: str | None = None) -> dict[str, torch.Tensor]:
     """kiln's checkpoint tensors (``weight``, ``weights_scaling_factor``, ``weights_offset`` when
     ``offset``) of ``parts`` stacked along the rows, in ``bits``-bit codes; exact for parts whose
-    formats ``finest`` gives this one. A 4-bit layout without offsets centres codes on 8."""
+    formats ``finest`` gives this one. A 4-bit layout without offsets centres codes on 8; the
+    ``e2m1`` codebook takes MXFP4 parts' doubled E2M1 values back to their nibbles."""
+    if codebook == "e2m1":
+        codes_t = torch.cat([p.codes for p in parts])
+        nibbles = torch.from_numpy(_E2M1_NIBBLE)[(codes_t + 12).clamp(0, 24).long()]
+        if (codes_t.abs() > 12).any() or (nibbles < 0).any():
+            raise ValueError("GGUF codes are not doubled E2M1 values: they do not fit the e2m1 codebook")
+        return pack_4bit(nibbles, torch.cat([p.scale for p in parts]).float().contiguous(), None, has_zero_point=False)
     codes, scales, offsets = [], [], []
     for part in parts:
         c, o = part.codes, part.offset

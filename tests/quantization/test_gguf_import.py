@@ -26,10 +26,12 @@ from tests.utils.tiny_gguf import EXPERTS, LINEARS, tensor_bytes, write_llama, w
 EXACT = list(NATIVE)
 
 
-def _wider(qtype: Q) -> list[tuple[int, bool]]:
+def _wider(qtype: Q) -> list[tuple[int, bool, str | None]]:
     """Every format holding ``qtype``'s blocks: its own, with an offset, and in 8 bits."""
     f = native(qtype)
-    return sorted({(f.bits, f.offset), (f.bits, True), (8, f.offset), (8, True)})
+    if f.codebook is not None:  # MXFP4: its own E2M1 codes, or int8 codes with or without offsets
+        return [(4, False, f.codebook), (8, False, None), (8, True, None)]
+    return sorted({(f.bits, f.offset, None), (f.bits, True, None), (8, f.offset, None), (8, True, None)})
 
 
 @pytest.mark.parametrize("qtype", [*EXACT, Q.Q6_K], ids=lambda q: q.name)
@@ -37,9 +39,9 @@ def test_blocks_decode_to_the_packages_values(qtype):
     raw = tensor_bytes((32, 512), qtype, np.random.default_rng(3), None)
     expected = torch.from_numpy(gguf_dequantize(raw, qtype))
     decoded = decode(torch.from_numpy(raw), qtype)
-    for bits, offset in _wider(qtype) if qtype in NATIVE else [(8, False)]:
-        tensors = to_format([decoded], bits, offset)
-        got = dequantize(tensors, bits, 32)
+    for bits, offset, codebook in _wider(qtype) if qtype in NATIVE else [(8, False, None)]:
+        tensors = to_format([decoded], bits, offset, codebook)
+        got = dequantize(tensors, bits, 32, codebook)
         if qtype in NATIVE:  # bit for bit, in the file's own format or any finer one
             assert torch.equal(got, expected), (bits, offset)
         else:  # Q6_K's 16-weight sub-blocks: rounded to nearest into int8 groups of 32
@@ -171,7 +173,7 @@ EXPECTED_EXPERTS = {"transformer.layers.0.mlp.fc": LayerQuant(W4, 32, has_offset
                     "transformer.layers.0.mlp.proj": LayerQuant(W8, 32),
                     "transformer.layers.1.mlp.fc": LayerQuant(W8, 32),
                     "transformer.layers.1.mlp.gate": LayerQuant(W8, 32),
-                    "transformer.layers.1.mlp.proj": LayerQuant(W8, 32)}
+                    "transformer.layers.1.mlp.proj": LayerQuant(W4, 32, codebook="e2m1")}
 EXPERT_PARTS = {"fc": "gate_proj", "gate": "up_proj", "proj": "down_proj"}
 
 
@@ -200,7 +202,7 @@ def test_experts_keep_their_blocks_expert_by_expert(moe, tmp_path):
             assert all(t.shape[0] == EXPERTS for t in stacked.values())
             for e in range(EXPERTS):
                 one = {t: v[e] for t, v in stacked.items()}
-                got = dequantize(one, fmt.bits, 32)
+                got = dequantize(one, fmt.bits, 32, fmt.codebook)
                 if src.tensor_type(f"model.layers.{layer}.mlp.experts.{part}.weight") == Q.Q6_K:
                     step = one["weights_scaling_factor"].repeat_interleave(32, dim=1)
                     assert torch.all((got - expected[e]).abs() <= step / 2 * (1 + 1e-6)), name

@@ -4,6 +4,7 @@ a gpt-oss checkpoint whose experts are MXFP4 computes what HF computes with thos
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
@@ -70,3 +71,35 @@ def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path, build_from_hf) -> None:
     engine = build_from_hf(tmp_path / "hf", tmp_path / "kiln", {})
     case = type("Case", (), {"hf": hf, "engine_dir": engine})
     check_prompt_logits(case)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])  # decode's GEMV from the codes; dequantized tiles
+def test_e2m1_codes_through_the_kernel(rows: int) -> None:
+    """MXFP4 blocks kept as 4-bit E2M1 codes (GGUF import): the checkpoint's tensors dequantize
+    to the gguf package's values bit for bit, and the kernel on the engine's layout computes
+    ``x W^T`` with them: from the codes with x in int8 blocks of 32 (llama.cpp's Q8 activations)
+    for a few rows, through bf16 tiles (as a bf16 matmul of the same weights) for more."""
+    from kiln import kernels
+    from kiln.layers.quantized_matmul import dequantize as dequantize_kiln
+    from kiln.quantization.gguf_blocks import decode, to_format
+
+    rng = np.random.default_rng(rows)
+    w = (rng.standard_normal((48, 256)) * 0.05).astype(np.float32)
+    raw = quantize(w, GGMLQuantizationType.MXFP4)
+    expected = torch.from_numpy(dequantize(raw, GGMLQuantizationType.MXFP4))
+    tensors = to_format([decode(torch.from_numpy(raw), GGMLQuantizationType.MXFP4)], 4, False, "e2m1")
+    assert torch.equal(dequantize_kiln(tensors, 4, 32, "e2m1"), expected)
+    if not kernels.quant_shape_tiles(48, 256, 4, 32):
+        pytest.skip("no native kernels here")
+    codes = kernels.quant_pack(tensors["weight"], 4)
+    scales, _ = kernels.quant_pack_scales(tensors["weights_scaling_factor"])
+    x = torch.randn(rows, 256).to(torch.bfloat16)
+    got = kernels.quant_linear(x, codes, scales, None, 4, 32, None, 48, codebook="e2m1").float()
+    if rows <= 12:
+        blocks = x.float().view(rows, -1, 32)
+        step = blocks.abs().amax(dim=-1, keepdim=True) / 127
+        ref = ((blocks / step).round() * step).view(rows, -1) @ expected.t()
+        assert (got - ref).abs().max() <= 0.01 * ref.abs().max()  # bf16 output rounding
+    else:
+        ref, plain = x.float() @ expected.t(), (x @ expected.to(torch.bfloat16).t()).float()
+        assert (got - ref).abs().max() <= 2 * (plain - ref).abs().max()
