@@ -28,6 +28,7 @@ from one CPU and one day. The dated log of every measurement, with the analyses,
 [docs/benchmark-log.md](../docs/benchmark-log.md).
 
 Run: `python benchmarks/scale.py --shape smollm2-1.7b` (real model sizes beside llama.cpp);
+`python benchmarks/moe_scale.py` (a mixture of experts at its real size beside llama.cpp);
 `kiln bench latency|throughput --engine_dir ENGINE [--hf_gguf FILE] --output_json
 benchmarks/results.jsonl`; `python benchmarks/fuzz_server.py` (robustness); the other scripts
 here print their figures (their docstrings say how).
@@ -137,6 +138,43 @@ def _scale(records: list[dict]) -> list[str]:
             "`python benchmarks/scale.py --shape smollm2-1.7b|llama-3.2-3b|llama-3.1-8b`: the same weights as a "
             "sharded HF directory (kiln) and a bf16 GGUF (llama.cpp, quantized by its own quantizer); batch-1 "
             "greedy decode after a 32-token prompt, each engine in a fresh process per round, rounds alternating.",
+            "", *rows, "", *notes]
+
+
+def _moe_scale(records: list[dict]) -> list[str]:
+    """The newest moe_scale record per shape, quantization and CPU: kiln beside llama.cpp on one GGUF."""
+    latest: dict[tuple, dict] = {}
+    for r in records:
+        if r.get("kind") == "moe_scale" and len(r.get("engines", {})) == 2:
+            latest[(r["shape"], r["quant"], _cpu(r))] = r
+    rows = ["| date | CPU | shape, GGUF | decode tok/s kiln / llama.cpp | ratio | % of read bandwidth | "
+            "after 2048 tokens | batch 8 | batch 32 | prefill 512 tok/s | load s | peak RSS MB |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    notes = []
+    for (shape, quant, cpu), r in sorted(latest.items(), key=lambda kv: kv[1]["date"], reverse=True)[:ROWS]:
+        k, ll = (r["engines"][f"{name} {quant}"] for name in ("kiln", "llama.cpp"))
+
+        def both(key: str, fmt: str) -> str:
+            return f"{format(k[key], fmt)} / {format(ll[key], fmt)}" if key in k and key in ll else "-"
+
+        share = (f"{100 * k['bandwidth_share']:.0f}% / {100 * ll['bandwidth_share']:.0f}%"
+                 if "bandwidth_share" in k and "bandwidth_share" in ll else "-")
+        rows.append(f"| {r['date'][:10]} | {cpu} | {shape} {quant} | {both('decode_tok_s', '.2f')} | "
+                    f"{k['decode_tok_s'] / ll['decode_tok_s']:.2f}x | {share} | {both('decode_tok_s_context2048', '.2f')} | "
+                    f"{both('decode_tok_s_batch8', '.1f')} | {both('decode_tok_s_batch32', '.1f')} | "
+                    f"{both('prefill_tok_s', '.1f')} | {both('load_to_first_token_s', '.1f')} | "
+                    f"{both('peak_rss_mb', '.0f')} |")
+        notes.append(f"- {shape} {quant}: GGUF {r['gguf_bytes'] / 1e9:.2f} GB, kiln engine {r['engine_bytes'] / 1e9:.2f} GB; "
+                     f"kiln convert {r['convert']['seconds']:.0f} s / {r['convert']['peak_rss_mb']:.0f} MB peak RSS, "
+                     f"build {r['build']['seconds']:.0f} s / {r['build']['peak_rss_mb']:.0f} MB; `{_short(r['command'])}`")
+    return ["## Mixture of experts at real size: kiln beside llama.cpp on one GGUF (random weights, SmolLM2's "
+            "vocabulary)", "",
+            "`python benchmarks/moe_scale.py --shape qwen3-30b-a3b --quant q4_0|q4_k_m --batched_bench "
+            "PATH/llama-batched-bench`: the GGUF's quantized blocks written directly; kiln converts it keeping each "
+            "block's precision (experts expert-major). Batch-1 greedy decode after a 32-token prompt and after 2048 "
+            "tokens, each engine in a fresh process per round, rounds alternating; batched decode: kiln's scheduler "
+            "beside llama.cpp's `llama-batched-bench` (S_TG). Bandwidth share: bytes a token reads (attention, routers, "
+            "head, top-k of each layer's experts) x tok/s over the machine's measured read bandwidth.",
             "", *rows, "", *notes]
 
 
@@ -254,7 +292,7 @@ def _speculative(records: list[dict]) -> list[str]:
 
 
 def render(records: list[dict]) -> str:
-    parts = [HEADER.rstrip(), "", *_scale(records), "", *_quality(records), "", *_scoring(records), "",
+    parts = [HEADER.rstrip(), "", *_scale(records), "", *_moe_scale(records), "", *_quality(records), "", *_scoring(records), "",
              *_structured_decode(records), "", *_speculative(records), "",
              *_latency(records), "", *_throughput(records), "", *_robustness(records)]
     return "\n".join(parts) + "\n"
