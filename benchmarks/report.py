@@ -89,7 +89,7 @@ PAIRS = (("kiln bf16", "llama.cpp bf16"), ("kiln W8A16", "llama.cpp q8_0"), ("ki
          ("kiln W4A16", "llama.cpp q4_k_m"), ("kiln W4A16_IMATRIX", "llama.cpp q4_k_m"))
 
 
-SCALE_SHAPES = 3  # shapes in the real-size table: the newest measured
+SCALE_SHAPES = 2  # shapes in the real-size table: the newest measured (the log keeps the rest)
 
 
 def _scale(records: list[dict]) -> list[str]:
@@ -130,10 +130,10 @@ def _scale(records: list[dict]) -> list[str]:
                 c, b = r["convert"][mode], r["build"][mode]
                 steps[mode] = (f"{mode} {c['seconds']:.0f} s / {c['peak_rss_mb']:.0f} MB, "
                                f"{b['seconds']:.0f} s / {b['peak_rss_mb']:.0f} MB")
-        if long:
-            notes.append(f"- {shape}, decode tok/s after a long prompt: {'; '.join(long)}")
-        if steps:
-            notes.append(f"- {shape}, kiln convert, build (time / peak RSS): {'; '.join(steps.values())}")
+        parts = ([f"decode tok/s after a long prompt: {'; '.join(long)}"] if long else []) + (
+            [f"kiln convert, build (time / peak RSS): {'; '.join(steps.values())}"] if steps else [])
+        if parts:
+            notes.append(f"- {shape}: {'. '.join(parts)}")
     return ["## Real model sizes: kiln beside llama.cpp (random weights of real shapes, SmolLM2's vocabulary)", "",
             "`python benchmarks/scale.py --shape smollm2-1.7b|llama-3.2-3b|llama-3.1-8b`: the same weights as a "
             "sharded HF directory (kiln) and a bf16 GGUF (llama.cpp, quantized by its own quantizer); batch-1 "
@@ -148,9 +148,9 @@ def _moe_scale(records: list[dict]) -> list[str]:
         if r.get("kind") == "moe_scale" and len(r.get("engines", {})) == 2:
             latest[(r["shape"], r["quant"], _cpu(r))] = r
     rows = ["| date | CPU | shape, GGUF | decode tok/s kiln / llama.cpp | ratio | % of read bandwidth | "
-            "after 2048 tokens | batch 8 | batch 32 | prefill 512 tok/s | load s | peak RSS MB |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    notes = []
+            "after 2048 tokens | batch 8 | batch 32 | prefill 512 tok/s | load s | peak RSS MB | GGUF / engine GB | "
+            "kiln convert, build s (peak RSS MB) | command |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for (shape, quant, cpu), r in sorted(latest.items(), key=lambda kv: kv[1]["date"], reverse=True)[:ROWS]:
         k, ll = (r["engines"][f"{name} {quant}"] for name in ("kiln", "llama.cpp"))
 
@@ -163,10 +163,9 @@ def _moe_scale(records: list[dict]) -> list[str]:
                     f"{k['decode_tok_s'] / ll['decode_tok_s']:.2f}x | {share} | {both('decode_tok_s_context2048', '.2f')} | "
                     f"{both('decode_tok_s_batch8', '.1f')} | {both('decode_tok_s_batch32', '.1f')} | "
                     f"{both('prefill_tok_s', '.1f')} | {both('load_to_first_token_s', '.1f')} | "
-                    f"{both('peak_rss_mb', '.0f')} |")
-        notes.append(f"- {shape} {quant}: GGUF {r['gguf_bytes'] / 1e9:.2f} GB, kiln engine {r['engine_bytes'] / 1e9:.2f} GB; "
-                     f"kiln convert {r['convert']['seconds']:.0f} s / {r['convert']['peak_rss_mb']:.0f} MB peak RSS, "
-                     f"build {r['build']['seconds']:.0f} s / {r['build']['peak_rss_mb']:.0f} MB; `{_short(r['command'])}`")
+                    f"{both('peak_rss_mb', '.0f')} | {r['gguf_bytes'] / 1e9:.2f} / {r['engine_bytes'] / 1e9:.2f} | "
+                    f"{r['convert']['seconds']:.0f} ({r['convert']['peak_rss_mb']:.0f}), {r['build']['seconds']:.0f} "
+                    f"({r['build']['peak_rss_mb']:.0f}) | `{_short(r['command'])}` |")
     return ["## Mixture of experts at real size: kiln beside llama.cpp on one GGUF (random weights, SmolLM2's "
             "vocabulary)", "",
             "`python benchmarks/moe_scale.py --shape qwen3-30b-a3b --quant q4_0|q4_k_m --batched_bench "
@@ -175,7 +174,7 @@ def _moe_scale(records: list[dict]) -> list[str]:
             "tokens, each engine in a fresh process per round, rounds alternating; batched decode: kiln's scheduler "
             "beside llama.cpp's `llama-batched-bench` (S_TG). Bandwidth share: bytes a token reads (attention, routers, "
             "head, top-k of each layer's experts) x tok/s over the machine's measured read bandwidth.",
-            "", *rows, "", *notes]
+            "", *rows]
 
 
 def _tok_s(value: float) -> str:

@@ -81,14 +81,10 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-# How a checkpoint holds the experts of a block (names under the layer; ``gate_proj`` standing
-# for each family's ``ExpertNames``):
-#   per_expert      one tensor per expert and projection: ``{block}.experts.{e}.gate_proj.weight``
-#                   (Hugging Face files)
-#   fused           transformers >= 5 in memory: ``mlp.experts.gate_up_proj`` ``[E, 2 I, hidden]``
-#                   (fc rows, then gate rows) and ``mlp.experts.down_proj`` ``[E, hidden, I]``
-#   per_projection  each projection stacked over experts: ``mlp.experts.gate_proj.weight``
-#                   ``[E, I, hidden]`` (and ``.bias`` ``[E, I]``), as GGUF's ``ffn_*_exps`` read
+# How a checkpoint holds a block's experts (``gate_proj``: each family's ``ExpertNames``): per_expert,
+# ``{block}.experts.{e}.gate_proj.weight`` (HF files); fused, transformers >= 5's ``mlp.experts.gate_up_proj``
+# ``[E, 2 I, hidden]`` (fc rows, then gate rows) and ``down_proj`` ``[E, hidden, I]``; per_projection,
+# ``mlp.experts.gate_proj.weight`` ``[E, I, hidden]`` (``.bias`` ``[E, I]``), as GGUF's ``ffn_*_exps`` read.
 LAYOUTS = ("per_expert", "fused", "per_projection")
 
 
