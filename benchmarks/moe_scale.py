@@ -233,10 +233,12 @@ def format_moe_scale(record: dict) -> str:
              f"kiln engine {gb(record['engine_bytes'])}"]
     for step in ("convert", "build"):
         if step in record:
-            lines.append(f"  kiln {step}: {record[step]['seconds']:.0f} s, peak RSS {record[step]['peak_rss_mb']:.0f} MB")
+            f = record[step]
+            lines.append(f"  kiln {step}: {f['seconds']:.0f} s, peak RSS {f['peak_rss_mb']:.0f} MB")
     for name, f in record["engines"].items():
         share = f", {100 * f['bandwidth_share']:.0f}% of read bandwidth" if "bandwidth_share" in f else ""
-        extra = [f"batch {k.rpartition('batch')[2]}: {v:.1f}" for k, v in f.items() if k.startswith("decode_tok_s_batch")]
+        extra = [f"batch {k.rpartition('batch')[2]}: {v:.1f}" for k, v in f.items()
+                 if k.startswith("decode_tok_s_batch")]
         extra += [f"after {k.rpartition('context')[2]}: {v:.2f}" for k, v in f.items()
                   if k.startswith("decode_tok_s_context")]
         lines.append(f"  {name}: decode {f['decode_tok_s']:.2f} tok/s{share}; prefill {f['prefill_tok_s']:.1f} tok/s; "

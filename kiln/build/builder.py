@@ -145,7 +145,8 @@ def build_rank(checkpoint_dir: Path, out: Path, rank: int, model_cls: type, cast
 
     def target(name: str, dtype: torch.dtype) -> torch.dtype:
         floating = dtype.is_floating_point and torch.empty((), dtype=dtype).element_size() > 1
-        return cast if cast is not None and floating and not name.endswith(QUANT_FLOAT32) and name not in kept else dtype
+        keeps = not floating or name.endswith(QUANT_FLOAT32) or name in kept
+        return dtype if cast is None or keeps else cast
 
     def layer_of(name: str) -> str | None:  # a decoder layer's prefix, or None for the rest
         parts = name.split(".")

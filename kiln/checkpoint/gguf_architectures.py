@@ -1,6 +1,7 @@
 """Each GGUF architecture kiln reads, as a declaration: the Hugging Face class and model_type it
 becomes, its GGUF block tensors' Hugging Face names, the layouts llama.cpp's converter changed
-(q/k rows permuted for its rotary kernel, Gemma 3's norms stored as 1 + w), and a function turning its metadata into a Hugging Face ``config.json`` dict.
+(q/k rows permuted for its rotary kernel, Gemma 3's norms stored as 1 + w), and a function
+turning its metadata into a Hugging Face ``config.json`` dict.
 
 Metadata means what llama.cpp (``src/llama-model.cpp``, ``src/models/<arch>.cpp``) reads it to
 mean, with llama.cpp's defaults where a key is absent: Gemma 3's every sixth layer global and
