@@ -21,8 +21,9 @@ External layouts: Hugging Face files keep one tensor per expert and projection
 (``experts.{e}.w1.weight`` or ``experts.{e}.gate_proj.weight``), which ``postprocess`` stacks
 (reference 000); transformers >= 5 holds them fused in memory (``experts.gate_up_proj``
 ``[E, 2 I, hidden]``, ``experts.down_proj`` ``[E, hidden, I]``), which loads as well, and so
-do GGUF files' experts, each projection stacked (``LAYOUTS``). Each rank reads only its slice of every expert's intermediate dimension; a block's partial sums
-(experts and shared expert) meet in one all-reduce.
+do GGUF files' experts, each projection stacked (``LAYOUTS``). Each rank reads only its slice
+of every expert's intermediate dimension; a block's partial sums (experts and shared expert)
+meet in one all-reduce.
 
 The router and the shared-expert gate are :class:`ReplicatedLinear`, not :class:`Linear`, so
 they stay float under any quantization. The experts (:class:`ExpertLinear`) take the weight-only
@@ -88,7 +89,7 @@ class ReplicatedLinear(nn.Module):
 LAYOUTS = ("per_expert", "fused", "per_projection")
 
 
-def external_layout(external: set[str], names: "ExpertNames") -> str:
+def external_layout(external: set[str], names: ExpertNames) -> str:
     """The ``LAYOUTS`` entry a checkpoint with tensor names ``external`` uses."""
     if any(k.endswith(f".{names.FUSED_FC_GATE}") for k in external):
         return "fused"
@@ -194,9 +195,7 @@ class ExpertLinear(nn.Module):
 
     # -- weight loading (kiln.checkpoint.loader) ---------------------------------------------
 
-    # Set for experts stored pre-quantized (kiln.quantization.gguf): the external tensor read whole
-    # -> this layer's stacked quantized parameters.
-    weight_postprocess = None
+    weight_postprocess = None  # pre-quantized experts (kiln.quantization.gguf): raw tensor -> parameters
 
     def load_spec(self, param_name: str, num_external: int) -> list[ShardSpec]:
         if self.weight_postprocess is not None and param_name == "weight":
@@ -345,7 +344,8 @@ class MixtureOfExperts(nn.Module):
         for module, name, external in ((self.fc, "fc", n.fc), (self.gate, "gate", n.gate), (self.proj, "proj", n.proj)):
             module.fused_part, module.stacked_source = None, layout != "per_expert"
             if layout == "per_expert":
-                module.external_key_map = {"mlp": block, name: [f"experts.{e}.{external}" for e in range(self.num_experts)]}
+                per_expert = [f"experts.{e}.{external}" for e in range(self.num_experts)]
+                module.external_key_map = {"mlp": block, name: per_expert}
             elif layout == "per_projection":
                 module.external_key_map = {"mlp": block, name: f"experts.{external}"}
             else:

@@ -26,7 +26,8 @@ def dequantize(tensors: dict[str, torch.Tensor], bits: int, group_size: int | No
     if bits == 4:
         codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).view(codes.shape[0], -1)
     if codebook == "e2m1":
-        return torch.tensor(E2M1_DOUBLED, dtype=torch.float32)[codes.long()] * scale.repeat_interleave(group_size, dim=1)
+        values = torch.tensor(E2M1_DOUBLED, dtype=torch.float32)[codes.long()]
+        return values * scale.repeat_interleave(group_size, dim=1)
     codes = codes.float()
     if scale.dim() == 1:
         return codes * scale[:, None]

@@ -16,7 +16,7 @@ from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 from kiln.models.gemma import GemmaForCausalLM
 from kiln.models.hf_config import hf_get, hf_sliding_window, hf_text_config, rope_decoder_config
-from kiln.models.key_maps import NESTED_LANGUAGE_MODEL, nested_language_model_key_map
+from kiln.models.key_maps import NestedLanguageModel
 from kiln.models.registry import register_model
 
 
@@ -44,13 +44,7 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
 
 
 @register_model("Gemma3ForConditionalGeneration")
-class Gemma3LanguageModel(Gemma3ForCausalLM):
-    hf_key_map = NESTED_LANGUAGE_MODEL  # or the later layout: key_map_for picks
-
-    @classmethod
-    def key_map_for(cls, external_keys: set[str]) -> dict:
-        return nested_language_model_key_map(external_keys)
-
+class Gemma3LanguageModel(NestedLanguageModel, Gemma3ForCausalLM):
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
         if not hf.get("text_config"):

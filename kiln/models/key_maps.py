@@ -16,8 +16,14 @@ NESTED_LANGUAGE_MODEL = {"transformer": "language_model.model", "lm_head": "lang
 NESTED_LANGUAGE_MODEL_LATER = {"transformer": "model.language_model", "lm_head": "lm_head"}
 
 
-def nested_language_model_key_map(external_keys: set[str]) -> dict:
-    """The key map of whichever of the two nested layouts ``external_keys`` hold."""
-    if any(k.startswith("model.language_model.") for k in external_keys):
-        return NESTED_LANGUAGE_MODEL_LATER
-    return NESTED_LANGUAGE_MODEL
+class NestedLanguageModel:
+    """Mixin (listed before the family's class) for the language model of a multimodal
+    checkpoint: its key map is whichever of the two nested layouts the checkpoint holds."""
+
+    hf_key_map = NESTED_LANGUAGE_MODEL
+
+    @classmethod
+    def key_map_for(cls, external_keys: set[str]) -> dict:
+        if any(k.startswith("model.language_model.") for k in external_keys):
+            return NESTED_LANGUAGE_MODEL_LATER
+        return NESTED_LANGUAGE_MODEL

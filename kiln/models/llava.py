@@ -15,7 +15,7 @@ from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 from kiln.models.hf_config import hf_text_config
-from kiln.models.key_maps import NESTED_LANGUAGE_MODEL, nested_language_model_key_map
+from kiln.models.key_maps import NestedLanguageModel
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.registry import register_model
 
@@ -24,13 +24,7 @@ TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalL
 
 
 @register_model("LlavaForConditionalGeneration")
-class LlavaLanguageModel(LlamaForCausalLM):
-    hf_key_map = NESTED_LANGUAGE_MODEL  # or the later layout: key_map_for picks
-
-    @classmethod
-    def key_map_for(cls, external_keys: set[str]) -> dict:
-        return nested_language_model_key_map(external_keys)
-
+class LlavaLanguageModel(NestedLanguageModel, LlamaForCausalLM):
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
         text = hf_text_config(hf, tie_default=False)

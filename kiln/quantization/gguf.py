@@ -47,7 +47,7 @@ from kiln.quantization.gguf_blocks import GROUP, Native, decode, finest, native,
 
 log = logging.getLogger(__name__)
 
-EXPERT_RUN_WEIGHTS = 1 << 25  # raw bytes of stacked experts decoded at once (~32 MB: ~64M weights at 4 bits)
+EXPERT_RUN_BYTES = 1 << 25  # raw blocks of stacked experts decoded at once (32 MB: ~60M weights at 4 bits)
 
 
 def _format(linear: Linear | ExpertLinear, types: list) -> Native | None:
@@ -151,10 +151,9 @@ def _experts_postprocess_for(qtype, f: Native):
         experts, rows = raw.shape[:2]
         # Every step is row by row: a run of experts decodes at once (a few hundred MB of
         # intermediates at most: 128 experts at once took 3.8 GB for Qwen3-30B-A3B's shapes).
-        run = max(1, EXPERT_RUN_WEIGHTS // (rows * raw.shape[2]))
-        parts = [to_format([decode(raw[e:e + run].reshape(-1, raw.shape[2]), qtype)], f.bits, f.offset, f.codebook)
+        run = max(1, EXPERT_RUN_BYTES // raw[0].numel())
+        parts = [to_format([decode(raw[e:e + run].flatten(0, 1), qtype)], f.bits, f.offset, f.codebook)
                  for e in range(0, experts, run)]
-        return {f"{stem}.{name}": torch.cat([p[name] for p in parts]).reshape(experts, rows, *parts[0][name].shape[1:])
-                for name in parts[0]}
+        return {f"{stem}.{name}": torch.cat([p[name] for p in parts]).view(experts, rows, -1) for name in parts[0]}
 
     return postprocess

@@ -56,7 +56,8 @@ class Native:
 
 
 NATIVE = {T.Q8_0: Native(8, False), T.Q4_0: Native(4, False), T.Q4_1: Native(4, True), T.Q5_0: Native(8, False),
-          T.Q5_1: Native(8, True), T.Q4_K: Native(4, True), T.Q5_K: Native(8, True), T.MXFP4: Native(4, False, codebook="e2m1")}
+          T.Q5_1: Native(8, True), T.Q4_K: Native(4, True), T.Q5_K: Native(8, True),
+          T.MXFP4: Native(4, False, codebook="e2m1")}
 ROUNDED = Native(8, False, exact=False)  # any other quantized type: int8 codes rounded to nearest
 
 
@@ -145,10 +146,11 @@ def finest(formats: list[Native]) -> Native:
                   codebooks.pop() if bits == 4 else None)
 
 
-# twice an E2M1 value (-12..12) + 12 -> its nibble (-1: not an E2M1 value); -0 is nibble 0
+# twice an E2M1 value (-12..12) + 12 -> its nibble (-1: not an E2M1 value): nibbles 0..7 hold 0 and
+# the positive values, 9..15 the negative ones (8, -0, is never needed: 0 reads as nibble 0)
 _E2M1_NIBBLE = np.full(25, -1, dtype=np.int16)
-for _nibble, _doubled in reversed(list(enumerate(E2M1_DOUBLED))):
-    _E2M1_NIBBLE[_doubled + 12] = _nibble
+_E2M1_NIBBLE[np.asarray(E2M1_DOUBLED) + 12] = np.arange(16)
+_E2M1_NIBBLE[12] = 0
 
 
 def to_format(parts: list[Decoded], bits: int, offset: bool, codebook: str | None = None) -> dict[str, torch.Tensor]:

@@ -75,9 +75,10 @@ def _decisive_routers(hf, path: Path, seed: int, stacked: bool):
 def make_gpt_oss(path: Path, *, hidden: int = 64, layers: int = 2, experts: int = 8, top_k: int = 3,
                  intermediate: int = 48, window: int = 8, vocab: int = 256, truncate: bool = False, seed: int = 0):
     """A random gpt-oss: alternating sliding (``window``) and full layers, attention sinks,
-    YaRN (``truncate``: its correction range rounded outwards, as llama.cpp always does), biased attention, router and experts, the clamped SwiGLU. Routers, sinks and expert
-    biases get weights large enough to matter (the default init leaves sinks and biases at 0),
-    and expert weights are large enough that the SwiGLU's clamp cuts some values."""
+    YaRN (``truncate``: its correction range rounded outwards, as llama.cpp always does), biased
+    attention, router and experts, the clamped SwiGLU. Routers, sinks and expert biases get
+    weights large enough to matter (the default init leaves sinks and biases at 0), and expert
+    weights are large enough that the SwiGLU's clamp cuts some values."""
     hf = _save_random(path, "GptOss", seed, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       num_local_experts=experts, num_experts_per_tok=top_k, sliding_window=window,
