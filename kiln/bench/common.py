@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from kiln.checkpoint.lora import LORA_MODULE_IDS, LoraModule, module_shapes
+from kiln.layers.expert_linear import ExpertLinear
 from kiln.layers.linear import Linear
-from kiln.layers.moe import ExpertLinear, MixtureOfExperts
+from kiln.layers.moe import MixtureOfExperts
 from kiln.runtime.sampling_params import SamplingParams
 
 

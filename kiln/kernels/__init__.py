@@ -9,6 +9,8 @@
   into tiles, multiplied on AMX or with AVX512-BF16 dot products;
 * ``quant_linear`` (quant_linear.c): weight-only int8 / 4-bit linears;
 * ``fp8_linear`` (fp8_linear.c): FP8 e4m3 weights and activations, emulated exactly;
+* ``moe_experts`` (moe_experts.c): a mixture-of-experts block's chosen experts for a few
+  tokens, in one call;
 * ``decode_step`` (decode_step.c): every layer of a LLaMA-shaped stack for a decode step's
   tokens, in one call (no per-layer Python).
 
@@ -28,6 +30,8 @@ import torch
 from kiln.kernels.decode_step import (LORA_SLOTS, DecoderDims, DecoderHead, DecoderLayerWeights,
                                       LinearWeights, LoraLinear, LoraStepWeights, decode_step,
                                       decode_step_scratch_size)
+from kiln.kernels.moe_experts import (MOE_MAX_ROWS, ExpertWeights, expert_weights, moe_experts,
+                                      moe_experts_supported)
 from kiln.kernels.library import DECODE_KERNELS, DECODE_KERNELS_QUANTIZED_KV, DTYPE_SUFFIX, native_library, output
 from kiln.kernels.packed_linear import (amx_available, pack_bf16, packed_linear, packed_linear_available,
                                         packed_supported, tile_packable, unpack_bf16)

@@ -106,6 +106,13 @@ def native_library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as e:
         log.warning("native kernels unavailable (%s): using the PyTorch paths", e)
         return None
+    _declare_decode_kernels(lib)
+    _declare_other_kernels(lib)
+    return lib
+
+
+def _declare_decode_kernels(lib: ctypes.CDLL) -> None:
+    """Argument and result types of the attention, elementwise and decode-step functions."""
     for name in (*DECODE_KERNELS.values(), *(n for by_q in DECODE_KERNELS_QUANTIZED_KV.values()
                                                for n in by_q.values())):
         fn = getattr(lib, name)
@@ -126,6 +133,10 @@ def native_library() -> ctypes.CDLL | None:
             C_PTR, C_INT64, C_PTR, C_INT64, C_PTR, C_PTR, C_PTR, C_PTR, C_PTR, C_PTR, C_PTR, C_PTR, C_PTR, C_PTR, C_PTR, ctypes.c_int,
             C_PTR]
         getattr(lib, f"kiln_decode_step_{suffix}").restype = ctypes.c_int
+
+
+def _declare_other_kernels(lib: ctypes.CDLL) -> None:
+    """Argument and result types of the linears' and the rest of the library's functions."""
     lib.kiln_kv_quantize.argtypes = [C_PTR, C_INT64, ctypes.c_float, C_INT64, C_PTR]
     lib.kiln_kv_quantize.restype = None
     lib.kiln_fp8_to_f32.argtypes = [C_PTR, C_INT64, C_PTR]
@@ -154,11 +165,15 @@ def native_library() -> ctypes.CDLL | None:
     lib.kiln_fp8_quantize_rows.restype = None
     lib.kiln_fp8_to_bf16.argtypes = [C_PTR, C_INT64, C_PTR]
     lib.kiln_fp8_to_bf16.restype = None
+    lib.kiln_moe_experts_supported.argtypes = []
+    lib.kiln_moe_experts_supported.restype = ctypes.c_int
+    lib.kiln_moe_experts_bf16.argtypes = [C_PTR, C_INT64, C_INT64, C_PTR, C_PTR, C_INT64, C_PTR, C_PTR, C_INT64,
+                                          ctypes.c_float, ctypes.c_float, C_PTR, ctypes.c_int]
+    lib.kiln_moe_experts_bf16.restype = ctypes.c_int
     lib.kiln_w8a8_supported.argtypes = [C_INT64, C_INT64]
     lib.kiln_w8a8_supported.restype = ctypes.c_int
     lib.kiln_w8a8_linear_bf16.argtypes = [C_PTR] * 6 + [C_INT64] * 3 + [ctypes.c_int]
     lib.kiln_w8a8_linear_bf16.restype = None
-    return lib
 
 
 def output(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:

@@ -38,6 +38,7 @@
 
 #include "dtypes.h"
 #include "kernels.h"
+#include "quant_gemv.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -45,14 +46,6 @@
 /* nibble -> twice its E2M1 value plus 12: 0, 0.5, 1, 1.5, 2, 3, 4, 6, then the negatives */
 static const uint8_t E2M1_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
-typedef struct {
-    const uint8_t *codes;            /* see the layouts above */
-    const float *channel_scales;     /* int8 per channel: [n]; else NULL */
-    const uint16_t *scales;          /* per group: float16 [n / 16][groups][16] */
-    const uint16_t *offsets;         /* per group: float16 [n / 16][groups][16], or NULL */
-    int64_t n, k, group, bits;       /* group: k for per-channel scales */
-    int e2m1;                        /* 4-bit codes index E2M1_U */
-} kiln_qweight;
 
 static inline float half_load(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
@@ -199,8 +192,7 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
     return scratch;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define HAVE_QUANT_GEMV 1
+#ifdef KILN_HAVE_QUANT_GEMV
 /* A few rows of x (decode steps) straight from the codes, in integers. Converting codes to
  * floats instead ran 3x slower than the memory here. The integer sums are flushed to fp32 per
  * span of k, times scale * x's scale; a group's offset comes in times its sum of x.
@@ -215,12 +207,11 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
  *   widened: a row costs half what 16-bit x split in two bytes did, which matters past one row
  *   (verifying proposals, batches), where the GEMV is bound by these instructions rather than
  *   by memory. */
-/* Beyond, dequantized tiles on the panel kernel win: SmolLM2-135M Q4_1 on the AMX Xeon of
- * docs/benchmark-log.md, linears of a decode step at 9 / 11 / 13 / 16 rows 11.2 / 12.0 / 14.1 /
+/* Beyond KILN_QUANT_GEMV_MAX_ROWS (quant_gemv.h), dequantized tiles on the panel kernel win:
+ * SmolLM2-135M Q4_1 on the AMX Xeon of docs/benchmark-log.md, linears of a decode step at 9 / 11 / 13 / 16 rows 11.2 / 12.0 / 14.1 /
  * 16.6 ms against the panel's 14.1 / 14.8 / 14.5 / 14.5 (with 16-bit x; 8-bit x moved the
  * crossover further). Covers a step verifying up to 11 proposals, whose rows then compute what
  * plain decode steps do. */
-#define QUANT_GEMV_MAX_ROWS 12
 
 /* k per flush: 4-bit, a block of x (32); else a divisor of the group (a multiple of 32) of at
  * most 512 k. */
@@ -254,19 +245,9 @@ static inline __m512i bcast32(const void *p) {
     return _mm512_set1_epi32(v);
 }
 
-/* x prepared for the GEMV (prepare_gemv_input): 16-bit codes and a scale per row (int8
- * weights), or int8 codes and a scale per span of 32 (4-bit); the sum of each span's x as the
- * kernel sees it. */
-typedef struct {
-    const int16_t *x16;
-    const int8_t *x8;
-    const float *xscale, *xsum;  /* xscale: per row (int8 weights) or per span (4-bit) */
-    int64_t spans;
-} gemv_input;
-
 /* MT rows (1-4) of x against NB output blocks (int8: 1 or 4; 4-bit: a whole panel, 1 or 2);
  * both constant once inlined. */
-static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight *W, const gemv_input *in,
+static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight *W, const kiln_gemv_input *in,
                                                              int64_t t0, int MT, int64_t nb0, int NB, float *out) {
     const int64_t k = W->k, span = flush_span(W);
     /* A panel's codes are short (a few KB), too short for the hardware prefetcher to ramp up
@@ -346,9 +327,10 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
  * VPDPBUSD per code vector and row (16-bit x split in two bytes took two). Sixteen values a
  * vector: done serially before the threads start, a scalar loop here cost as much as the GEMV
  * of a small layer. */
-static void *prepare_gemv_input(const bf16_t *x, const kiln_qweight *W, int64_t m, gemv_input *in) {
+void *kiln_quant_gemv_prepare(const bf16_t *x, const kiln_qweight *W, int64_t m, kiln_gemv_input *in) {
     const int64_t k = W->k, span = flush_span(W), spans = k / span;
     char *mem = malloc(sizeof(int16_t) * m * k + sizeof(float) * m * (2 * spans + 1));
+    if (mem == NULL) return NULL;
     int16_t *x16 = (int16_t *)mem;
     int8_t *x8 = (int8_t *)x16;  /* 4-bit weights take bytes in the same place */
     float *xscale = (float *)(x16 + m * k), *xsum = xscale + m * spans;
@@ -395,16 +377,12 @@ static void *prepare_gemv_input(const bf16_t *x, const kiln_qweight *W, int64_t 
     return mem;
 }
 
-typedef struct {
-    const kiln_qweight *W;
-    const gemv_input *in;
-} quant_tile_ctx;
+int64_t kiln_quant_gemv_unit(const kiln_qweight *W) { return W->bits == 4 ? 2 : 4; }
 
-/* One tile for kiln_gemv_panels: 4-bit, one panel (1 or 2 blocks); int8, a full panel of 4 at
- * once, a last panel's 1-3 blocks one at a time. */
-static void quant_tile(const void *ctx, int64_t t0, int mt, int64_t nb0, int blocks, float *out) {
-    const kiln_qweight *W = ((const quant_tile_ctx *)ctx)->W;
-    const gemv_input *in = ((const quant_tile_ctx *)ctx)->in;
+/* 4-bit, one panel (1 or 2 blocks); int8, a full panel of 4 at once, a last panel's 1-3 blocks
+ * one at a time. */
+void kiln_quant_gemv_tile(const kiln_qweight *W, const kiln_gemv_input *in, int64_t t0, int mt, int64_t nb0,
+                          int blocks, float *out) {
 #define ROWS(MT)                                                                                   \
     if (W->bits == 4) {                                                                            \
         if (blocks == 2) gemv_blocks(W, in, t0, MT, nb0, 2, out);                                  \
@@ -415,10 +393,20 @@ static void quant_tile(const void *ctx, int64_t t0, int mt, int64_t nb0, int blo
 #undef ROWS
 }
 
+typedef struct {
+    const kiln_qweight *W;
+    const kiln_gemv_input *in;
+} quant_tile_ctx;
+
+static void quant_tile(const void *ctx, int64_t t0, int mt, int64_t nb0, int blocks, float *out) {
+    const quant_tile_ctx *c = ctx;
+    kiln_quant_gemv_tile(c->W, c->in, t0, mt, nb0, blocks, out);
+}
+
 static void quant_gemv(const bf16_t *x, const kiln_qweight *W, const bf16_t *bias, bf16_t *y, int64_t m,
                        int num_threads) {
-    gemv_input in;
-    void *mem = prepare_gemv_input(x, W, m, &in);
+    kiln_gemv_input in;
+    void *mem = kiln_quant_gemv_prepare(x, W, m, &in);
     const quant_tile_ctx ctx = {W, &in};
     kiln_gemv_panels(quant_tile, &ctx, bias, NULL, y, m, W->n, W->bits == 4 ? 2 : 1, num_threads);
     free(mem);
@@ -432,8 +420,8 @@ void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const void *s
                             int64_t k, int num_threads) {
     const kiln_qweight W = {codes, group ? NULL : scales, group ? scales : NULL, group ? offsets : NULL,
                             n, k, group ? group : k, bits & ~KILN_CODES_E2M1, (bits & KILN_CODES_E2M1) != 0};
-#ifdef HAVE_QUANT_GEMV
-    if (m <= QUANT_GEMV_MAX_ROWS) {
+#ifdef KILN_HAVE_QUANT_GEMV
+    if (m <= KILN_QUANT_GEMV_MAX_ROWS) {
         quant_gemv(x, &W, bias, y, m, num_threads);
         return;
     }

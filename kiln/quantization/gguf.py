@@ -40,9 +40,10 @@ from kiln import kernels
 from kiln.checkpoint.gguf_source import BLOCKS, FLOAT_TYPES, GGUFSource
 from kiln.config import LayerQuant, QuantConfig
 from kiln.config.quant_algos import MIXED_PRECISION
+from kiln.layers.expert_linear import ExpertLinear
 from kiln.layers.linear import Linear
 from kiln.layers.mlp import GatedMLP
-from kiln.layers.moe import ExpertLinear, MixtureOfExperts
+from kiln.layers.moe import MixtureOfExperts
 from kiln.quantization.gguf_blocks import GROUP, Native, decode, finest, native, to_format
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from kiln.config import LayerQuant, QuantConfig
 from kiln.config.quant_algos import ALGOS, MIXED_PRECISION
 from kiln.errors import ConfigError
 from kiln.layers.linear import Linear
-from kiln.layers.moe import ExpertLinear
+from kiln.layers.expert_linear import ExpertLinear
 
 log = logging.getLogger(__name__)
 

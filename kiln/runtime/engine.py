@@ -18,7 +18,7 @@ from kiln.config import BuildConfig, PretrainedConfig
 from kiln.distributed import world
 from kiln.errors import ConfigError
 from kiln.layers.linear import Linear
-from kiln.layers.moe import ExpertLinear
+from kiln.layers.expert_linear import ExpertLinear
 from kiln.mapping import Mapping
 from kiln.models import get_model_class
 

@@ -1,0 +1,47 @@
+/* quant_linear.c's GEMV over weight-only quantized codes, for the kernels that run it on parts
+ * of stacked weights (moe_experts.c: the chosen experts of a mixture-of-experts block). */
+#ifndef KILN_QUANT_GEMV_H
+#define KILN_QUANT_GEMV_H
+
+#include <stdint.h>
+
+#include "dtypes.h"
+
+/* A weight in the engine layout of quant_linear.c. */
+typedef struct {
+    const uint8_t *codes;            /* see quant_linear.c's layouts */
+    const float *channel_scales;     /* int8 per channel: [n]; else NULL */
+    const uint16_t *scales;          /* per group: float16 [n / 16][groups][16] */
+    const uint16_t *offsets;         /* per group: float16 [n / 16][groups][16], or NULL */
+    int64_t n, k, group, bits;       /* group: k for per-channel scales; bits 8 or 4 */
+    int e2m1;                        /* 4-bit codes are MXFP4's E2M1 nibbles */
+} kiln_qweight;
+
+/* x prepared for the GEMV (kiln_quant_gemv_prepare): 16-bit codes and a scale per row (int8
+ * weights), or int8 codes and a scale per span of 32 (4-bit); the sum of each span's x as the
+ * kernel sees it. */
+typedef struct {
+    const int16_t *x16;
+    const int8_t *x8;
+    const float *xscale, *xsum;  /* xscale: per row (int8 weights) or per span (4-bit) */
+    int64_t spans;
+} kiln_gemv_input;
+
+/* Up to this many rows of x the GEMV beats dequantized tiles (quant_linear.c). */
+#define KILN_QUANT_GEMV_MAX_ROWS 12
+
+/* The integer GEMV needs AVX512-VNNI; without it the functions below are absent. */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KILN_HAVE_QUANT_GEMV 1
+/* m rows of x [m, W->k] as a GEMV against any weight of W's format reads them; returns the one
+ * allocation to free (NULL: out of memory). */
+void *kiln_quant_gemv_prepare(const bf16_t *x, const kiln_qweight *W, int64_t m, kiln_gemv_input *in);
+/* Output blocks a work unit takes (a 4-bit panel: 2; int8: 4), the last unit fewer. */
+int64_t kiln_quant_gemv_unit(const kiln_qweight *W);
+/* Rows t0 .. t0 + mt - 1 (mt 1-4) of the prepared x against output blocks nb0 .. nb0 + blocks - 1
+ * (one unit), unscaled by nothing more: fp32 results into out[t * 64 + 16 * b + c]. */
+void kiln_quant_gemv_tile(const kiln_qweight *W, const kiln_gemv_input *in, int64_t t0, int mt, int64_t nb0,
+                          int blocks, float *out);
+#endif
+
+#endif
