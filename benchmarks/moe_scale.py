@@ -1,26 +1,33 @@
-"""kiln beside llama.cpp on mixture-of-experts models at their real size: Qwen3-30B-A3B's shape.
+"""kiln beside llama.cpp on mixture-of-experts models at their real size: Qwen3-30B-A3B's and
+gpt-oss-20b's shapes.
 
-    python benchmarks/moe_scale.py --shape qwen3-30b-a3b --quant q4_0 [--work_dir /tmp/kiln-moe] [--rounds 2]
+    python benchmarks/moe_scale.py --shape qwen3-30b-a3b --quant q4_0 [--work_dir /tmp/kiln-moe] [--rounds 3]
+    python benchmarks/moe_scale.py --shape gpt-oss-20b --quant mxfp4
 
-The model has the real shape (48 layers, hidden 2048, 128 experts of width 768, 8 per token, 32
-query and 4 KV heads of 128) with **random weights** and SmolLM2's tokenizer (49,152 tokens, not
-Qwen's 152k). It is written once as a GGUF whose quantized blocks are written directly (random
-codes under scales that give weights of ~0.02; routers float32), typed as llama.cpp's quantizer
-types a file of that kind: ``q4_0`` (every linear Q4_0, the head Q6_K) or ``q4_k_m`` (Q4_K, with
-Q6_K for the head and for attn_v / ffn_down_exps on llama.cpp's "more bits" layers). A bf16
-Qwen3-30B-A3B (61 GB) would not fit this disk, so no HF directory: kiln reads the same GGUF,
-keeping every block at its own precision (experts expert-major), and both engines compute with
-the same numbers.
+The models have the real shapes (Qwen3-30B-A3B: 48 layers, hidden 2048, 128 experts of width 768,
+8 per token, 32 query and 4 KV heads of 128; gpt-oss-20b: 24 layers, hidden 2880, 32 experts of
+width 2880, 4 per token, 64 query and 8 KV heads of 64, biases, attention sinks, a 128-token
+window on every other layer, YaRN) with **random weights** and SmolLM2's tokenizer (49,152
+tokens, not the models' own). Each is written once as a GGUF whose quantized blocks are written
+directly (random codes under scales that give weights of ~0.02; routers, norms, biases and sinks
+float32), typed as llama.cpp's quantizer types a file of that kind: ``q4_0`` (every linear Q4_0,
+the head Q6_K), ``q4_k_m`` (Q4_K, with Q6_K for the head and for attn_v / ffn_down_exps on
+llama.cpp's "more bits" layers) or ``mxfp4`` (gpt-oss as released: experts MXFP4, the other
+linears Q8_0). A bf16 Qwen3-30B-A3B (61 GB) would not fit this disk, so no HF directory: kiln
+reads the same GGUF, keeping every block at its own precision (experts expert-major), and both
+engines compute with the same numbers.
 
 Then, with the same thread count: kiln convert and kiln build (time, peak RSS, engine size beside
 the file's); rounds alternating kiln and llama.cpp (llama-cpp-python), a fresh process per engine
-and round: load to first token, peak RSS, prefill of 512 tokens, batch-1 greedy decode, decode
-after ``--contexts`` tokens of prompt, and the share of the machine's read bandwidth the decode
-reaches on the bytes a token reads (attention, routers, head and ``top_k`` of every layer's
-experts); kiln's batched decode at 8 and 32 sequences beside llama.cpp's ``llama-batched-bench``
-(built with cmake from the llama-cpp-python sdist: ``--batched_bench PATH``) at the same batch
-sizes. Medians. Records go to ``--output_json`` (kind "moe_scale"); ``python benchmarks/report.py``
-puts the newest into benchmarks/README.md.
+and round, each engine's files read into the page cache first (two 17 GB files do not both fit
+in 24 GB: without it each round would start part cold): load to first token, peak RSS, prefill of
+512 tokens, batch-1 greedy decode, decode after ``--contexts`` tokens of prompt, and the share of
+the machine's read bandwidth the decode reaches on the bytes a token reads (attention, routers,
+head and ``top_k`` of every layer's experts); kiln's batched decode at 8 and 32 sequences (each
+its own random prompt, so tokens spread over the experts) beside llama.cpp's ``llama-batched-bench``
+(built with cmake from the llama-cpp-python sdist: ``--batched_bench PATH``; random tokens too) at
+the same batch sizes. Medians. Records go to ``--output_json`` (kind "moe_scale");
+``python benchmarks/report.py`` puts the newest into benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,9 +49,27 @@ from kiln.bench.common import append_record, new_record
 from kiln.bench.machine import machine_facts
 from kiln.examples import smollm2_gguf_path
 
-SHAPES = {  # hidden, layers, heads, KV heads, head size, experts, top k, expert width, rope theta
-    "qwen3-30b-a3b": (2048, 48, 32, 4, 128, 128, 8, 768, 1e6),
+@dataclass(frozen=True)
+class Shape:
+    """A mixture-of-experts model's shape, as its GGUF architecture ``arch`` describes it."""
+
+    arch: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head: int
+    experts: int
+    top_k: int
+    width: int  # each expert's intermediate size
+    theta: float
+
+
+SHAPES = {
+    "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 128, 128, 8, 768, 1e6),
+    "gpt-oss-20b": Shape("gpt-oss", 2880, 24, 64, 8, 64, 32, 4, 2880, 150000.0),
 }
+QUANTS = {"qwen3moe": ("q4_0", "q4_k_m"), "gpt-oss": ("mxfp4",)}
 VOCAB = scale.VOCAB  # SmolLM2's tokenizer
 BATCHES = scale.BATCHES
 
@@ -57,6 +83,8 @@ def tensor_types(quant: str, name: str, layer: int, layers: int):
     """The GGUF type llama.cpp's quantizer gives tensor ``name`` (a GGUF stem) for ``quant``."""
     from gguf import GGMLQuantizationType as Q
 
+    if quant == "mxfp4":  # gpt-oss as released: experts MXFP4, every other linear Q8_0
+        return Q.MXFP4 if name.endswith("_exps") else Q.Q8_0
     if name == "output":
         return Q.Q6_K
     if quant == "q4_0":
@@ -68,6 +96,7 @@ def tensor_types(quant: str, name: str, layer: int, layers: int):
 
 # Where each type keeps its float16 scales (byte offset -> magnitude), for weights of ~0.02.
 SCALES = {"Q4_0": {0: 5e-3}, "Q8_0": {0: 1.6e-4}, "Q4_K": {0: 1e-4, 2: 3e-4}, "Q6_K": {208: 1e-5}}
+MXFP4_EXPONENTS = (120, 122)  # E8M0 bytes of MXFP4 blocks: scales 2^-7 .. 2^-6 (E2M1 values up to 6)
 
 
 def random_blocks(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.ndarray:
@@ -77,7 +106,9 @@ def random_blocks(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.n
     block, size = GGML_QUANT_SIZES[qtype]
     raw = np.frombuffer(rng.bytes(rows * (cols // block) * size), dtype=np.uint8).reshape(rows, cols // block, size)
     raw = raw.copy()
-    for at, magnitude in SCALES[qtype.name].items():
+    if qtype.name == "MXFP4":
+        raw[..., 0] = rng.integers(*MXFP4_EXPONENTS, size=raw.shape[:2], endpoint=True, dtype=np.uint8)
+    for at, magnitude in SCALES.get(qtype.name, {}).items():
         halves = (rng.uniform(0.5, 1.0, size=raw.shape[:2]) * magnitude).astype(np.float16)
         raw[..., at:at + 2] = halves.view(np.uint8).reshape(*raw.shape[:2], 2)
     return raw.reshape(rows, -1)
@@ -87,38 +118,56 @@ def gguf_tensors(shape: str, quant: str) -> dict[str, tuple[tuple[int, ...], obj
     """GGUF name -> (shape in HF order ``[..., out, in]``, type) of the model."""
     from gguf import GGMLQuantizationType as Q
 
-    hidden, layers, heads, kv_heads, head, experts, _, width, _ = SHAPES[shape]
-    out = {"token_embd.weight": ((VOCAB, hidden), tensor_types(quant, "token_embd", 0, layers)),
-           "output_norm.weight": ((hidden,), Q.F32),
-           "output.weight": ((VOCAB, hidden), tensor_types(quant, "output", 0, layers))}
-    for i in range(layers):
-        matrices = {"attn_q": (heads * head, hidden), "attn_k": (kv_heads * head, hidden),
-                    "attn_v": (kv_heads * head, hidden), "attn_output": (hidden, heads * head),
-                    "ffn_gate_exps": (experts, width, hidden), "ffn_up_exps": (experts, width, hidden),
-                    "ffn_down_exps": (experts, hidden, width)}
-        out.update({f"blk.{i}.{n}.weight": (dims, tensor_types(quant, n, i, layers)) for n, dims in matrices.items()})
-        out.update({f"blk.{i}.{n}.weight": ((size,), Q.F32) for n, size in
-                    (("attn_norm", hidden), ("ffn_norm", hidden), ("attn_q_norm", head), ("attn_k_norm", head))})
-        out[f"blk.{i}.ffn_gate_inp.weight"] = ((experts, hidden), Q.F32)
+    m = SHAPES[shape]
+    out = {"token_embd.weight": ((VOCAB, m.hidden), tensor_types(quant, "token_embd", 0, m.layers)),
+           "output_norm.weight": ((m.hidden,), Q.F32),
+           "output.weight": ((VOCAB, m.hidden), tensor_types(quant, "output", 0, m.layers))}
+    gpt_oss = m.arch == "gpt-oss"
+    for i in range(m.layers):
+        matrices = {"attn_q": (m.heads * m.head, m.hidden), "attn_k": (m.kv_heads * m.head, m.hidden),
+                    "attn_v": (m.kv_heads * m.head, m.hidden), "attn_output": (m.hidden, m.heads * m.head),
+                    "ffn_gate_exps": (m.experts, m.width, m.hidden), "ffn_up_exps": (m.experts, m.width, m.hidden),
+                    "ffn_down_exps": (m.experts, m.hidden, m.width)}
+        out.update({f"blk.{i}.{n}.weight": (dims, tensor_types(quant, n, i, m.layers)) for n, dims in matrices.items()})
+        vectors = {"attn_norm": (m.hidden,), "ffn_gate_inp": (m.experts, m.hidden)}
+        if gpt_oss:  # every projection biased, a sink logit per head, the router biased
+            vectors.update({f"{n}.bias": dims[:-1] for n, dims in matrices.items()})
+            vectors.update({"post_attention_norm": (m.hidden,), "attn_sinks": (m.heads,), "ffn_gate_inp.bias": (m.experts,)})
+        else:
+            vectors.update({"ffn_norm": (m.hidden,), "attn_q_norm": (m.head,), "attn_k_norm": (m.head,)})
+        out.update({f"blk.{i}.{n}" + ("" if n.endswith(".bias") else ".weight"): (dims, Q.F32)
+                    for n, dims in vectors.items()})
     return out
+
+
+def _metadata(writer, m: Shape) -> None:
+    """The architecture's keys as llama.cpp's converter writes them for the real model."""
+    a = m.arch
+    for key, value in (("block_count", m.layers), ("context_length", 131072 if a == "gpt-oss" else 32768),
+                       ("embedding_length", m.hidden), ("feed_forward_length", m.width if a == "gpt-oss" else 6144),
+                       ("attention.head_count", m.heads), ("attention.head_count_kv", m.kv_heads),
+                       ("attention.key_length", m.head), ("attention.value_length", m.head), ("vocab_size", VOCAB),
+                       ("expert_count", m.experts), ("expert_used_count", m.top_k),
+                       ("expert_feed_forward_length", m.width)):
+        writer.add_uint32(f"{a}.{key}", value)
+    writer.add_float32(f"{a}.rope.freq_base", m.theta)
+    writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5 if a == "gpt-oss" else 1e-6)
+    if a == "gpt-oss":  # a 128-token window on even layers; YaRN x32 over 4096 tokens
+        writer.add_uint32(f"{a}.attention.sliding_window", 128)
+        writer.add_string(f"{a}.rope.scaling.type", "yarn")
+        writer.add_float32(f"{a}.rope.scaling.factor", 32.0)
+        writer.add_uint32(f"{a}.rope.scaling.original_context_length", 4096)
 
 
 def write_gguf(shape: str, quant: str, out: Path) -> None:
     """The model as a GGUF, tensor by tensor (never more than one in memory)."""
     import gguf
 
-    hidden, layers, heads, kv_heads, head, experts, top_k, width, theta = SHAPES[shape]
-    writer = gguf.GGUFWriter(str(out), "qwen3moe")
+    m = SHAPES[shape]
+    writer = gguf.GGUFWriter(str(out), m.arch)
     writer.add_name(f"random {shape} {quant}")
-    for key, value in (("block_count", layers), ("context_length", 32768), ("embedding_length", hidden),
-                       ("feed_forward_length", 6144), ("attention.head_count", heads),
-                       ("attention.head_count_kv", kv_heads), ("attention.key_length", head),
-                       ("attention.value_length", head), ("vocab_size", VOCAB), ("expert_count", experts),
-                       ("expert_used_count", top_k), ("expert_feed_forward_length", width)):
-        writer.add_uint32(f"qwen3moe.{key}", value)
-    writer.add_float32("qwen3moe.rope.freq_base", theta)
-    writer.add_float32("qwen3moe.attention.layer_norm_rms_epsilon", 1e-6)
-    writer.add_uint32("general.file_type", {"q4_0": 2, "q4_k_m": 15}[quant])
+    _metadata(writer, m)
+    writer.add_uint32("general.file_type", {"q4_0": 2, "q4_k_m": 15, "mxfp4": 38}[quant])
     for key, field in gguf.GGUFReader(smollm2_gguf_path()).fields.items():
         if key.startswith("tokenizer."):
             sub = field.types[1] if len(field.types) > 1 else None
@@ -137,12 +186,38 @@ def write_gguf(shape: str, quant: str, out: Path) -> None:
     rng = np.random.default_rng(0)
     for name, (dims, qtype) in tensors.items():
         if qtype == gguf.GGMLQuantizationType.F32:
-            values = rng.standard_normal(dims) * 0.5 if "ffn_gate_inp" in name else np.ones(dims)
-            writer.write_tensor_data(values.astype(np.float32))
+            writer.write_tensor_data(_float_values(name, dims, rng))
         else:
             rows = int(np.prod(dims[:-1]))
             writer.write_tensor_data(random_blocks(rows, dims[-1], qtype, rng))
     writer.close()
+
+
+def _float_values(name: str, dims: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Norm weights 1; router weights spread so routing varies; biases small; sinks ~N(0, 1)."""
+    if "ffn_gate_inp.weight" in name:
+        values = rng.standard_normal(dims) * 0.5
+    elif name.endswith(".bias"):
+        values = rng.standard_normal(dims) * 0.02
+    elif "attn_sinks" in name:
+        values = rng.standard_normal(dims)
+    else:
+        values = np.ones(dims)
+    return values.astype(np.float32)
+
+
+def warm_page_cache(path: Path) -> float:
+    """Read ``path`` (a file, or every file under a directory) once, so the next engine starts
+    from the page cache; the seconds it took."""
+    started = time.perf_counter()
+    for f in ([path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())):
+        with open(f, "rb", buffering=0) as handle:
+            while handle.readinto(_CHUNK):
+                pass
+    return time.perf_counter() - started
+
+
+_CHUNK = bytearray(64 << 20)
 
 
 def llama_batched_bench(binary: str, gguf_path: Path, batches: tuple[int, ...], new_tokens: int) -> dict:
@@ -164,9 +239,10 @@ def llama_batched_bench(binary: str, gguf_path: Path, batches: tuple[int, ...], 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=list(SHAPES), default="qwen3-30b-a3b", help="model shape (default qwen3-30b-a3b)")
-    p.add_argument("--quant", choices=["q4_0", "q4_k_m"], default="q4_0", help="the GGUF's types (default q4_0)")
+    p.add_argument("--quant", choices=sorted({q for qs in QUANTS.values() for q in qs}), default=None,
+                   help="the GGUF's types: q4_0 or q4_k_m (Qwen3 shape; default q4_0), mxfp4 (gpt-oss; its default)")
     p.add_argument("--work_dir", default="/tmp/kiln-moe", help="where the file and engine go (reused)")
-    p.add_argument("--rounds", type=int, default=2, help="alternating rounds; medians (default 2)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians (default 3)")
     p.add_argument("--new_tokens", type=int, default=32, help="greedy tokens decoded per round (default 32)")
     p.add_argument("--contexts", nargs="*", type=int, default=[2048],
                    help="also decode batch-1 after prompts of these many tokens (default 2048)")
@@ -175,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output_json", default=str(Path(__file__).parent / "results.jsonl"),
                    help="append the record here (default benchmarks/results.jsonl)")
     args = p.parse_args(argv)
+    allowed = QUANTS[SHAPES[args.shape].arch]
+    args.quant = args.quant or allowed[0]
+    if args.quant not in allowed:
+        p.error(f"--quant {args.quant} does not apply to {args.shape} (choose from {', '.join(allowed)})")
     kiln = [str(Path(sys.executable).parent / "kiln")]
     work = Path(args.work_dir) / f"{args.shape}-{args.quant}"
     work.mkdir(parents=True, exist_ok=True)
@@ -206,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     for r in range(args.rounds):
         for name, (kind, path) in engines.items():
+            warm_page_cache(Path(path))
             runs[name].append(scale.child(kind, path, args.new_tokens, tuple(args.contexts)))
             print(f"round {r + 1}: {name}: {runs[name][-1]['decode_tok_s']:.2f} tok/s", flush=True)
     bandwidth = machine.get("read_gbs")
@@ -228,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
 def format_moe_scale(record: dict) -> str:
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     lines = [f"{record['shape']} {record['quant']} (random weights, vocab {VOCAB}), {record['threads']} threads, "
-             f"{record['new_tokens']} new tokens, median of {record['rounds']}; read bandwidth "
+             f"{record['new_tokens']} new tokens, median of {record['rounds']} (page cache warmed); read bandwidth "
              f"{record['machine'].get('read_gbs', 0):.1f} GB/s; GGUF {gb(record['gguf_bytes'])}, "
              f"kiln engine {gb(record['engine_bytes'])}"]
     for step in ("convert", "build"):

@@ -190,7 +190,8 @@ def run_kiln(engine: str, new_tokens: int, contexts: tuple[int, ...] = ()) -> di
                "weight_bytes": weight_bytes_per_token(llm.engine.model)}
     timer = ForwardTimer(llm.core.runner.model)
     for batch in BATCHES:  # batched decode (llama-cpp-python has no batched generate to set beside it)
-        prompts = [prompt] * batch
+        # each sequence its own prompt: a mixture of experts then routes the batch's tokens apart
+        prompts = [_prompts(0, seed=1 + i)[0] for i in range(batch)]
         kiln_batch(llm, prompts, 4, timer)  # warm-up at this batch size
         figures[f"decode_tok_s_batch{batch}"] = kiln_batch(llm, prompts, new_tokens // 2, timer)["decode_tok_s"]
     for context in contexts:  # batch-1 decode after a long prompt: the KV cache read grows with it
@@ -235,8 +236,9 @@ def gguf_bytes_per_token(path: str) -> int:
     return int(sum(tensors.values()) - (tensors["token_embd.weight"] if untied else 0))
 
 
-def _prompts(long_len: int) -> tuple[list[int], list[int]]:
-    generator = torch.Generator().manual_seed(0)
+def _prompts(long_len: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """A 32-token prompt and one of ``long_len`` tokens, random ids."""
+    generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(100, VOCAB, (32 + long_len,), generator=generator).tolist()
     return ids[:32], ids[32:]
 

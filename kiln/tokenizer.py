@@ -16,9 +16,10 @@ def hf_tokenizer(path: str | Path):
     if path.is_file():  # GGUF keeps its tokenizer inside the file
         try:
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        except ValueError:
+        except (ValueError, TypeError):
             # transformers reads the config of only some GGUF architectures (not smollm3, granite,
-            # olmo2...); the tokenizer itself it builds from the metadata alone, as it would there.
+            # olmo2...), and fails on gpt-oss's rope.scaling keys (TypeError: it takes a key's length
+            # field for its value); the tokenizer it builds from the metadata alone, as it would there.
             return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     return AutoTokenizer.from_pretrained(str(path))
 
