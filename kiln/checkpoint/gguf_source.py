@@ -1,10 +1,10 @@
 """Read a GGUF file as if it were a Hugging Face checkpoint.
 
 GGUF (llama.cpp's format) renames tensors, may quantize them, reorders the rows of some query/key
-projections for its rotary kernel, shifts Gemma 3's norms and keeps the
-config as metadata. :class:`GGUFSource` undoes all of that, so the weights loader sees Hugging
-Face names, shapes, layouts and a Hugging Face style config; what differs per architecture is a
-declaration in ``kiln.checkpoint.gguf_architectures``.
+projections for its rotary kernel, shifts Gemma 3's norms, splits DeepSeek-V2's ``kv_b_proj`` in
+two and keeps the config as metadata. :class:`GGUFSource` undoes all of that, so the weights
+loader sees Hugging Face names, shapes, layouts and a Hugging Face style config; what differs per
+architecture is a declaration in ``kiln.checkpoint.gguf_architectures`` / ``gguf_moe``.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
-from kiln.checkpoint.gguf_architectures import ARCHITECTURES, Meta
+from kiln.checkpoint.gguf_architectures import ARCHITECTURES
+from kiln.checkpoint.gguf_declaration import Joined, Meta
 from kiln.checkpoint.tensor_source import Index
 from kiln.errors import CheckpointError
 from kiln.tokenizer import hf_tokenizer
@@ -47,6 +48,11 @@ class _Reader(GGUFReader):
         dtype, count = np.dtype(dtype), int(count)
         arr = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
+def _dims(t: ReaderTensor) -> tuple[int, ...]:
+    """GGUF tensor ``t``'s shape in torch's order (GGUF lists the fastest-moving dim first)."""
+    return tuple(int(d) for d in reversed(t.shape))
 
 
 def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -83,20 +89,35 @@ class GGUFSource:
         self.spec = ARCHITECTURES[self.arch]
         self._gguf: dict[str, ReaderTensor] = {}
         self._tensors: dict[str, ReaderTensor] = {}  # HF name -> its GGUF tensor
+        self._joined: dict[str, tuple[Joined, list[ReaderTensor | None]]] = {}  # HF name -> its GGUF parts
         for t in self._reader.tensors:
             self._check_size(t)
             self._gguf[t.name] = t
             if t.name in self.spec.extra_tensors:
                 continue  # read by the architecture's config function
+            if (part := self.spec.part_of(t.name)) is not None:
+                hf, joined, i = part
+                self._joined.setdefault(hf, (joined, [None] * len(joined.parts)))[1][i] = t
+                continue
             hf = self.spec.hf_name(t.name)
             if hf is None:
                 raise CheckpointError(f"{self.path}: tensor {t.name!r} has no Hugging Face counterpart "
                                       f"for architecture {self.arch!r}")
             self._tensors[hf] = t
+        self._check_joined()
         self._blocks = {f"{key[:-len('weight')]}{BLOCKS}": key for key, t in self._tensors.items()
                         if blocks and not self.spec.transposed and key.endswith(".weight")
                         and len(t.shape) in (2, 3) and t.tensor_type not in FLOAT_TYPES}
         self._cached: tuple[str, torch.Tensor] | None = None
+
+    def _check_joined(self) -> None:
+        """Every joined weight has all its parts, and no whole tensor beside them."""
+        for key, (joined, parts) in self._joined.items():
+            if None in parts or key in self._tensors:
+                have = [t.name for t in parts if t is not None] + ([self._tensors[key].name] if key in self._tensors
+                                                                    else [])
+                raise CheckpointError(f"{self.path}: {key!r} is read from GGUF tensors {' and '.join(joined.parts)} "
+                                      f"of its layer; the file has {', '.join(have)}")
 
     def _check_size(self, t: ReaderTensor) -> None:
         # The reader rejects most truncations itself; this catches a short memory map it lets by.
@@ -109,10 +130,15 @@ class GGUFSource:
         return default if field is None else field.contents()
 
     def keys(self) -> Iterable[str]:
-        return [*self._tensors, *self._blocks]
+        return [*self._tensors, *self._joined, *self._blocks]
 
     def tensor_type(self, key: str) -> GGMLQuantizationType:
-        """The GGUF type of tensor ``key`` (an HF name)."""
+        """The GGUF type of tensor ``key`` (an HF name; a joined one's parts must share it)."""
+        if key in self._joined:
+            types = {t.tensor_type for t in self._joined[key][1]}
+            if len(types) > 1:
+                raise CheckpointError(f"{self.path}: the parts of {key!r} have different types")
+            return types.pop()
         return self._tensor(key).tensor_type
 
     def _tensor(self, key: str) -> ReaderTensor:
@@ -142,8 +168,11 @@ class GGUFSource:
     def shape(self, key: str) -> tuple[int, ...]:
         if key in self._blocks:
             return tuple(self._tensor(self._blocks[key]).data.shape)
+        if key in self._joined:  # joined on the meta device: shapes only
+            joined, parts = self._joined[key]
+            return tuple(joined.join(*(torch.empty(_dims(t), device="meta") for t in parts)).shape)
         t = self._tensor(key)
-        shape = tuple(int(d) for d in reversed(t.shape))
+        shape = _dims(t)
         return shape[::-1] if self._transposed(key, t) else shape
 
     def read(self, key: str, index: Index | None = None) -> torch.Tensor:
@@ -166,16 +195,16 @@ class GGUFSource:
                 raise CheckpointError(f"{self.path}: {key!r} (raw blocks) is read whole")
             weight = self._blocks[key]
             return self._rows(weight, torch.from_numpy(np.array(self._tensor(weight).data))).contiguous()
-        t = self._tensor(key)
-        plain = self._row_heads(key) is None and not self._transposed(key, t) and not self._offset(key)
-        if plain and t.tensor_type in FLOAT_TYPES:
+        t = self._tensors.get(key)
+        plain = t is not None and self._row_heads(key) is None and not self._transposed(key, t)
+        if plain and not self._offset(key) and t.tensor_type in FLOAT_TYPES:
             # No reordering needed: copy just the selected part out of the memory map.
             data = self._unquantized(t)
             return self._to_torch(t, data if index is None else data[index])
         if self._cached is not None and self._cached[0] == key:
             full = self._cached[1]
         else:
-            full = self._decode(key, t)
+            full = self._decode(key)
         if index is None:
             self._cached = None  # the caller takes the whole tensor; no slices will follow
             return full
@@ -202,10 +231,14 @@ class GGUFSource:
             except NotImplementedError:
                 raise CheckpointError(f"{self.path}: tensor {t.name!r} has type {t.tensor_type.name}, "
                                       "which the gguf package cannot dequantize") from None
-        return w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        return w.reshape(_dims(t))
 
-    def _decode(self, key: str, t: ReaderTensor) -> torch.Tensor:
+    def _decode(self, key: str) -> torch.Tensor:
         self._cached = None  # free the previous tensor before building the next
+        if key in self._joined:
+            joined, parts = self._joined[key]
+            return joined.join(*(self._values(part) for part in parts)).contiguous()
+        t = self._tensor(key)
         w = self._rows(key, self._values(t))
         if self._transposed(key, t):
             w = w.t()

@@ -43,6 +43,8 @@ class RopeRowsLinear(ColumnLinear):
     """A projection whose rows come in ``head``-row groups, each holding ``rope`` rotary dims from
     row ``rope_start`` in adjacent pairs; reordered on loading to the even dims, then the odd."""
 
+    reorders_rows = True  # so a GGUF file's quantized blocks of it are dequantized, not imported as they are
+
     def __init__(self, in_features: int, out_features: int, bias: bool, *, head: int, rope_start: int, rope: int,
                  dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0):
         super().__init__(in_features, out_features, bias, dtype=dtype, tp_size=tp_size, tp_rank=tp_rank)

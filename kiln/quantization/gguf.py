@@ -21,12 +21,12 @@ features not a multiple of 16) stay float too.
 Every architecture ``GGUFSource`` reads works alike (q/k rows un-permuted where llama.cpp's
 converter permuted them: llama, mistral, smollm3, granite). Linears that read only part of a
 tensor or reorder its rows on loading (Phi-3's and GLM-4's fused ``gate_up_proj``, ERNIE 4.5's
-and GLM-4's adjacent rotary pairs) stay float.
+and GLM-4's adjacent rotary pairs, DeepSeek-V2's latent attention's rotary rows) stay float.
 
-Stacked experts (the 3-D ``ffn_{gate,up,down}_exps`` of Qwen3-MoE and gpt-oss files) import the
-same way, expert by expert, into :class:`ExpertLinear`'s expert-major parameters; an expert's
-gate and up projections share the finer of their formats, as a gated MLP's do (an engine fuses
-them).
+Stacked experts (the 3-D ``ffn_{gate,up,down}_exps`` of Qwen3-MoE, gpt-oss and DeepSeek-V2
+files) import the same way, expert by expert, into :class:`ExpertLinear`'s expert-major
+parameters; an expert's gate and up projections share the finer of their formats, as a gated
+MLP's do (an engine fuses them).
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def _format(linear: Linear | ExpertLinear, types: list) -> Native | None:
     """The kiln format of a linear (or stacked experts) made of GGUF tensors of ``types`` (None: float)."""
     plain = not (linear.source_transposed or linear.fused_part is not None
                  or getattr(linear, "interleaved_part", None) is not None or getattr(linear, "mxfp4_source", False)
-                 or getattr(linear, "interleaved_heads", False) or getattr(linear, "adjacent_rotary_dims", 0))
+                 or getattr(linear, "interleaved_heads", False) or getattr(linear, "adjacent_rotary_dims", 0)
+                 or getattr(linear, "reorders_rows", False))
     if not plain or any(t in FLOAT_TYPES for t in types):
         return None
     f = finest([native(t) for t in types])

@@ -9,9 +9,12 @@ equal HF's. Where a GGUF leaves a setting out, llama.cpp's rule decides it, so e
 where HF and llama.cpp agree: Gemma 3 with 6 layers in its default pattern and
 ``query_pre_attn_scalar`` = head size, SmolLM3 NoPE every 4th layer without a window, EXAONE 4
 without a window (llama.cpp's hybrid attention is the 64-layer model's only), Qwen3-MoE with no
-dense layer and renormalised top-k. One OLMo 2 file converted to q8_0 keeps its linears' blocks
-(MIXED_PRECISION) and stays within 5% of the dequantized engine. Metadata-only files check the
-rules on shapes no tiny model has, and that metadata kiln does not know is refused.
+dense layer and renormalised top-k, DeepSeek-V2 with YaRN's mscale equal to its mscale_all_dim
+(llama.cpp's deepseek2 graph takes them equal) and greedy routing. One OLMo 2 file converted to
+q8_0 keeps its linears' blocks (MIXED_PRECISION) and stays within 5% of the dequantized engine,
+and so does a DeepSeek-V2 file quantized to q8_0. A DeepSeek-V2 file with kv_b_proj whole (older
+converters) reads as the split one. Metadata-only files check the rules on shapes no tiny model
+has, and that metadata kiln does not know is refused.
 
 The converters need real tokenizers: GPT-2's for most architectures (Phi-4-mini's tokenizer class
 says GPT2Tokenizer; GLM-4 adds ``<|user|>``), a small Llama-2 style BPE for the llama-style ones, a
@@ -29,10 +32,10 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from safetensors import safe_open
 
-from kiln.checkpoint.gguf_source import GGUFSource
+from kiln.checkpoint.gguf_source import GGUFSource, _Reader
 from kiln.errors import CheckpointError
 from tests.conftest import convert_and_build
 from tests.models.zoo import random_prompt
@@ -42,10 +45,13 @@ from tests.utils.llama_cpp_gguf import (GPT2_VOCAB, convert_many_with_llama_cpp,
                                         save_sentencepiece_tokenizer)
 from tests.utils.tiny_gguf import requantize
 from tests.utils.tiny_models import make_llama
-from tests.utils.tiny_moe_models import make_gpt_oss, make_qwen3_moe
+from tests.utils.tiny_moe_models import make_deepseek_v2, make_gpt_oss, make_qwen3_moe
 
 V = GPT2_VOCAB
 NEW_TOKENS = 8
+# DeepSeek-V2-Lite-Chat's YaRN (mscale = mscale_all_dim = 0.707) on a 64-token original context.
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                 "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0}
 
 
 def _gpt2(hf_dir: Path, gpt2: Path) -> None:
@@ -86,6 +92,10 @@ CASES: dict[str, tuple[Callable, dict, Callable]] = {
     "qwen3": (make_llama, dict(model_type="qwen3", vocab=V), _gpt2),
     "qwen3moe": (make_qwen3_moe, dict(vocab=V, layers=2, mlp_only_layers=[]), _gpt2),
     "gpt-oss": (make_gpt_oss, dict(vocab=V, intermediate=64, truncate=True), _gpt2),
+    # V2-Lite's direct q_proj; V2's low-rank q with YaRN
+    "deepseek2": (make_deepseek_v2, dict(vocab=V), _gpt2),
+    "deepseek2-q-lora-yarn": (make_deepseek_v2, dict(vocab=V, q_lora_rank=48, rope_parameters=DEEPSEEK_YARN, seed=1),
+                              _gpt2),
     "gemma3": (tiny.make_gemma3, dict(vocab=V, num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=16), _gpt2),
     "olmo2": (tiny.make_olmo2, dict(vocab=V), _gpt2),
     "olmo3": (tiny.make_olmo3, dict(vocab=V), _gpt2),
@@ -164,7 +174,7 @@ def converted(files, tmp_path_factory, no_tokenizer) -> Callable[[str], Case]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_gguf_reads_back_as_the_hf_checkpoint(converted, name: str) -> None:
     """HF names, shapes and values (q/k rows un-permuted, Gemma 3's norms less 1, experts each
-    projection stacked)."""
+    projection stacked, DeepSeek-V2's kv_b_proj joined from attn_k_b and attn_v_b)."""
     case = converted(name)
     source = GGUFSource(case.gguf)
     state = _per_projection_experts(case.hf.state_dict())
@@ -233,6 +243,27 @@ def test_q8_0_linears_keep_their_precision(files, no_tokenizer, tmp_path: Path) 
     linears = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
     assert set(quant["quantized_layers"]) == {f"transformer.layers.{i}.{n}" for i in range(2) for n in linears}
     assert {(q["quant_algo"], q["group_size"]) for q in quant["quantized_layers"].values()} == {("W8A16", 32)}
+    prompts = [random_prompt(24, V, seed=1), random_prompt(9, V, seed=2)]
+    for ours, ref in zip(kiln_batch_prompt_logits(native, prompts), kiln_batch_prompt_logits(dequantized, prompts)):
+        assert (ours.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+def test_deepseek2_q8_0_keeps_its_blocks(files, no_tokenizer, tmp_path: Path) -> None:
+    """DeepSeek-V2-Lite as q8_0 (quantized from the f32 file; attn_k_b's 16-wide rows stay f32, as
+    llama.cpp leaves rows that are no whole block): o_proj, the dense MLP, the experts and the
+    shared expert import their blocks; q_proj and kv_a_proj_with_mqa (rotary rows reordered on loading)
+    and kv_b_proj (joined from attn_k_b and a q8_0 attn_v_b) are dequantized; logits within 5%
+    of the same file dequantized."""
+    stems = ("attn_q", "attn_kv_a_mqa", "attn_v_b", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps",
+             "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+    q8 = requantize(files["deepseek2"][2], tmp_path / "deepseek2-q8_0.gguf", dict.fromkeys(stems, Q.Q8_0))
+    native = convert_and_build(q8, tmp_path / "native", {}, dtype=None)
+    dequantized = convert_and_build(q8, tmp_path / "float", {}, dtype="float32")
+    quant = json.loads((tmp_path / "native" / "checkpoint" / "config.json").read_text())["quantization"]
+    mlp = ("mlp.fc", "mlp.gate", "mlp.proj")
+    shared = ("mlp.shared_expert.fc", "mlp.shared_expert.gate", "mlp.shared_expert.proj")
+    assert set(quant["quantized_layers"]) == {f"transformer.layers.{i}.{n}" for i, names in
+                                              enumerate([mlp, (*mlp, *shared)]) for n in ("attention.dense", *names)}
     prompts = [random_prompt(24, V, seed=1), random_prompt(9, V, seed=2)]
     for ours, ref in zip(kiln_batch_prompt_logits(native, prompts), kiln_batch_prompt_logits(dequantized, prompts)):
         assert (ours.float() - ref).abs().max() <= 0.05 * ref.abs().max()
@@ -324,6 +355,68 @@ def test_smollm3_exaone4_and_qwen3moe_rules(tmp_path: Path) -> None:
     assert moe["norm_topk_prob"] is True and moe["mlp_only_layers"] == [] and moe["moe_intermediate_size"] == 32
 
 
+# DeepSeek-V2-Lite's metadata as llama.cpp's converter writes it (kv_b split: the *_mla keys a head's sizes).
+DEEPSEEK2 = {"attention.kv_lora_rank": 512, "attention.key_length": 576, "attention.value_length": 512,
+             "attention.key_length_mla": 192, "attention.value_length_mla": 128, "rope.dimension_count": 64,
+             "expert_count": 64, "expert_used_count": 6, "expert_feed_forward_length": 1408, "expert_shared_count": 2,
+             "leading_dense_block_count": 1}
+
+
+def test_deepseek2_rules(tmp_path: Path) -> None:
+    """The latent attention's sizes from either form of file; no expert_weights_scale: unscaled;
+    YaRN's yarn_log_multiplier is 0.1 x mscale_all_dim, and mscale the same."""
+    yarn = {"rope.scaling.type": "yarn", "rope.scaling.factor": 40.0, "rope.scaling.original_context_length": 4096,
+            "rope.scaling.yarn_log_multiplier": 0.0707}
+    config = GGUFSource(_metadata_file(tmp_path / "d.gguf", "deepseek2", 27, hidden=2048, heads=16,
+                                       **DEEPSEEK2, **yarn)).hf_config()
+    assert {k: config[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                   "v_head_dim", "first_k_dense_replace", "routed_scaling_factor")} == {
+        "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "first_k_dense_replace": 1, "routed_scaling_factor": 1.0}
+    assert config["rope_scaling"] == {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                      "mscale": 0.707, "mscale_all_dim": 0.707}
+    whole = {**DEEPSEEK2, "attention.key_length": 192, "attention.value_length": 128}
+    del whole["attention.key_length_mla"], whole["attention.value_length_mla"]
+    older = GGUFSource(_metadata_file(tmp_path / "w.gguf", "deepseek2", 27, hidden=2048, heads=16, **whole,
+                                      **yarn)).hf_config()
+    assert older == config
+
+
+def _whole_kv_b(src: Path, dst: Path, state: dict[str, torch.Tensor]) -> Path:
+    """``src`` (deepseek2) as older converters wrote it: each layer's kv_b_proj whole (``attn_kv_b``,
+    from the HF ``state``), key/value_length a head's, no *_mla keys (and no vocabulary lists)."""
+    reader = _Reader(src)  # kiln's: the gguf package's takes seconds over GPT-2's vocabulary
+    head = {f"deepseek2.attention.{k}": reader.fields[f"deepseek2.attention.{k}_mla"].contents()
+            for k in ("key_length", "value_length")}
+    w = GGUFWriter(dst, "deepseek2")
+    for key, field in reader.fields.items():
+        if not key.startswith(("GGUF.", "general.architecture", "tokenizer.ggml.t", "tokenizer.ggml.m")) \
+                and not key.endswith("_mla"):
+            sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
+            w.add_key_value(key, head.get(key, field.contents()), field.types[0], sub)
+    for t in reader.tensors:
+        if t.name.endswith(".attn_k_b.weight"):
+            layer = t.name.split(".")[1]
+            kv_b = state[f"model.layers.{layer}.self_attn.kv_b_proj.weight"]
+            w.add_tensor(f"blk.{layer}.attn_kv_b.weight", kv_b.numpy())
+        elif not t.name.endswith(".attn_v_b.weight"):
+            w.add_tensor(t.name, np.array(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_deepseek2_whole_kv_b_reads_alike(files, tmp_path: Path) -> None:
+    """A deepseek2 file with kv_b_proj whole (older converters) reads as the split one does."""
+    hf, _, split = files["deepseek2"]
+    whole, split = GGUFSource(_whole_kv_b(split, tmp_path / "whole.gguf", hf.state_dict())), GGUFSource(split)
+    assert whole.hf_config() == split.hf_config() and sorted(whole.keys()) == sorted(split.keys())
+    for key in split.keys():
+        torch.testing.assert_close(whole.read(key), split.read(key), rtol=0, atol=0, msg=key)
+
+
 @pytest.mark.parametrize(("arch", "extra", "match"), [
     ("qwen3", {"attention.causal": False}, "qwen3.attention.causal"),
     ("qwen3moe", {"expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32,
@@ -331,6 +424,12 @@ def test_smollm3_exaone4_and_qwen3moe_rules(tmp_path: Path) -> None:
     ("llama", {"rope.scaling.type": "longrope"}, "llama.rope.scaling.type"),
     ("olmo2", {"rope.dimension_count": 8}, "olmo2.rope.dimension_count"),
     ("granite", {"logit_scale": 4.0, "rope.scaling.finetuned": False}, "granite.rope.scaling.finetuned"),
+    ("deepseek2", {**DEEPSEEK2, "expert_weights_norm": True}, "deepseek2.expert_weights_norm"),
+    ("deepseek2", {**DEEPSEEK2, "expert_gating_func": 2}, "deepseek2.expert_gating_func"),  # sigmoid
+    ("deepseek2", {**DEEPSEEK2, "expert_group_count": 8, "expert_group_used_count": 3}, "deepseek2.expert_group_count"),
+    ("deepseek2", {**DEEPSEEK2, "rope.scaling.type": "yarn", "rope.scaling.factor": 40.0},
+     "deepseek2.rope.scaling.yarn_log_multiplier"),
+    ("deepseek2", {**DEEPSEEK2, "attention.temperature_scale": 0.1}, "deepseek2.attention.temperature_scale"),
 ])
 def test_metadata_kiln_does_not_know_is_refused(tmp_path: Path, arch: str, extra: dict, match: str) -> None:
     with pytest.raises(CheckpointError, match=match.replace(".", r"\.")):
