@@ -1,13 +1,16 @@
-"""kiln beside llama.cpp on mixture-of-experts models at their real size: Qwen3-30B-A3B's and
-gpt-oss-20b's shapes.
+"""kiln beside llama.cpp on mixture-of-experts models at their real size: Qwen3-30B-A3B's,
+gpt-oss-20b's and DeepSeek-V2-Lite's shapes.
 
     python benchmarks/moe_scale.py --shape qwen3-30b-a3b --quant q4_0 [--work_dir /tmp/kiln-moe] [--rounds 3]
     python benchmarks/moe_scale.py --shape gpt-oss-20b --quant mxfp4
+    python benchmarks/moe_scale.py --shape deepseek-v2-lite --quant q4_0
 
 The models have the real shapes (Qwen3-30B-A3B: 48 layers, hidden 2048, 128 experts of width 768,
 8 per token, 32 query and 4 KV heads of 128; gpt-oss-20b: 24 layers, hidden 2880, 32 experts of
 width 2880, 4 per token, 64 query and 8 KV heads of 64, biases, attention sinks, a 128-token
-window on every other layer, YaRN) with **random weights** and SmolLM2's tokenizer (49,152
+window on every other layer, YaRN; DeepSeek-V2-Lite: 27 layers, hidden 2048, 16 heads of multi-head
+latent attention over a 512-wide latent, the first layer dense, then 64 experts of width 1408, 6
+per token, and 2 shared) with **random weights** and SmolLM2's tokenizer (49,152
 tokens, not the models' own). Each is written once as a GGUF whose quantized blocks are written
 directly (random codes under scales that give weights of ~0.02; routers, norms, biases and sinks
 float32), typed as llama.cpp's quantizer types a file of that kind: ``q4_0`` (every linear Q4_0,
@@ -63,13 +66,24 @@ class Shape:
     top_k: int
     width: int  # each expert's intermediate size
     theta: float
+    # DeepSeek-V2: shared experts (their total width), leading dense layers (their FFN width), and
+    # multi-head latent attention's latent rank and head parts (no-rotary key, rotary, value)
+    shared_width: int = 0
+    dense_layers: int = 0
+    dense_width: int = 0
+    kv_lora: int = 0
+    nope: int = 0
+    rope: int = 0
+    value: int = 0
 
 
 SHAPES = {
     "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 128, 128, 8, 768, 1e6),
     "gpt-oss-20b": Shape("gpt-oss", 2880, 24, 64, 8, 64, 32, 4, 2880, 150000.0),
+    "deepseek-v2-lite": Shape("deepseek2", 2048, 27, 16, 16, 192, 64, 6, 1408, 10000.0, shared_width=2816,
+                              dense_layers=1, dense_width=10944, kv_lora=512, nope=128, rope=64, value=128),
 }
-QUANTS = {"qwen3moe": ("q4_0", "q4_k_m"), "gpt-oss": ("mxfp4",)}
+QUANTS = {"qwen3moe": ("q4_0", "q4_k_m"), "gpt-oss": ("mxfp4",), "deepseek2": ("q4_0",)}
 VOCAB = scale.VOCAB  # SmolLM2's tokenizer
 BATCHES = scale.BATCHES
 
@@ -128,6 +142,9 @@ def gguf_tensors(shape: str, quant: str) -> dict[str, tuple[tuple[int, ...], obj
                     "attn_v": (m.kv_heads * m.head, m.hidden), "attn_output": (m.hidden, m.heads * m.head),
                     "ffn_gate_exps": (m.experts, m.width, m.hidden), "ffn_up_exps": (m.experts, m.width, m.hidden),
                     "ffn_down_exps": (m.experts, m.hidden, m.width)}
+        if m.arch == "deepseek2":
+            out.update(_deepseek2_layer(m, i, quant))
+            continue
         out.update({f"blk.{i}.{n}.weight": (dims, tensor_types(quant, n, i, m.layers)) for n, dims in matrices.items()})
         vectors = {"attn_norm": (m.hidden,), "ffn_gate_inp": (m.experts, m.hidden)}
         if gpt_oss:  # every projection biased, a sink logit per head, the router biased
@@ -140,9 +157,58 @@ def gguf_tensors(shape: str, quant: str) -> dict[str, tuple[tuple[int, ...], obj
     return out
 
 
+def _deepseek2_layer(m: Shape, i: int, quant: str) -> dict[str, tuple[tuple[int, ...], object]]:
+    """One DeepSeek-V2 layer as llama.cpp's converter writes it (kv_b split per head into k_b
+    ``[heads, kv_lora, nope]`` and v_b ``[heads, value, kv_lora]``); a leading dense layer, else
+    routed and shared experts."""
+    from gguf import GGMLQuantizationType as Q
+
+    matrices = {"attn_q": (m.heads * (m.nope + m.rope), m.hidden), "attn_kv_a_mqa": (m.kv_lora + m.rope, m.hidden),
+                "attn_k_b": (m.heads, m.kv_lora, m.nope), "attn_v_b": (m.heads, m.value, m.kv_lora),
+                "attn_output": (m.hidden, m.heads * m.value)}
+    if i < m.dense_layers:
+        matrices.update({"ffn_gate": (m.dense_width, m.hidden), "ffn_up": (m.dense_width, m.hidden),
+                         "ffn_down": (m.hidden, m.dense_width)})
+    else:
+        matrices.update({"ffn_gate_exps": (m.experts, m.width, m.hidden), "ffn_up_exps": (m.experts, m.width, m.hidden),
+                         "ffn_down_exps": (m.experts, m.hidden, m.width), "ffn_gate_shexp": (m.shared_width, m.hidden),
+                         "ffn_up_shexp": (m.shared_width, m.hidden), "ffn_down_shexp": (m.hidden, m.shared_width)})
+    out = {f"blk.{i}.{n}.weight": (dims, tensor_types(quant, n, i, m.layers)) for n, dims in matrices.items()}
+    vectors = {"attn_norm": (m.hidden,), "ffn_norm": (m.hidden,), "attn_kv_a_norm": (m.kv_lora,)}
+    if i >= m.dense_layers:
+        vectors["ffn_gate_inp"] = (m.experts, m.hidden)
+    out.update({f"blk.{i}.{n}.weight": (dims, Q.F32) for n, dims in vectors.items()})
+    return out
+
+
+def _deepseek2_metadata(writer, m: Shape) -> None:
+    """V2-Lite's keys: one latent "KV head", the latent widths as key/value lengths, each head's
+    in the *_mla keys; softmax routing, weights unscaled; YaRN x40 over 4096 tokens with
+    mscale_all_dim 0.707 (its log multiplier 0.1 x that)."""
+    a = m.arch
+    for key, value in (("block_count", m.layers), ("context_length", 163840), ("embedding_length", m.hidden),
+                       ("feed_forward_length", m.dense_width), ("attention.head_count", m.heads),
+                       ("attention.head_count_kv", 1), ("attention.kv_lora_rank", m.kv_lora),
+                       ("attention.key_length", m.kv_lora + m.rope), ("attention.value_length", m.kv_lora),
+                       ("attention.key_length_mla", m.nope + m.rope), ("attention.value_length_mla", m.value),
+                       ("rope.dimension_count", m.rope), ("leading_dense_block_count", m.dense_layers),
+                       ("vocab_size", VOCAB), ("expert_count", m.experts), ("expert_used_count", m.top_k),
+                       ("expert_shared_count", m.shared_width // m.width), ("expert_feed_forward_length", m.width),
+                       ("expert_gating_func", 1), ("rope.scaling.original_context_length", 4096)):
+        writer.add_uint32(f"{a}.{key}", value)
+    for key, value in (("rope.freq_base", m.theta), ("attention.layer_norm_rms_epsilon", 1e-6),
+                       ("expert_weights_scale", 1.0), ("rope.scaling.factor", 40.0),
+                       ("rope.scaling.yarn_log_multiplier", 0.0707)):
+        writer.add_float32(f"{a}.{key}", value)
+    writer.add_string(f"{a}.rope.scaling.type", "yarn")
+
+
 def _metadata(writer, m: Shape) -> None:
     """The architecture's keys as llama.cpp's converter writes them for the real model."""
     a = m.arch
+    if a == "deepseek2":
+        _deepseek2_metadata(writer, m)
+        return
     for key, value in (("block_count", m.layers), ("context_length", 131072 if a == "gpt-oss" else 32768),
                        ("embedding_length", m.hidden), ("feed_forward_length", m.width if a == "gpt-oss" else 6144),
                        ("attention.head_count", m.heads), ("attention.head_count_kv", m.kv_heads),

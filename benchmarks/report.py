@@ -168,12 +168,14 @@ def _moe_scale(records: list[dict]) -> list[str]:
                     f"({r['build']['peak_rss_mb']:.0f}) | `{_short(r['command'])}` |")
     return ["## Mixture of experts at real size: kiln beside llama.cpp on one GGUF (random weights, SmolLM2's "
             "vocabulary)", "",
-            "`python benchmarks/moe_scale.py --shape qwen3-30b-a3b --quant q4_0|q4_k_m --batched_bench "
-            "PATH/llama-batched-bench`: the GGUF's quantized blocks written directly; kiln converts it keeping each "
-            "block's precision (experts expert-major). Batch-1 greedy decode after a 32-token prompt and after 2048 "
-            "tokens, each engine in a fresh process per round, rounds alternating; batched decode: kiln's scheduler "
-            "beside llama.cpp's `llama-batched-bench` (S_TG). Bandwidth share: bytes a token reads (attention, routers, "
-            "head, top-k of each layer's experts) x tok/s over the machine's measured read bandwidth.",
+            "`python benchmarks/moe_scale.py --shape qwen3-30b-a3b --quant q4_0|q4_k_m` (or `--shape gpt-oss-20b "
+            "--quant mxfp4`) `--batched_bench PATH/llama-batched-bench`: the GGUF's quantized blocks written directly; "
+            "kiln converts it keeping each block's precision (experts expert-major). Batch-1 greedy decode after a "
+            "32-token prompt and after 2048 tokens, each engine in a fresh process per round with its files read into "
+            "the page cache first, rounds alternating; batched decode: kiln's scheduler (a random prompt per sequence) "
+            "beside llama.cpp's `llama-batched-bench` (S_TG, random tokens). Bandwidth share: bytes a token reads "
+            "(attention, routers, head, top-k of each layer's experts) x tok/s over the machine's measured read "
+            "bandwidth.",
             "", *rows]
 
 

@@ -165,6 +165,8 @@ def _declare_other_kernels(lib: ctypes.CDLL) -> None:
     lib.kiln_fp8_quantize_rows.restype = None
     lib.kiln_fp8_to_bf16.argtypes = [C_PTR, C_INT64, C_PTR]
     lib.kiln_fp8_to_bf16.restype = None
+    lib.kiln_moe_route.argtypes = [C_PTR] + [C_INT64] * 5 + [C_PTR, C_PTR]
+    lib.kiln_moe_route.restype = None
     lib.kiln_moe_experts_supported.argtypes = []
     lib.kiln_moe_experts_supported.restype = ctypes.c_int
     lib.kiln_moe_experts_bf16.argtypes = [C_PTR, C_INT64, C_INT64, C_PTR, C_PTR, C_INT64, C_PTR, C_PTR, C_INT64,

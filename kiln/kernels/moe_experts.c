@@ -43,6 +43,35 @@ typedef struct {
 
 enum { KILN_ACT_SILU = 0, KILN_ACT_CLAMPED_SWIGLU = 1 };
 
+/* Routing (kiln.layers.moe's MixtureOfExperts.route, one call instead of four tensor ops a
+ * layer): per row of router logits [m, E] (bf16 when is_bf16, else float32), the softmax over
+ * all E in float32, the top_k largest (the lower index first among equals) into ids [m, top_k]
+ * and their probabilities into weights, divided by their sum when normalize. */
+void kiln_moe_route(const void *logits, int64_t is_bf16, int64_t m, int64_t E, int64_t top_k, int64_t normalize,
+                    int64_t *ids, float *weights) {
+    float probs[E];
+    for (int64_t t = 0; t < m; ++t) {
+        float top = -INFINITY, sum = 0.f;
+        for (int64_t e = 0; e < E; ++e) {
+            probs[e] = is_bf16 ? bf16_load(((const bf16_t *)logits)[t * E + e]) : ((const float *)logits)[t * E + e];
+            top = fmaxf(top, probs[e]);
+        }
+        for (int64_t e = 0; e < E; ++e) sum += probs[e] = expf(probs[e] - top);
+        float chosen = 0.f;
+        for (int64_t j = 0; j < top_k; ++j) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; ++e)
+                if (probs[e] >= 0.f && (best < 0 || probs[e] > probs[best])) best = e;
+            ids[t * top_k + j] = best;
+            weights[t * top_k + j] = probs[best] / sum;
+            chosen += weights[t * top_k + j];
+            probs[best] = -1.f;  /* taken */
+        }
+        if (normalize)
+            for (int64_t j = 0; j < top_k; ++j) weights[t * top_k + j] /= chosen;
+    }
+}
+
 int kiln_moe_experts_supported(void) {
 #ifdef KILN_HAVE_QUANT_GEMV
     return 1;

@@ -39,6 +39,18 @@ def expert_weights(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Ten
                          bits, group, n, k)
 
 
+def moe_route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 weights, int64 expert ids), each ``[m, top_k]``, of router logits ``[m, E]``
+    (contiguous fp32 or bf16): the softmax over all experts in float32, its ``top_k`` largest,
+    divided by their sum when ``normalize`` (moe_experts.c ``kiln_moe_route``)."""
+    m, num_experts = logits.shape
+    ids = torch.empty(m, top_k, dtype=torch.int64)
+    weights = torch.empty(m, top_k, dtype=torch.float32)
+    native_library().kiln_moe_route(logits.data_ptr(), int(logits.dtype == torch.bfloat16), m, num_experts, top_k,
+                                    int(normalize), ids.data_ptr(), weights.data_ptr())
+    return weights, ids
+
+
 def moe_experts_supported() -> bool:
     """Whether ``moe_experts`` runs here (the native library, with the integer GEMV)."""
     lib = native_library()

@@ -139,6 +139,9 @@ class MixtureOfExperts(nn.Module):
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32 ``[n, top_k]``, expert ids ``[n, top_k]``) for router logits ``[n, E]``."""
+        if (router_logits.dim() == 2 and router_logits.dtype in (torch.float32, torch.bfloat16)
+                and router_logits.is_contiguous() and kernels.native_library() is not None):
+            return kernels.moe_route(router_logits, self.top_k, self.normalize_top_k)  # one call, not four
         probs = torch.softmax(router_logits.float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize_top_k:
@@ -194,7 +197,7 @@ class MixtureOfExperts(nn.Module):
         if not (x.dtype == torch.bfloat16 and x.shape[0] <= kernels.MOE_MAX_ROWS and self.fused
                 and self.fused_fc.quant_format is not None and self.proj.quant_format is not None):
             return None
-        key = tuple(p.data_ptr() for p in self.parameters())
+        key = (self.fused_fc.weight.data_ptr(), self.proj.weight.data_ptr())  # reassigned together at load time
         if getattr(self, "_native_key", None) != key:
             self._native, self._native_key = self._native_weights(), key
         return self._native

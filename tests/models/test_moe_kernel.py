@@ -106,3 +106,18 @@ def test_an_expert_index_out_of_range_is_refused() -> None:
     with pytest.raises(ValueError, match="expert index"):
         kernels.moe_experts(torch.zeros(1, HIDDEN, dtype=torch.bfloat16), torch.tensor([[0, 1, EXPERTS]]),
                             torch.ones(1, 3), fc, proj, EXPERTS, activation)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_native_routing_is_the_softmax_top_k(dtype: torch.dtype, normalize: bool) -> None:
+    """kernels.moe_route: the softmax over every expert in float32, the top k, renormalised or not."""
+    logits = torch.randn(7, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    weights, ids = kernels.moe_route(logits, 6, normalize)
+    probs = torch.softmax(logits.float(), dim=-1)
+    expected, expected_ids = probs.topk(6, dim=-1)
+    if normalize:
+        expected = expected / expected.sum(dim=-1, keepdim=True)
+    # bf16 logits tie: the same experts, in either order among equals
+    assert torch.equal(ids.sort(dim=-1).values, expected_ids.sort(dim=-1).values)
+    assert torch.allclose(weights, expected, rtol=1e-5, atol=0)
