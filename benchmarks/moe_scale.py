@@ -138,18 +138,19 @@ def gguf_tensors(shape: str, quant: str) -> dict[str, tuple[tuple[int, ...], obj
            "output.weight": ((VOCAB, m.hidden), tensor_types(quant, "output", 0, m.layers))}
     gpt_oss = m.arch == "gpt-oss"
     for i in range(m.layers):
+        if m.arch == "deepseek2":
+            out.update(_deepseek2_layer(m, i, quant))
+            continue
         matrices = {"attn_q": (m.heads * m.head, m.hidden), "attn_k": (m.kv_heads * m.head, m.hidden),
                     "attn_v": (m.kv_heads * m.head, m.hidden), "attn_output": (m.hidden, m.heads * m.head),
                     "ffn_gate_exps": (m.experts, m.width, m.hidden), "ffn_up_exps": (m.experts, m.width, m.hidden),
                     "ffn_down_exps": (m.experts, m.hidden, m.width)}
-        if m.arch == "deepseek2":
-            out.update(_deepseek2_layer(m, i, quant))
-            continue
         out.update({f"blk.{i}.{n}.weight": (dims, tensor_types(quant, n, i, m.layers)) for n, dims in matrices.items()})
         vectors = {"attn_norm": (m.hidden,), "ffn_gate_inp": (m.experts, m.hidden)}
         if gpt_oss:  # every projection biased, a sink logit per head, the router biased
             vectors.update({f"{n}.bias": dims[:-1] for n, dims in matrices.items()})
-            vectors.update({"post_attention_norm": (m.hidden,), "attn_sinks": (m.heads,), "ffn_gate_inp.bias": (m.experts,)})
+            vectors.update({"post_attention_norm": (m.hidden,), "attn_sinks": (m.heads,),
+                            "ffn_gate_inp.bias": (m.experts,)})
         else:
             vectors.update({"ffn_norm": (m.hidden,), "attn_q_norm": (m.head,), "attn_k_norm": (m.head,)})
         out.update({f"blk.{i}.{n}" + ("" if n.endswith(".bias") else ".weight"): (dims, Q.F32)
@@ -275,15 +276,12 @@ def _float_values(name: str, dims: tuple[int, ...], rng: np.random.Generator) ->
 def warm_page_cache(path: Path) -> float:
     """Read ``path`` (a file, or every file under a directory) once, so the next engine starts
     from the page cache; the seconds it took."""
-    started = time.perf_counter()
+    started, chunk = time.perf_counter(), bytearray(64 << 20)
     for f in ([path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())):
         with open(f, "rb", buffering=0) as handle:
-            while handle.readinto(_CHUNK):
+            while handle.readinto(chunk):
                 pass
     return time.perf_counter() - started
-
-
-_CHUNK = bytearray(64 << 20)
 
 
 def llama_batched_bench(binary: str, gguf_path: Path, batches: tuple[int, ...], new_tokens: int) -> dict:

@@ -96,7 +96,7 @@ static kiln_qweight expert_weight(const kiln_experts *E, int64_t e) {
  * calling team splits all (expert, unit) pairs evenly. */
 static void experts_gemv(const kiln_experts *E, const kiln_gemv_input *in, const int64_t *experts,
                          const int64_t *begin, const int64_t *few, int64_t count, float *y) {
-    const kiln_qweight first = expert_weight(E, experts[few[0]]);
+    const kiln_qweight first = expert_weight(E, experts[0]);
     const int64_t blocks = E->n / 16, unit = kiln_quant_gemv_unit(&first);
     const int64_t units = (blocks + unit - 1) / unit, total = units * count;
     const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
@@ -187,22 +187,17 @@ int kiln_moe_experts_bf16(const bf16_t *x, int64_t m, int64_t top_k, const int64
         slot[p] = count[ids[p]]++;  /* count[e]: expert e's next row */
         memcpy(xs + slot[p] * hidden, x + p / top_k * hidden, sizeof *xs * hidden);
     }
-    for (int64_t a = 0, i = 0; a < active; ++a) {  /* experts of many rows, each on all threads */
-        if (i < num_few && few[i] == a) {
-            ++i;
-            continue;
-        }
+    for (int64_t a = 0; a < active; ++a) {  /* experts of many rows, each on all threads */
+        if (begin[a + 1] - begin[a] <= KILN_QUANT_GEMV_MAX_ROWS) continue;
         expert_tiles(fc, experts[a], xs + begin[a] * hidden, begin[a + 1] - begin[a], tmp, gu + begin[a] * 2 * inter,
                      num_threads);
     }
     kiln_gemv_input fc_in, proj_in;
     void *fc_mem = NULL, *proj_mem = NULL;
     int failed = 0;
-    if (num_few) {
-        fc_mem = kiln_quant_gemv_prepare(xs, &(kiln_qweight){.bits = fc->bits & ~KILN_CODES_E2M1, .k = fc->k,
-                                         .group = fc->group ? fc->group : fc->k,
-                                         .channel_scales = fc->group ? NULL : (const float *)fc->scales},
-                                         pairs, &fc_in);
+    if (num_few) {  /* any expert's weight tells the GEMV the input's format */
+        const kiln_qweight W = expert_weight(fc, experts[0]);
+        fc_mem = kiln_quant_gemv_prepare(xs, &W, pairs, &fc_in);
         failed = fc_mem == NULL;
     }
     _Pragma("omp parallel num_threads(num_threads)")
@@ -213,21 +208,15 @@ int kiln_moe_experts_bf16(const bf16_t *x, int64_t m, int64_t top_k, const int64
         if (num_few) {
             _Pragma("omp single")
             {
-                proj_mem = kiln_quant_gemv_prepare(
-                    h, &(kiln_qweight){.bits = proj->bits & ~KILN_CODES_E2M1, .k = proj->k,
-                                       .group = proj->group ? proj->group : proj->k,
-                                       .channel_scales = proj->group ? NULL : (const float *)proj->scales},
-                    pairs, &proj_in);
+                const kiln_qweight W = expert_weight(proj, experts[0]);
+                proj_mem = kiln_quant_gemv_prepare(h, &W, pairs, &proj_in);
                 failed = proj_mem == NULL;
             }
             if (!failed) experts_gemv(proj, &proj_in, experts, begin, few, num_few, y);
         }
     }
-    for (int64_t a = 0, i = 0; a < active && !failed; ++a) {
-        if (i < num_few && few[i] == a) {
-            ++i;
-            continue;
-        }
+    for (int64_t a = 0; a < active && !failed; ++a) {
+        if (begin[a + 1] - begin[a] <= KILN_QUANT_GEMV_MAX_ROWS) continue;
         expert_tiles(proj, experts[a], h + begin[a] * inter, begin[a + 1] - begin[a], tmp, y + begin[a] * hidden,
                      num_threads);
     }

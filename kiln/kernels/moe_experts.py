@@ -58,8 +58,8 @@ def moe_experts_supported() -> bool:
 
 
 def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fc: ExpertWeights,
-                proj: ExpertWeights, num_experts: int, activation: str = "silu", alpha: float = 0.0,
-                limit: float = 0.0) -> torch.Tensor:
+                proj: ExpertWeights, activation: str = "silu", alpha: float = 0.0, limit: float = 0.0, *,
+                num_experts: int) -> torch.Tensor:
     """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` for bf16 ``x`` ``[m, hidden]``
     (``m`` <= ``MOE_MAX_ROWS``), int64 ``experts`` and float32 ``weights`` ``[m, top_k]``; each
     expert ``act(x fc^T (+b)) proj^T (+b)`` with ``fc`` the fused ``[fc | up]`` projection and

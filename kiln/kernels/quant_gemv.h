@@ -39,7 +39,7 @@ void *kiln_quant_gemv_prepare(const bf16_t *x, const kiln_qweight *W, int64_t m,
 /* Output blocks a work unit takes (a 4-bit panel: 2; int8: 4), the last unit fewer. */
 int64_t kiln_quant_gemv_unit(const kiln_qweight *W);
 /* Rows t0 .. t0 + mt - 1 (mt 1-4) of the prepared x against output blocks nb0 .. nb0 + blocks - 1
- * (one unit), unscaled by nothing more: fp32 results into out[t * 64 + 16 * b + c]. */
+ * (one unit): x W^T in fp32 (no bias) into out[t * 64 + 16 * b + c]. */
 void kiln_quant_gemv_tile(const kiln_qweight *W, const kiln_gemv_input *in, int64_t t0, int mt, int64_t nb0,
                           int blocks, float *out);
 #endif

@@ -170,10 +170,7 @@ class MixtureOfExperts(nn.Module):
         sum is float32, rounded once."""
         native = self._native_experts(x)
         if native is not None:
-            fc, proj, activation = native
-            act = self.gated_act
-            return kernels.moe_experts(x, experts, weights, fc, proj, self.num_experts, activation,
-                                       getattr(act, "alpha", 0.0), getattr(act, "limit", 0.0))
+            return kernels.moe_experts(x, experts, weights, *native, num_experts=self.num_experts)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -191,7 +188,7 @@ class MixtureOfExperts(nn.Module):
         return out.to(x.dtype)
 
     def _native_experts(self, x: torch.Tensor) -> tuple | None:
-        """(fc, proj, activation) for ``kernels.moe_experts`` when it takes ``x`` and these
+        """``kernels.moe_experts``' (fc, proj, activation, alpha, limit) when it takes ``x`` and these
         experts: a few bf16 rows, an engine's quantized experts (the kernels' layout) and an
         activation it computes; else None."""
         if not (x.dtype == torch.bfloat16 and x.shape[0] <= kernels.MOE_MAX_ROWS and self.fused
@@ -204,13 +201,14 @@ class MixtureOfExperts(nn.Module):
 
     def _native_weights(self) -> tuple | None:
         if self.gated_act is None and self.act is F.silu:
-            activation = "silu"
+            activation = ("silu", 0.0, 0.0)
         elif isinstance(self.gated_act, ClampedSwiGLU):
-            activation = "clamped_swiglu"
+            activation = ("clamped_swiglu", self.gated_act.alpha, self.gated_act.limit)
         else:
             return None
         weights = []
-        for linear, bias in ((self.fused_fc, self.fused_fc.bias), (self.proj, self.proj.bias if self.adds_proj_bias else None)):
+        proj_bias = self.proj.bias if self.adds_proj_bias else None
+        for linear, bias in ((self.fused_fc, self.fused_fc.bias), (self.proj, proj_bias)):
             f = linear.quant_format
             if not (f["tile_order"] and f["bits"] in (4, 8) and kernels.moe_experts_supported()
                     and (bias is None or bias.dtype == torch.bfloat16)):
@@ -220,7 +218,7 @@ class MixtureOfExperts(nn.Module):
                 linear.weight, linear.weights_scaling_factor, offsets, bias,
                 kernels.quant_bits_arg(f["bits"], f["codebook"]),
                 kernels.quant_kernel_group(linear.weights_scaling_factor[0], f["group_size"])))
-        return (*weights, activation)
+        return (*weights, *activation)
 
     def expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``expert``'s output (this rank's partial sum) for rows ``x`` ``[n, hidden]``."""

@@ -102,10 +102,10 @@ def test_a_batch_equals_its_tokens_one_at_a_time() -> None:
 
 def test_an_expert_index_out_of_range_is_refused() -> None:
     block, _ = quantized_block("int8", biased=False)
-    fc, proj, activation = block._native_experts(torch.zeros(1, HIDDEN, dtype=torch.bfloat16))
+    native = block._native_experts(torch.zeros(1, HIDDEN, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="expert index"):
         kernels.moe_experts(torch.zeros(1, HIDDEN, dtype=torch.bfloat16), torch.tensor([[0, 1, EXPERTS]]),
-                            torch.ones(1, 3), fc, proj, EXPERTS, activation)
+                            torch.ones(1, 3), *native, num_experts=EXPERTS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
