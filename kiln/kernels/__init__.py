@@ -112,8 +112,8 @@ def supports_decode_attention(dtype: torch.dtype) -> bool:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_index: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
                            scale: float, *, window: int | None = None, alibi_slopes: torch.Tensor | None = None,
-                           softcap: float | None = None, kv_scales: tuple[float, float] | list[float] | None = None,
-                           check: bool = True) -> None:
+                           softcap: float | None = None, sinks: torch.Tensor | None = None,
+                           kv_scales: tuple[float, float] | list[float] | None = None, check: bool = True) -> None:
     """Attention of one query token per sequence over its paged K/V, written into ``out``.
 
     ``q``/``out``: ``[num_tokens, num_heads, head_size]`` (``q``'s tokens may be strided, e.g. a
@@ -123,7 +123,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``window``: a sequence of length L attends to its last ``window`` tokens only (None: all);
     ``alibi_slopes``: float32 ``[num_heads]``, adds ``slope * (key position - query position)``
     to each score; ``softcap``: scores become ``softcap * tanh(score / softcap)`` (after
-    scaling, before ALiBi).
+    scaling, before ALiBi); ``sinks``: float32 ``[num_heads]`` attention sinks, one more logit
+    per head in the softmax's denominator with no value of its own (gpt-oss).
     ``kv_scales``: ``(k_scale, v_scale)`` of a quantized cache, int8 (INT8 KV cache) or float8
     e4m3 (FP8 KV cache) codes, whose values times the scale are the K/V; None for a cache of
     ``q``'s dtype.
@@ -146,6 +147,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if alibi_slopes is not None and (alibi_slopes.dtype != torch.float32 or not alibi_slopes.is_contiguous()
                                          or tuple(alibi_slopes.shape) != (q.shape[1],)):
             raise ValueError(f"alibi_slopes: expected a contiguous float32 [{q.shape[1]}] tensor")
+        if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()
+                                  or tuple(sinks.shape) != (q.shape[1],)):
+            raise ValueError(f"sinks: expected a contiguous float32 [{q.shape[1]}] tensor")
         if window is not None and window <= 0:
             raise ValueError(f"window: expected a positive number of tokens, got {window}")
     num_seqs = block_tables.shape[0]
@@ -154,7 +158,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), token_index.data_ptr(),
         block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), num_seqs, q.shape[1], num_kv_heads,
         head_size, block_size, block_tables.shape[1], scale, window or 0,
-        alibi_slopes.data_ptr() if alibi_slopes is not None else None, softcap or 0.0, k_scale, v_scale,
+        alibi_slopes.data_ptr() if alibi_slopes is not None else None, softcap or 0.0,
+        sinks.data_ptr() if sinks is not None else None, k_scale, v_scale,
         torch.get_num_threads())
     if rc == 1:
         raise ValueError(f"paged_decode_attention: {q.shape[1]} query heads do not group onto {num_kv_heads} KV heads")

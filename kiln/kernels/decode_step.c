@@ -227,7 +227,8 @@ DEFINE_LORA_APPLY(bf16, bf16_t, bf16_load, bf16_store)
 /* One layer's decode attention over its cache, through the variant for the cache's type. */
 #define ATTEND(FN, KT) FN(qkv, qkv_width, (const KT *)L->k_cache, (const KT *)L->v_cache, token_index,  \
                           block_tables, seq_lens, attn, m, d->heads, d->kv_heads, D, d->block_size,     \
-                          d->max_blocks, d->scale, L->window, NULL, 0.f, k_scale, v_scale, num_threads)
+                          d->max_blocks, d->scale, L->window, NULL, 0.f, NULL, k_scale, v_scale,   \
+                          num_threads)
 
 #define DEFINE_DECODE_STEP(SUFFIX, T, LOAD, STORE)                                                 \
 static void residual_add_##SUFFIX(T *h, const T *x, int64_t n) {                                 \

@@ -23,7 +23,8 @@ int kiln_paged_decode_attention_##SUFFIX(const T *q, int64_t q_stride, const T *
                                         int64_t num_kv_heads, int64_t head_size,                  \
                                         int64_t block_size, int64_t max_blocks, float scale,      \
                                         int64_t window, const float *alibi_slopes, float softcap, \
-                                        float k_scale, float v_scale, int num_threads);
+                                        const float *sinks, float k_scale, float v_scale,         \
+                                        int num_threads);
 
 int kiln_amx_available(void);
 void kiln_set_amx(int enabled);
@@ -95,7 +96,8 @@ int NAME(const T *q, int64_t q_stride, const KT *k_cache, const KT *v_cache,    
          const int64_t *token_index, const int64_t *block_tables, const int64_t *seq_lens, T *out, \
          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,             \
          int64_t block_size, int64_t max_blocks, float scale, int64_t window,                      \
-         const float *alibi_slopes, float softcap, float k_scale, float v_scale, int num_threads);
+         const float *alibi_slopes, float softcap, const float *sinks, float k_scale, float v_scale,\
+         int num_threads);
 DECLARE_QUANTIZED_KV_ATTENTION(kiln_paged_decode_attention_f32_i8, float, int8_t)
 DECLARE_QUANTIZED_KV_ATTENTION(kiln_paged_decode_attention_bf16_i8, bf16_t, int8_t)
 DECLARE_QUANTIZED_KV_ATTENTION(kiln_paged_decode_attention_f32_f8, float, fp8_t)

@@ -29,7 +29,7 @@ LINK_FLAGS = ["-shared", "-fopenmp"]
 C_INT64 = ctypes.c_int64
 C_PTR = ctypes.c_void_p
 _DECODE_ARGTYPES = ([C_PTR, C_INT64] + [C_PTR] * 6 + [C_INT64] * 6 + [ctypes.c_float, C_INT64, C_PTR]
-                    + [ctypes.c_float] * 3 + [ctypes.c_int])
+                    + [ctypes.c_float, C_PTR] + [ctypes.c_float] * 2 + [ctypes.c_int])
 
 
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the C functions' name suffix per dtype

@@ -546,7 +546,8 @@ int NAME(const T *q, int64_t q_stride, const KT *k_cache, const KT *v_cache,    
          const int64_t *token_index, const int64_t *block_tables, const int64_t *seq_lens, T *out, \
          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,             \
          int64_t block_size, int64_t max_blocks, float scale, int64_t window,                      \
-         const float *alibi_slopes, float softcap, float k_scale, float v_scale, int num_threads) { \
+         const float *alibi_slopes, float softcap, const float *sinks, float k_scale, float v_scale,\
+         int num_threads) {                                                                        \
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_size <= 0 || block_size <= 0)  \
         return 1;                                                                                  \
     const int64_t group = num_heads / num_kv_heads, D = head_size;                                 \
@@ -617,29 +618,31 @@ int NAME(const T *q, int64_t q_stride, const KT *k_cache, const KT *v_cache,    
         }                                                                                          \
     }                                                                                              \
     merge_parts(parts, first_part, num_seqs, num_kv_heads, group, D, out, token_index, num_heads, \
-                sizeof(T) == 2, v_scale, num_threads);                                             \
+                sinks, sizeof(T) == 2, v_scale, num_threads);                                      \
     return 0;                                                                                      \
 }
 
 /* out = the merged, normalised attention of each row's ranges (row s's are parts first_part[s]
  * .. first_part[s + 1] - 1): with M the largest
  * running max, sum = sum_s l_s e^(m_s - M) and acc = sum_s acc_s e^(m_s - M); times v_scale
- * (an int8 V cache's scale: acc is linear in V, so the codes are summed and scaled once). */
+ * (an int8 V cache's scale: acc is linear in V, so the codes are summed and scaled once).
+ * An attention sink (gpt-oss: sinks[h], a logit with no value) joins M and the sum only. */
 static void merge_parts(const float *parts, const int64_t *first_part, int64_t num_seqs, int64_t num_kv_heads,
                         int64_t group, int64_t D, void *out, const int64_t *token_index, int64_t num_heads,
-                        int out_bf16, float v_scale, int num_threads) {
+                        const float *sinks, int out_bf16, float v_scale, int num_threads) {
     const int64_t state = group * (D + 2);
     _Pragma("omp parallel for collapse(2) if(num_seqs * num_kv_heads >= 16) num_threads(num_threads)")
     for (int64_t s = 0; s < num_seqs; ++s) {
         for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
             const int64_t splits = first_part[s + 1] - first_part[s];
             for (int64_t g = 0; g < group; ++g) {
-                float m = -1e30f;
+                const float sink = sinks ? sinks[kvh * group + g] : -1e30f;
+                float m = sink;
                 for (int64_t sp = 0; sp < splits; ++sp) {
                     const float *st = parts + ((first_part[s] + sp) * num_kv_heads + kvh) * state;
                     m = st[g] > m ? st[g] : m;
                 }
-                float sum = 0.f, acc[D];
+                float sum = sinks ? expf(sink - m) : 0.f, acc[D];
                 for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
                 for (int64_t sp = 0; sp < splits; ++sp) {
                     const float *st = parts + ((first_part[s] + sp) * num_kv_heads + kvh) * state;

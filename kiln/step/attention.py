@@ -183,6 +183,24 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, relative: torch.T
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    # Explicit float32 scores for a few query rows at a time: a whole 2K-token prompt's
+    # [heads, q_len, kv_len] scores (and their softmax copies) would take gigabytes.
+    rows = max(1, _SCORE_FLOATS // (q.shape[0] * q.shape[1] * k.shape[2]))
+    if q.shape[2] <= rows:
+        return _attend_explicit(q, k, v, allowed, bias, scale, options)
+    def query_rows(t: torch.Tensor | None, i: int) -> torch.Tensor | None:  # (a broadcast row stays whole)
+        return t if t is None or t.shape[-2] == 1 else t[..., i:i + rows, :]
+
+    return torch.cat([_attend_explicit(q[:, :, i:i + rows], k, v, query_rows(allowed, i), query_rows(bias, i), scale,
+                                       options) for i in range(0, q.shape[2], rows)], dim=2)
+
+
+_SCORE_FLOATS = 1 << 24  # float32 scores _attend computes at once (64 MB)
+
+
+def _attend_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                     bias: torch.Tensor | None, scale: float, options: AttentionOptions) -> torch.Tensor:
+    """``_attend``'s float32 path, K/V heads already expanded to ``q``'s."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if options.softcap is not None:
         scores = options.softcap * torch.tanh(scores / options.softcap)
@@ -242,12 +260,10 @@ class NativePagedAttention(TorchPagedAttention):
 
     def _decode(self, q: torch.Tensor, kv_cache, st: dict, out: torch.Tensor, scale: float,
                 options: AttentionOptions, kv_scales: torch.Tensor | None) -> None:
-        if options.sinks is not None:  # the kernel has no sinks: gather the blocks (the reference's masked path)
-            return super()._decode(q, kv_cache, st, out, scale, options, kv_scales)
         k_cache, v_cache = kv_cache
         paged_decode_attention(q, k_cache, v_cache, st["decode_tokens"], st["decode_blocks"],
                                st["decode_lens"], out, scale, window=options.window,
-                               alibi_slopes=options.alibi_slopes, softcap=options.softcap,
+                               alibi_slopes=options.alibi_slopes, softcap=options.softcap, sinks=options.sinks,
                                kv_scales=None if kv_scales is None else kv_scales.tolist(), check=False)
 
 

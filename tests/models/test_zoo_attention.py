@@ -25,7 +25,8 @@ from kiln.models.decoder import layer_window
 from kiln.models.gemma2 import Gemma2ForCausalLM
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.native_decode import NativeDecodeStep, supports_native_decode
-from kiln.step.attention import select_backend
+import kiln.step.attention as step_attention
+from kiln.step.attention import AttentionOptions, select_backend
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from tests.models.zoo import (NEW_TOKENS, built_fixture, check_batched_greedy, check_prompt_logits,
@@ -110,16 +111,17 @@ def test_native_decode_step_passes_the_window(built, hf_reference) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window, alibi, softcap", [
-    (None, False, None), (1, False, None), (3, False, None), (5, True, None), (6, False, 0.7), (None, True, 0.7),
-    (100, False, None)])
-def test_native_kernel_window_alibi_softcap(dtype, window, alibi, softcap) -> None:
-    """The C decode kernel against explicit scores: sequences of 1..23 tokens in shuffled 4-token
-    blocks, GQA, two sequences (so each is split into ranges and merged), windows starting
-    mid-block, ALiBi slopes of 6 heads, soft-cap."""
+@pytest.mark.parametrize("window, alibi, softcap, sinks", [
+    (None, False, None, False), (1, False, None, False), (3, False, None, False), (5, True, None, False),
+    (6, False, 0.7, False), (None, True, 0.7, False), (100, False, None, False), (None, False, None, True),
+    (128, False, None, True)])
+def test_native_kernel_window_alibi_softcap_sinks(dtype, window, alibi, softcap, sinks) -> None:
+    """The C decode kernel against explicit scores: sequences of 1..300 tokens in shuffled 4-token
+    blocks, GQA, the longest split into context ranges and merged, windows starting mid-block,
+    ALiBi slopes of 6 heads, soft-cap, attention sinks (one more logit per head, no value)."""
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, head, block = 6, 2, 32, 4
-    lens = [23, 6, 1, 13]
+    lens = [23, 6, 1, 13, 300]
     num_blocks = sum(-(-n // block) for n in lens) + 2
     k_cache = torch.randn(num_blocks, kv_heads, block, head, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, kv_heads, block, head, generator=gen).to(dtype)
@@ -131,10 +133,11 @@ def test_native_kernel_window_alibi_softcap(dtype, window, alibi, softcap) -> No
     width = max(len(t) for t in tables)
     q = torch.randn(len(lens), heads, head, generator=gen).to(dtype)
     slopes = alibi_slopes(heads) if alibi else None
+    sink_logits = torch.randn(heads, generator=gen) * 2 if sinks else None
     out = torch.empty_like(q)
     paged_decode_attention(q, k_cache, v_cache, torch.arange(len(lens)),
                            torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(lens), out,
-                           0.3, window=window, alibi_slopes=slopes, softcap=softcap)
+                           0.3, window=window, alibi_slopes=slopes, softcap=softcap, sinks=sink_logits)
     for i, (n, table) in enumerate(zip(lens, tables)):
         k = k_cache[table].transpose(1, 2).reshape(-1, kv_heads, head)[:n].float().repeat_interleave(heads // kv_heads, dim=1)
         v = v_cache[table].transpose(1, 2).reshape(-1, kv_heads, head)[:n].float().repeat_interleave(heads // kv_heads, dim=1)
@@ -146,9 +149,26 @@ def test_native_kernel_window_alibi_softcap(dtype, window, alibi, softcap) -> No
             scores = scores + slopes[:, None] * relative
         if window is not None:
             scores = scores.masked_fill(relative <= -window, float("-inf"))
-        ref = torch.einsum("ht,thd->hd", scores.softmax(-1), v)
+        if sinks:
+            probs = torch.cat([scores, sink_logits[:, None]], dim=-1).softmax(-1)[:, :-1]
+        else:
+            probs = scores.softmax(-1)
+        ref = torch.einsum("ht,thd->hd", probs, v)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[i].float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("alibi", [False, True])
+def test_explicit_scores_in_query_slices_equal_all_at_once(monkeypatch, alibi) -> None:
+    """A long prompt's float32 scores (soft-cap, sinks, ALiBi, window) go a few query rows at a
+    time; the slices give what one whole score matrix gives."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 37, 16, generator=gen) for h in (4, 2, 2))
+    relative = torch.arange(37)[None, :] - torch.arange(37)[:, None]
+    options = AttentionOptions(9, alibi_slopes(4) if alibi else None, 0.9, torch.randn(4, generator=gen))
+    whole = step_attention._attend(q, k, v, relative, 0.25, options)
+    monkeypatch.setattr(step_attention, "_SCORE_FLOATS", 4 * 37 * 5)  # 5 query rows at a time
+    torch.testing.assert_close(step_attention._attend(q, k, v, relative, 0.25, options), whole, atol=1e-6, rtol=1e-6)
 
 
 def test_alibi_slopes_match_bloom_and_split_by_rank() -> None:
