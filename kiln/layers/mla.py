@@ -41,9 +41,9 @@ from kiln.layers.rotary import RotaryEmbedding
 
 class RopeRowsLinear(ColumnLinear):
     """A projection whose rows come in ``head``-row groups, each holding ``rope`` rotary dims from
-    row ``rope_start`` in adjacent pairs; reordered on loading to the even dims, then the odd."""
-
-    reorders_rows = True  # so a GGUF file's quantized blocks of it are dequantized, not imported as they are
+    row ``rope_start`` in adjacent pairs; reordered on loading to the even dims, then the odd. A
+    GGUF file's quantized rows move whole (blocks run along the input features), so the codes,
+    scales and offsets of each row follow it exactly."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, *, head: int, rope_start: int, rope: int,
                  dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0):
@@ -51,14 +51,13 @@ class RopeRowsLinear(ColumnLinear):
         self.head, self.rope_start, self.rope = head, rope_start, rope
 
     def postprocess(self, key: str, weights: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
-        if self.weight_postprocess is not None:
-            raise ConfigError("pre-quantized weights of multi-head latent attention's projections are not supported")
         out = super().postprocess(key, weights, **kwargs)
-        rows = out[key].shape[0]
+        rows = self.out_features
         one = pairs_to_halves_order(self.head, self.rope_start, self.rope)
         order = (torch.arange(rows // self.head)[:, None] * self.head + one).flatten()
-        out[key] = out[key].index_select(0, order).contiguous()
-        return out
+        # The weight (or its codes) and whatever goes per row with it: bias, scales, offsets.
+        return {name: t.index_select(0, order).contiguous() if t.dim() and t.shape[0] == rows else t
+                for name, t in out.items()}
 
 
 class LatentUpProjection(nn.Module):

@@ -55,8 +55,7 @@ def _format(linear: Linear | ExpertLinear, types: list) -> Native | None:
     """The kiln format of a linear (or stacked experts) made of GGUF tensors of ``types`` (None: float)."""
     plain = not (linear.source_transposed or linear.fused_part is not None
                  or getattr(linear, "interleaved_part", None) is not None or getattr(linear, "mxfp4_source", False)
-                 or getattr(linear, "interleaved_heads", False) or getattr(linear, "adjacent_rotary_dims", 0)
-                 or getattr(linear, "reorders_rows", False))
+                 or getattr(linear, "interleaved_heads", False) or getattr(linear, "adjacent_rotary_dims", 0))
     if not plain or any(t in FLOAT_TYPES for t in types):
         return None
     f = finest([native(t) for t in types])

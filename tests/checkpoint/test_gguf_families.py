@@ -251,9 +251,10 @@ def test_q8_0_linears_keep_their_precision(files, no_tokenizer, tmp_path: Path) 
 def test_deepseek2_q8_0_keeps_its_blocks(files, no_tokenizer, tmp_path: Path) -> None:
     """DeepSeek-V2-Lite as q8_0 (quantized from the f32 file; attn_k_b's 16-wide rows stay f32, as
     llama.cpp leaves rows that are no whole block): o_proj, the dense MLP, the experts and the
-    shared expert import their blocks; q_proj and kv_a_proj_with_mqa (rotary rows reordered on loading)
-    and kv_b_proj (joined from attn_k_b and a q8_0 attn_v_b) are dequantized; logits within 5%
-    of the same file dequantized."""
+    shared expert import their blocks, and so does q_proj (its rotary rows reordered whole on
+    loading; kv_a_proj_with_mqa would too, but its 40 rows are no whole 16-row tiles);
+    kv_b_proj (joined from attn_k_b and a q8_0 attn_v_b) is dequantized; logits within 5% of
+    the same file dequantized."""
     stems = ("attn_q", "attn_kv_a_mqa", "attn_v_b", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps",
              "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
     q8 = requantize(files["deepseek2"][2], tmp_path / "deepseek2-q8_0.gguf", dict.fromkeys(stems, Q.Q8_0))
@@ -263,7 +264,8 @@ def test_deepseek2_q8_0_keeps_its_blocks(files, no_tokenizer, tmp_path: Path) ->
     mlp = ("mlp.fc", "mlp.gate", "mlp.proj")
     shared = ("mlp.shared_expert.fc", "mlp.shared_expert.gate", "mlp.shared_expert.proj")
     assert set(quant["quantized_layers"]) == {f"transformer.layers.{i}.{n}" for i, names in
-                                              enumerate([mlp, (*mlp, *shared)]) for n in ("attention.dense", *names)}
+                                              enumerate([mlp, (*mlp, *shared)])
+                                              for n in ("attention.dense", "attention.q_proj", *names)}
     prompts = [random_prompt(24, V, seed=1), random_prompt(9, V, seed=2)]
     for ours, ref in zip(kiln_batch_prompt_logits(native, prompts), kiln_batch_prompt_logits(dequantized, prompts)):
         assert (ours.float() - ref).abs().max() <= 0.05 * ref.abs().max()
