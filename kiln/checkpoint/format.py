@@ -23,8 +23,9 @@ from kiln.errors import CheckpointError, ConfigError
 # The layout of the tensors ``kiln build`` writes (an engine records it as ``engine_format``;
 # Engine refuses others). 2: 4-bit codes in panels of two blocks (kiln/kernels/quant_linear.c);
 # 3 (never released alone): float16 group offsets (weights_offset) instead of uint8 zero points,
-# or bf16 linear weights in tiles; 4: both, and tensors on cache lines for mapping.
-ENGINE_FORMAT_VERSION = 4
+# or bf16 linear weights in tiles; 4: both, and tensors on cache lines for mapping; 5: latent
+# attention's kv_b_proj keys first (every head's key rows, then every head's value rows).
+ENGINE_FORMAT_VERSION = 5
 
 CONFIG_NAME = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

@@ -61,25 +61,46 @@ class RopeRowsLinear(ColumnLinear):
 
 
 class LatentUpProjection(nn.Module):
-    """``kv_b_proj``: ``weight`` ``[heads / tp * (nope + v), kv_lora_rank]``, this rank's heads
-    (each head's ``nope`` key rows, then its ``v`` value rows). Not a :class:`Linear`: it stays a
-    plain float matrix (weight-only quantization and bf16 tiles leave it alone), since the absorbed
-    decode multiplies by its halves per head."""
+    """``kv_b_proj``: ``weight`` ``[heads / tp * (nope + v), kv_lora_rank]``, this rank's heads.
+    A checkpoint holds each head's ``nope`` key rows, then its ``v`` value rows, as Hugging Face
+    does; an engine (``keys_first``) every head's key rows, then every head's value rows, so each
+    half is one contiguous ``[heads, rows, kv_lora_rank]`` block for the absorbed decode's
+    batched products (a strided half is copied whole on every call). Not a :class:`Linear`: it
+    stays a plain float matrix (weight-only quantization and bf16 tiles leave it alone)."""
 
-    def __init__(self, kv_lora_rank: int, num_heads: int, nope: int, v: int, *, dtype: torch.dtype | None = None,
-                 tp_size: int = 1, tp_rank: int = 0):
+    def __init__(self, kv_lora_rank: int, num_heads: int, nope: int, v: int, *, keys_first: bool = False,
+                 dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
-        self.heads, self.nope, self.v = num_heads // tp_size, nope, v
+        self.heads, self.nope, self.v, self.keys_first = num_heads // tp_size, nope, v, keys_first
         self.tp_size, self.tp_rank = tp_size, tp_rank
         self.weight = nn.Parameter(torch.empty(self.heads * (nope + v), kv_lora_rank, dtype=dtype), requires_grad=False)
 
     def load_spec(self, param_name: str, num_external: int) -> list[ShardSpec]:
         return [ShardSpec.even(0, self.tp_size, self.tp_rank)] * num_external
 
+    def engine_weights(self, prefix: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A checkpoint's per-head rows into the engine's keys-first order."""
+        w = weights.pop(f"{prefix}weight").view(self.heads, self.nope + self.v, -1)
+        return {f"{prefix}weight": torch.cat([w[:, :self.nope].flatten(0, 1), w[:, self.nope:].flatten(0, 1)])}
+
     def per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(``W_UK`` ``[heads, nope, kv_lora_rank]``, ``W_UV`` ``[heads, v, kv_lora_rank]``), views."""
+        if self.keys_first:
+            keys, values = self.weight.split([self.heads * self.nope, self.heads * self.v])
+            return keys.view(self.heads, self.nope, -1), values.view(self.heads, self.v, -1)
         w = self.weight.view(self.heads, self.nope + self.v, -1)
         return w[:, :self.nope], w[:, self.nope:]
+
+    def forward(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised latents ``[n, kv_lora_rank]`` to per-head key parts ``[n, heads, nope]`` and
+        values ``[n, heads, v]``."""
+        n = latent.shape[0]
+        kv = F.linear(latent, self.weight)
+        if self.keys_first:
+            keys, values = kv.split([self.heads * self.nope, self.heads * self.v], dim=-1)
+            return keys.view(n, self.heads, self.nope), values.view(n, self.heads, self.v)
+        keys, values = kv.view(n, self.heads, self.nope + self.v).split([self.nope, self.v], dim=-1)
+        return keys, values
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -90,6 +111,7 @@ class MultiHeadLatentAttention(nn.Module):
     def __init__(self, layer_idx: int, hidden_size: int, num_heads: int, *, q_lora_rank: int | None,
                  kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
                  rotary: RotaryEmbedding, scale: float, attend: Callable, bias: bool = False, norm_eps: float = 1e-6,
+                 engine_layout: bool = False,
                  dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
         if num_heads % tp_size:
@@ -112,7 +134,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_proj_with_mqa = RopeRowsLinear(hidden_size, latent, bias, head=latent, rope_start=kv_lora_rank,
                                                  rope=qk_rope_head_dim, dtype=dtype)  # replicated
         self.kv_a_layernorm = RmsNorm(kv_lora_rank, norm_eps, dtype=dtype)
-        self.kv_b_proj = LatentUpProjection(kv_lora_rank, num_heads, qk_nope_head_dim, v_head_dim, **shard)
+        self.kv_b_proj = LatentUpProjection(kv_lora_rank, num_heads, qk_nope_head_dim, v_head_dim,
+                                            keys_first=engine_layout, **shard)
         self.dense = RowLinear(num_heads * v_head_dim, hidden_size, bias, **shard)
         # The cache's shape: one "KV head" row of the latent and the rotary key per token, no V.
         self.num_kv_heads, self.head_size, self.cache_value_size = 1, latent, 0
@@ -148,8 +171,7 @@ class MultiHeadLatentAttention(nn.Module):
         values ``[n, heads, v_head]`` (the unabsorbed path)."""
         n = latent.shape[0]
         c, k_pe = latent.split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = F.linear(c, self.kv_b_proj.weight).view(n, self.num_heads, self.nope + self.v_head)
-        k_nope, v = kv.split([self.nope, self.v_head], dim=-1)
+        k_nope, v = self.kv_b_proj(c)
         k = torch.cat([k_nope, k_pe[:, None, :].expand(n, self.num_heads, self.rope)], dim=-1)
         return k, v
 
@@ -164,4 +186,5 @@ class MultiHeadLatentAttention(nn.Module):
         """Attention outputs over the latents ``[n, heads, kv_lora_rank]`` to the heads' values
         ``[n, heads, v_head]``: ``o_latent W_UV^T`` per head."""
         _, w_uv = self.kv_b_proj.per_head()
-        return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        # As W_UV o^T: a transposed W_UV would be copied whole on every call (~5x slower).
+        return torch.bmm(w_uv, o_latent.permute(1, 2, 0)).permute(2, 0, 1)

@@ -67,8 +67,8 @@ class DeepseekV2DecoderLayer(nn.Module):
             layer_idx, config.hidden_size, config.num_attention_heads, q_lora_rank=config.q_lora_rank,
             kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
             qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, rotary=rotary,
-            scale=softmax_scale(config), attend=latent_attention, bias=config.attn_bias, dtype=dtype,
-            tp_size=tp.tp_size, tp_rank=tp.tp_rank)
+            scale=softmax_scale(config), attend=latent_attention, bias=config.attn_bias, engine_layout=engine_layout,
+            dtype=dtype, tp_size=tp.tp_size, tp_rank=tp.tp_rank)
         self.post_layernorm = model_cls.make_norm(config, dtype)
         self.mlp = model_cls.make_mlp(config, layer_idx, engine_layout)
 
