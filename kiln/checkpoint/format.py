@@ -24,7 +24,7 @@ from kiln.errors import CheckpointError, ConfigError
 # Engine refuses others). 2: 4-bit codes in panels of two blocks (kiln/kernels/quant_linear.c);
 # 3 (never released alone): float16 group offsets (weights_offset) instead of uint8 zero points,
 # or bf16 linear weights in tiles; 4: both, and tensors on cache lines for mapping; 5: latent
-# attention's kv_b_proj keys first (every head's key rows, then every head's value rows).
+# attention's kv_b_proj as per-head keys (transposed) and values.
 ENGINE_FORMAT_VERSION = 5
 
 CONFIG_NAME = "config.json"

@@ -4,7 +4,8 @@
   K/V read in place from the paged cache (of the query's dtype, or int8 / float8 e4m3 codes);
 * ``rmsnorm``, ``silu_mul``, ``rotary_`` (elementwise.c): a layer's elementwise work, one
   pass each;
-* ``skinny_linear`` (skinny_gemm.c): fp32/bf16 linears of a few rows (decode steps);
+* ``skinny_linear`` (skinny_gemm.c): fp32/bf16 linears of a few rows (decode steps), and
+  ``head_linear``, the same with a weight per head;
 * ``packed_linear`` (panel_linear.c, amx_linear.c): bf16 linears on a weight packed once
   into tiles, multiplied on AMX or with AVX512-BF16 dot products;
 * ``quant_linear`` (quant_linear.c): weight-only int8 / 4-bit linears;
@@ -226,6 +227,25 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x.contiguous().data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
         m, n, x.shape[1], torch.get_num_threads())
     return y
+
+
+def head_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Per head, ``out[t, h] = x[t, h] @ weight[h].T``: ``x`` ``[m, heads, k]``, ``weight``
+    ``[heads, n, k]`` (contiguous), ``out`` ``[m, heads, n]``; ``x`` and ``out`` may be strided
+    views (the last dim contiguous). The skinny GEMM per head, for a few rows of fp32/bf16 (a
+    batched product over a strided weight copies it whole); ``torch.matmul`` elsewhere."""
+    m, heads, k = x.shape
+    n = weight.shape[1]
+    lib = native_library()
+    if (lib is None or x.dtype not in DTYPE_SUFFIX or weight.dtype != x.dtype or out.dtype != x.dtype
+            or m > SKINNY_MAX_ROWS or not weight.is_contiguous() or x.stride(2) != 1 or out.stride(2) != 1
+            or tuple(weight.shape) != (heads, n, k) or tuple(out.shape) != (m, heads, n)):
+        out.copy_(torch.matmul(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1))
+        return out
+    getattr(lib, f"kiln_head_gemm_{DTYPE_SUFFIX[x.dtype]}")(
+        x.data_ptr(), x.stride(0), x.stride(1), weight.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
+        heads, m, n, k, torch.get_num_threads())
+    return out
 
 
 def quant_shape_tiles(out_features: int, in_features: int, bits: int, group_size: int | None) -> bool:

@@ -129,6 +129,9 @@ def _declare_decode_kernels(lib: ctypes.CDLL) -> None:
             getattr(lib, f"kiln_{kind}_{suffix}").restype = None
         getattr(lib, f"kiln_skinny_gemm_{suffix}").argtypes = [C_PTR] * 4 + [C_INT64] * 3 + [ctypes.c_int]
         getattr(lib, f"kiln_skinny_gemm_{suffix}").restype = None
+        getattr(lib, f"kiln_head_gemm_{suffix}").argtypes = ([C_PTR, C_INT64, C_INT64, C_PTR, C_PTR] + [C_INT64] * 6
+                                                             + [ctypes.c_int])
+        getattr(lib, f"kiln_head_gemm_{suffix}").restype = None
         getattr(lib, f"kiln_decode_step_{suffix}").argtypes = [
             C_PTR, C_INT64, C_PTR, C_INT64, C_PTR, C_PTR, C_PTR, C_PTR, C_PTR, C_PTR, C_PTR, C_PTR, C_PTR, C_PTR, C_PTR, ctypes.c_int,
             C_PTR]

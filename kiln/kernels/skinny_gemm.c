@@ -10,7 +10,8 @@
  * 13-17% in batch-1 decode, fp32 beat MKL by 12%.
  *
  * Layouts (row-major, contiguous): x [m, k], w [n, k] (nn.Linear's weight), bias [n] or NULL,
- * y [m, n]. Weight rows are split over threads in blocks.
+ * y [m, n]. Weight rows are split over threads in blocks. kiln_head_gemm does the same per
+ * head with a weight per head (latent attention's absorbed decode).
  */
 #include <stdint.h>
 
@@ -44,10 +45,10 @@ static inline __m512bh load_bh(const bf16_t *p, int64_t left) {
     return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1u << left) - 1u), p);
 }
 
-/* out[t * 4 + c] = x row t . w row c, for NT (a constant once inlined) rows of x and four
- * rows of w; the next four w rows are prefetched when `prefetch` is set. */
-static inline __attribute__((always_inline)) void tile_bf16(const bf16_t *x, int NT, const bf16_t *w, int64_t k,
-                                                            int prefetch, float *out) {
+/* out[t * 4 + c] = x row t . w row c, for NT (a constant once inlined) rows of x (xs apart)
+ * and four rows of w; the next four w rows are prefetched when `prefetch` is set. */
+static inline __attribute__((always_inline)) void tile_bf16(const bf16_t *x, int64_t xs, int NT, const bf16_t *w,
+                                                            int64_t k, int prefetch, float *out) {
     __m512 acc[TOKEN_TILE][4];
     for (int t = 0; t < TOKEN_TILE; ++t)
         for (int c = 0; c < 4; ++c) acc[t][c] = _mm512_setzero_ps();
@@ -56,7 +57,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const bf16_t *x, int
         for (int c = 0; c < 4; ++c) wv[c] = load_bh(w + c * k + i, k - i);
         if (prefetch) prefetch4(w + 4 * k, 2 * k, 2 * i);  /* may point past w: prefetches never fault */
         for (int t = 0; t < NT; ++t) {
-            const __m512bh xv = load_bh(x + t * k + i, k - i);
+            const __m512bh xv = load_bh(x + t * xs + i, k - i);
             for (int c = 0; c < 4; ++c) acc[t][c] = _mm512_dpbf16_ps(acc[t][c], xv, wv[c]);
         }
     }
@@ -88,8 +89,8 @@ static inline void row4_bf16(const bf16_t *x, const bf16_t *w, int64_t k, float 
 #endif
 
 #if defined(__AVX512F__)
-static inline __attribute__((always_inline)) void tile_f32(const float *x, int NT, const float *w, int64_t k,
-                                                           int prefetch, float *out) {
+static inline __attribute__((always_inline)) void tile_f32(const float *x, int64_t xs, int NT, const float *w,
+                                                           int64_t k, int prefetch, float *out) {
     __m512 acc[TOKEN_TILE][4];
     for (int t = 0; t < TOKEN_TILE; ++t)
         for (int c = 0; c < 4; ++c) acc[t][c] = _mm512_setzero_ps();
@@ -98,7 +99,7 @@ static inline __attribute__((always_inline)) void tile_f32(const float *x, int N
         for (int c = 0; c < 4; ++c) wv[c] = load_f32(w + c * k + i, k - i);
         if (prefetch) prefetch4(w + 4 * k, 4 * k, 4 * i);
         for (int t = 0; t < NT; ++t) {
-            const __m512 xv = load_f32(x + t * k + i, k - i);
+            const __m512 xv = load_f32(x + t * xs + i, k - i);
             for (int c = 0; c < 4; ++c) acc[t][c] = _mm512_fmadd_ps(xv, wv[c], acc[t][c]);
         }
     }
@@ -134,17 +135,38 @@ static inline float dot_##SUFFIX(const T *x, const T *w, int64_t k) {           
     return acc;                                                                                    \
 }                                                                                                  \
                                                                                                    \
+/* y rows (ys apart) = x rows (xs apart) W^T + b, for weight rows j0 .. end - 1 only. */           \
+static inline void skinny_rows_##SUFFIX(const T *x, int64_t xs, const T *w, const T *bias, T *y,   \
+                                        int64_t ys, int64_t m, int64_t k, int64_t j0, int64_t end) {\
+    int64_t j = j0;                                                                                \
+    SKINNY_VECTOR_ROWS_##SUFFIX                                                                    \
+    for (; j < end; ++j)                                                                           \
+        for (int64_t t = 0; t < m; ++t)                                                            \
+            y[t * ys + j] = STORE(dot_##SUFFIX(x + t * xs, w + j * k, k) + (bias ? LOAD(bias[j]) : 0.f)); \
+}                                                                                                  \
+                                                                                                   \
 void kiln_skinny_gemm_##SUFFIX(const T *x, const T *w, const T *bias, T *y, int64_t m, int64_t n,  \
                                int64_t k, int num_threads) {                                       \
     const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;                                 \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                          \
     for (int64_t task = 0; task < tasks; ++task) {                                                 \
         const int64_t end = (task + 1) * ROWS_PER_TASK < n ? (task + 1) * ROWS_PER_TASK : n;       \
-        int64_t j = task * ROWS_PER_TASK;                                                          \
-        SKINNY_VECTOR_ROWS_##SUFFIX                                                                \
-        for (; j < end; ++j)                                                                       \
-            for (int64_t t = 0; t < m; ++t)                                                        \
-                y[t * n + j] = STORE(dot_##SUFFIX(x + t * k, w + j * k, k) + (bias ? LOAD(bias[j]) : 0.f)); \
+        skinny_rows_##SUFFIX(x, k, w, bias, y, n, m, k, task * ROWS_PER_TASK, end);                \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+/* Per head h of `heads`: y[t, h, :] = x[t, h, :] W_h^T, W_h = w + h n k ([n, k] each); x and y   \
+ * strided (rows x_row / y_row apart, heads x_head / y_head apart), so a head-split view of a   \
+ * projection's output goes in and a slice of a wider buffer takes the result, uncopied. */        \
+void kiln_head_gemm_##SUFFIX(const T *x, int64_t x_row, int64_t x_head, const T *w, T *y,          \
+                             int64_t y_row, int64_t y_head, int64_t heads, int64_t m, int64_t n,   \
+                             int64_t k, int num_threads) {                                         \
+    const int64_t per_head = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;                              \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                          \
+    for (int64_t task = 0; task < heads * per_head; ++task) {                                      \
+        const int64_t h = task / per_head, j0 = task % per_head * ROWS_PER_TASK;                   \
+        const int64_t end = j0 + ROWS_PER_TASK < n ? j0 + ROWS_PER_TASK : n;                       \
+        skinny_rows_##SUFFIX(x + h * x_head, x_row, w + h * n * k, NULL, y + h * y_head, y_row, m, k, j0, end); \
     }                                                                                              \
 }
 
@@ -162,15 +184,16 @@ void kiln_skinny_gemm_##SUFFIX(const T *x, const T *w, const T *bias, T *y, int6
             float dots[TOKEN_TILE * 4];                                                            \
             const int64_t nt = m - t0 < TOKEN_TILE ? m - t0 : TOKEN_TILE;                          \
             const int pf = t0 == 0;                                                                \
+            __typeof__(x) xt = x + t0 * xs;                                                        \
             switch (nt) {                                                                          \
-            case 1: tile_##SUFFIX(x + t0 * k, 1, w + j * k, k, pf, dots); break;                   \
-            case 2: tile_##SUFFIX(x + t0 * k, 2, w + j * k, k, pf, dots); break;                   \
-            case 3: tile_##SUFFIX(x + t0 * k, 3, w + j * k, k, pf, dots); break;                   \
-            default: tile_##SUFFIX(x + t0 * k, 4, w + j * k, k, pf, dots); break;                  \
+            case 1: tile_##SUFFIX(xt, xs, 1, w + j * k, k, pf, dots); break;                       \
+            case 2: tile_##SUFFIX(xt, xs, 2, w + j * k, k, pf, dots); break;                       \
+            case 3: tile_##SUFFIX(xt, xs, 3, w + j * k, k, pf, dots); break;                       \
+            default: tile_##SUFFIX(xt, xs, 4, w + j * k, k, pf, dots); break;                      \
             }                                                                                      \
             for (int64_t t = 0; t < nt; ++t)                                                       \
                 for (int c = 0; c < 4; ++c)                                                        \
-                    y[(t0 + t) * n + j + c] = STORE(dots[t * 4 + c] + (bias ? LOAD(bias[j + c]) : 0.f)); \
+                    y[(t0 + t) * ys + j + c] = STORE(dots[t * 4 + c] + (bias ? LOAD(bias[j + c]) : 0.f)); \
         }                                                                                          \
     }
 

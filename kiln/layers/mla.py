@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln import kernels
 from kiln.checkpoint.shard_spec import ShardSpec
 from kiln.errors import ConfigError
 from kiln.layers.linear import ColumnLinear, Linear, RowLinear, pairs_to_halves_order
@@ -61,46 +62,62 @@ class RopeRowsLinear(ColumnLinear):
 
 
 class LatentUpProjection(nn.Module):
-    """``kv_b_proj``: ``weight`` ``[heads / tp * (nope + v), kv_lora_rank]``, this rank's heads.
-    A checkpoint holds each head's ``nope`` key rows, then its ``v`` value rows, as Hugging Face
-    does; an engine (``keys_first``) every head's key rows, then every head's value rows, so each
-    half is one contiguous ``[heads, rows, kv_lora_rank]`` block for the absorbed decode's
-    batched products (a strided half is copied whole on every call). Not a :class:`Linear`: it
-    stays a plain float matrix (weight-only quantization and bf16 tiles leave it alone)."""
+    """``kv_b_proj``, this rank's heads. A checkpoint holds ``weight`` ``[heads / tp * (nope + v),
+    kv_lora_rank]`` as Hugging Face does (each head's ``nope`` key rows, then its ``v`` value
+    rows); an engine (``engine_layout``) holds ``keys`` ``[heads, kv_lora_rank, nope]`` (each
+    head's ``W_UK`` transposed) and ``values`` ``[heads, v, kv_lora_rank]`` (``W_UV``), so the
+    absorbed decode's two products per head each read one contiguous matrix row by row
+    (``kernels.head_linear``). Not a :class:`Linear`: it stays a plain float matrix
+    (weight-only quantization and bf16 tiles leave it alone)."""
 
-    def __init__(self, kv_lora_rank: int, num_heads: int, nope: int, v: int, *, keys_first: bool = False,
+    def __init__(self, kv_lora_rank: int, num_heads: int, nope: int, v: int, *, engine_layout: bool = False,
                  dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
-        self.heads, self.nope, self.v, self.keys_first = num_heads // tp_size, nope, v, keys_first
-        self.tp_size, self.tp_rank = tp_size, tp_rank
-        self.weight = nn.Parameter(torch.empty(self.heads * (nope + v), kv_lora_rank, dtype=dtype), requires_grad=False)
+        self.heads, self.nope, self.v, self.rank = num_heads // tp_size, nope, v, kv_lora_rank
+        self.tp_size, self.tp_rank, self.engine_layout = tp_size, tp_rank, engine_layout
+        if engine_layout:
+            self.keys = nn.Parameter(torch.empty(self.heads, kv_lora_rank, nope, dtype=dtype), requires_grad=False)
+            self.values = nn.Parameter(torch.empty(self.heads, v, kv_lora_rank, dtype=dtype), requires_grad=False)
+        else:
+            self.weight = nn.Parameter(torch.empty(self.heads * (nope + v), kv_lora_rank, dtype=dtype),
+                                       requires_grad=False)
 
     def load_spec(self, param_name: str, num_external: int) -> list[ShardSpec]:
         return [ShardSpec.even(0, self.tp_size, self.tp_rank)] * num_external
 
     def engine_weights(self, prefix: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A checkpoint's per-head rows into the engine's keys-first order."""
-        w = weights.pop(f"{prefix}weight").view(self.heads, self.nope + self.v, -1)
-        return {f"{prefix}weight": torch.cat([w[:, :self.nope].flatten(0, 1), w[:, self.nope:].flatten(0, 1)])}
-
-    def per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``W_UK`` ``[heads, nope, kv_lora_rank]``, ``W_UV`` ``[heads, v, kv_lora_rank]``), views."""
-        if self.keys_first:
-            keys, values = self.weight.split([self.heads * self.nope, self.heads * self.v])
-            return keys.view(self.heads, self.nope, -1), values.view(self.heads, self.v, -1)
-        w = self.weight.view(self.heads, self.nope + self.v, -1)
-        return w[:, :self.nope], w[:, self.nope:]
+        """A checkpoint's per-head rows into the engine's ``keys`` and ``values``."""
+        w = weights.pop(f"{prefix}weight").view(self.heads, self.nope + self.v, self.rank)
+        return {f"{prefix}keys": w[:, :self.nope].transpose(1, 2).contiguous(),
+                f"{prefix}values": w[:, self.nope:].contiguous()}
 
     def forward(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised latents ``[n, kv_lora_rank]`` to per-head key parts ``[n, heads, nope]`` and
-        values ``[n, heads, v]``."""
+        values ``[n, heads, v]`` (the unabsorbed path: prompt chunks)."""
         n = latent.shape[0]
-        kv = F.linear(latent, self.weight)
-        if self.keys_first:
-            keys, values = kv.split([self.heads * self.nope, self.heads * self.v], dim=-1)
-            return keys.view(n, self.heads, self.nope), values.view(n, self.heads, self.v)
-        keys, values = kv.view(n, self.heads, self.nope + self.v).split([self.nope, self.v], dim=-1)
+        if self.engine_layout:
+            keys = torch.matmul(latent, self.keys).transpose(0, 1)  # [heads, n, nope] -> [n, heads, nope]
+            return keys, F.linear(latent, self.values.flatten(0, 1)).view(n, self.heads, self.v)
+        keys, values = F.linear(latent, self.weight).view(n, self.heads, self.nope + self.v).split(
+            [self.nope, self.v], dim=-1)
         return keys, values
+
+    def absorb_keys(self, q_nope: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` ``[n, heads, kv_lora_rank]`` (may be a view) = ``q_nope W_UK`` per head."""
+        if self.engine_layout:
+            kernels.head_linear(q_nope, self.keys, out)
+        else:
+            w_uk = self.weight.view(self.heads, self.nope + self.v, -1)[:, :self.nope]
+            out.copy_(torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1))
+
+    def apply_values(self, o_latent: torch.Tensor) -> torch.Tensor:
+        """Attention outputs over the latents ``[n, heads, kv_lora_rank]`` (may be a view) to the
+        heads' values ``[n, heads, v]``: ``o_latent W_UV^T`` per head."""
+        if self.engine_layout:
+            out = torch.empty(o_latent.shape[0], self.heads, self.v, dtype=o_latent.dtype)
+            return kernels.head_linear(o_latent, self.values, out)
+        w_uv = self.weight.view(self.heads, self.nope + self.v, -1)[:, self.nope:]
+        return torch.bmm(w_uv, o_latent.permute(1, 2, 0)).permute(2, 0, 1)  # (a transposed W_UV is copied whole)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -135,7 +152,7 @@ class MultiHeadLatentAttention(nn.Module):
                                                  rope=qk_rope_head_dim, dtype=dtype)  # replicated
         self.kv_a_layernorm = RmsNorm(kv_lora_rank, norm_eps, dtype=dtype)
         self.kv_b_proj = LatentUpProjection(kv_lora_rank, num_heads, qk_nope_head_dim, v_head_dim,
-                                            keys_first=engine_layout, **shard)
+                                            engine_layout=engine_layout, **shard)
         self.dense = RowLinear(num_heads * v_head_dim, hidden_size, bias, **shard)
         # The cache's shape: one "KV head" row of the latent and the rotary key per token, no V.
         self.num_kv_heads, self.head_size, self.cache_value_size = 1, latent, 0
@@ -178,13 +195,12 @@ class MultiHeadLatentAttention(nn.Module):
     def absorb_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """The query in latent space ``[n, heads, kv_lora_rank + rope]``: ``q_nope W_UK`` per head,
         then ``q_pe``; its dot product with a cache row is the head's q.k."""
-        w_uk, _ = self.kv_b_proj.per_head()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, heads, kv_lora_rank]
-        return torch.cat([q_latent, q_pe], dim=-1)
+        q = torch.empty(*q_nope.shape[:2], self.kv_lora_rank + self.rope, dtype=q_nope.dtype)
+        self.kv_b_proj.absorb_keys(q_nope, q[..., :self.kv_lora_rank])
+        q[..., self.kv_lora_rank:] = q_pe
+        return q
 
     def absorb_output(self, o_latent: torch.Tensor) -> torch.Tensor:
         """Attention outputs over the latents ``[n, heads, kv_lora_rank]`` to the heads' values
         ``[n, heads, v_head]``: ``o_latent W_UV^T`` per head."""
-        _, w_uv = self.kv_b_proj.per_head()
-        # As W_UV o^T: a transposed W_UV would be copied whole on every call (~5x slower).
-        return torch.bmm(w_uv, o_latent.permute(1, 2, 0)).permute(2, 0, 1)
+        return self.kv_b_proj.apply_values(o_latent)

@@ -102,6 +102,23 @@ def test_skinny_linear_matches_linear(n, k, with_bias, dtype, m):
     torch.testing.assert_close(got.double(), expected, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 6])
+@pytest.mark.parametrize("n,k", [(70, 24), (16, 130)])  # a row block of 64 and a tail; k tails
+def test_head_linear_matches_per_head_matmul_on_strided_views(dtype, m, n, k):
+    """Per head x[t, h] @ w[h]^T, x a head-split view of a wider row (as q_nope is of q), the
+    result into a slice of a wider buffer (as the latent query's first part); the rest is kept."""
+    heads = 3
+    wide = _randn(m, heads, k + 8, dtype=dtype)
+    x, w = wide[..., :k], _randn(heads, n, k, dtype=dtype)
+    out = torch.full((m, heads, n + 5), 7.0, dtype=dtype)
+    kernels.head_linear(x, w, out[..., :n])
+    expected = torch.einsum("thk,hnk->thn", x.float(), w.float())
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[..., :n].float(), expected, atol=tol * k ** 0.5, rtol=tol)
+    assert (out[..., n:] == 7.0).all()
+
+
 def test_skinny_linear_takes_few_rows_only_and_rejects_the_rest():
     from kiln.layers.linear import ColumnLinear
 
