@@ -8,7 +8,9 @@ head size and KV heads (``global_head_dim``, ``num_global_key_value_heads``; wit
 (double-wide MLPs there with ``use_double_wide_mlp``), per-layer input embeddings (PLE:
 ``hidden_size_per_layer_input``), a learned scalar on each layer's output and final logit
 soft-capping. Each of these is a general kiln config field (``layer_overrides``,
-``per_layer_input_size``, ``layer_scalar``, ``v_norm``; see kiln.models.decoder).
+``per_layer_input_size``, ``layer_scalar``, ``v_norm``; see kiln.models.decoder). The 26B-A4B
+(``enable_moe_block``) adds routed GeGLU experts beside each layer's dense MLP
+(``Gemma4DecoderLayer``).
 
 ``Gemma4ForConditionalGeneration`` checkpoints hold the same language model under
 ``model.language_model`` beside vision and audio towers, which are not read (the engine takes
@@ -18,10 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln import distributed
 from kiln.config import PretrainedConfig
+from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
+from kiln.layers.moe import MixtureOfExperts, check_expert_config
 from kiln.mapping import Mapping
 from kiln.models.base import DecoderModelForCausalLM
+from kiln.models.decoder import DecoderLayer
 from kiln.models.hf_config import hf_get, hf_text_config, rope_decoder_config
 from kiln.models.key_maps import NestedLanguageModel
 from kiln.models.registry import register_model
@@ -89,17 +99,79 @@ def layer_overrides(hf: dict, layer_types: list[str]) -> list[dict]:
     return overrides
 
 
+class Gemma4Experts(MixtureOfExperts):
+    """Gemma 4's experts (the 26B-A4B's 128, top 8): GeGLU experts from transformers' fused
+    ``experts.gate_up_proj`` / ``experts.down_proj`` directly under the layer, routed from the
+    layer's residual stream (not the experts' input): ``proj(rms(h) * scale / sqrt(hidden))``,
+    softmax, top-k renormalised, each chosen weight times its expert's ``per_expert_scale``."""
+
+    def __init__(self, *args, eps: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        dtype = self.router.weight.dtype
+        self.eps = eps
+        self.router_scale = nn.Parameter(torch.empty(self.hidden_size, dtype=dtype), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.empty(self.num_experts, dtype=dtype), requires_grad=False)
+        # Under the layer, not under an mlp block: kiln's "experts" section has no external name.
+        self.external_key_map = {"experts": "", "router_scale": "router.scale",
+                                 "per_expert_scale": "router.per_expert_scale"}
+
+    def use_external_layout(self, layout: str) -> None:
+        super().use_external_layout(layout)
+        self.router.external_key_map = {"experts": "", "router": "router.proj"}
+        for module in () if self.fused else (self.fc, self.gate, self.proj):
+            module.external_key_map = {**{k: v for k, v in module.external_key_map.items() if k != "mlp"},
+                                       "experts": ""}
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """The experts' output for their input ``x``, routed by the layer's ``residual`` stream."""
+        shape = x.shape
+        x, residual = x.reshape(-1, self.hidden_size), residual.reshape(-1, self.hidden_size)
+        normed = F.rms_norm(residual.float(), (self.hidden_size,), None, self.eps).to(residual.dtype)
+        weights, experts = self.route(self.router(normed * self.router_scale * self.hidden_size ** -0.5))
+        weights = weights * self.per_expert_scale.float()[experts]
+        return distributed.all_reduce(self.routed(x, weights, experts), self.tp_size).view(shape)
+
+
+class Gemma4DecoderLayer(DecoderLayer):
+    """Gemma 4's layer; with ``num_experts`` (``enable_moe_block``) its feed-forward block is the
+    dense MLP and the experts side by side, each output normalised, then summed and normalised
+    again: ``h += post_ff(post_ff_1(mlp(pre_ff(h))) + post_ff_2(experts(pre_ff_2(h), routed by h)))``."""
+
+    def __init__(self, model_cls: type, config: PretrainedConfig, layer_idx: int, rotary, engine_layout: bool):
+        super().__init__(model_cls, config, layer_idx, rotary, engine_layout)
+        self.experts = None
+        if config.get("num_experts"):
+            dtype, tp = torch_dtype(config.dtype), config.mapping
+            self.post_feedforward_layernorm_1 = model_cls.make_norm(config, dtype)
+            self.pre_feedforward_layernorm_2 = model_cls.make_norm(config, dtype)
+            self.post_feedforward_layernorm_2 = model_cls.make_norm(config, dtype)
+            self.experts = Gemma4Experts(
+                config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
+                config.hidden_act, normalize_top_k=True, eps=config.norm_epsilon, dtype=dtype,
+                tp_size=tp.tp_size, tp_rank=tp.tp_rank, fused=engine_layout)
+
+    def _blocks(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:
+        if self.experts is None:
+            return super()._blocks(hidden, positions, metadata, kv_cache)
+        hidden = hidden + self.post_layernorm(self.attention(self.input_layernorm(hidden), positions, metadata,
+                                                             kv_cache))
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(hidden), metadata.lora))
+        routed = self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(hidden), hidden))
+        return hidden + self.post_feedforward_layernorm(dense + routed)
+
+
 @register_model("Gemma4ForCausalLM")
 class Gemma4ForCausalLM(DecoderModelForCausalLM):
     gated_mlp = True
     sublayer_norms = "pre_and_post"
+    decoder_layer = Gemma4DecoderLayer
     hf_key_map = {}  # LLaMA's names; the norms, per-layer-input modules and layer_scalar keep theirs
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
-        for name in ("use_bidirectional_attention", "enable_moe_block"):
-            if hf.get(name):
-                raise ConfigError(f"Gemma 4 config field {name!r} ({hf[name]!r}) is not supported")
+        if hf.get("use_bidirectional_attention"):
+            raise ConfigError("Gemma 4 config field 'use_bidirectional_attention' "
+                              f"({hf['use_bidirectional_attention']!r}) is not supported")
         layers = hf_get(hf, "num_hidden_layers")
         types = list(hf.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
                                                for i in range(layers)])
@@ -115,9 +187,20 @@ class Gemma4ForCausalLM(DecoderModelForCausalLM):
                    "embedding_multiplier": float(hf_get(hf, "hidden_size")) ** 0.5,
                    "final_logit_softcapping": hf.get("final_logit_softcapping"),
                    "sliding_window": hf_get(hf, "sliding_window"), "layer_types": types,
-                   "layer_overrides": layer_overrides(hf, types),
+                   "layer_overrides": layer_overrides(hf, types), **moe_fields(hf, mapping),
                    **({"per_layer_input_size": ple,
                        "per_layer_vocab_size": hf_get(hf, "vocab_size_per_layer_input")} if ple else {})})
+
+
+def moe_fields(hf: dict, mapping: Mapping) -> dict:
+    """The experts' config fields where ``enable_moe_block`` is set (every layer has them), checked."""
+    if not hf.get("enable_moe_block"):
+        return {}
+    experts, top_k = hf_get(hf, "num_experts"), hf_get(hf, "top_k_experts")
+    inter = hf_get(hf, "moe_intermediate_size")
+    check_expert_config(experts, top_k, inter, mapping.tp_size, experts_field="num_experts",
+                        top_k_field="top_k_experts", intermediate_field="moe_intermediate_size")
+    return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": inter}
 
 
 @register_model("Gemma4ForConditionalGeneration")

@@ -139,6 +139,9 @@ def make_gemma4(path: Path, *, seed: int = 0, vocab: int = 256, **config):
     with torch.no_grad():
         for layer in model.model.layers:
             layer.layer_scalar.uniform_(0.5, 1.5)
+            if fields.get("enable_moe_block"):  # the router's scales start at 1 too
+                layer.router.scale.uniform_(0.5, 1.5)
+                layer.router.per_expert_scale.uniform_(0.5, 1.5)
     model = model.float().eval()
     model.save_pretrained(path)
     return model
