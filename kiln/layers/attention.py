@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kiln import kernels
 from kiln.checkpoint.shard_spec import ShardSpec
 from kiln.errors import ConfigError
-from kiln.layers.linear import QKVColumnLinear, RowLinear
+from kiln.layers.linear import ColumnLinear, QKVColumnLinear, RowLinear
 from kiln.layers.normalization import LayerNorm, RmsNorm
 from kiln.layers.rotary import RotaryEmbedding
 
@@ -71,7 +72,8 @@ class Attention(nn.Module):
                  source_transposed: bool = False, qk_norm_eps: float | None = None, qk_layernorm: bool = False,
                  qk_norm_class: type[nn.Module] = RmsNorm, qk_norm_whole: bool = False,
                  scale: float | None = None, window: int | None = None, softcap: float | None = None,
-                 alibi: bool = False, sinks: bool = False):
+                 alibi: bool = False, sinks: bool = False, v_norm: bool = False, value_from_key: bool = False,
+                 kv_source: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = num_heads // tp_size  # per rank
@@ -84,8 +86,25 @@ class Attention(nn.Module):
         slopes = alibi_slopes(num_heads)[tp_rank * self.num_heads:(tp_rank + 1) * self.num_heads] if alibi else None
         self.register_buffer("alibi_slopes", slopes, persistent=False)
         self.sinks = AttentionSinks(num_heads, tp_size, tp_rank) if sinks else None
-        self.qkv = QKVColumnLinear(hidden_size, num_heads, num_kv_heads, head_size, qkv_bias, dtype=dtype,
-                                   tp_size=tp_size, tp_rank=tp_rank, source_transposed=source_transposed)
+        # Gemma 4's KV-shared layers: keys and values (and the KV cache) are layer ``kv_source``'s,
+        # handed on through the step's metadata; the layer projects only its queries.
+        self.kv_source = kv_source
+        if kv_source is not None:
+            self.qkv = ColumnLinear(hidden_size, num_heads * head_size, qkv_bias, dtype=dtype, tp_size=tp_size,
+                                    tp_rank=tp_rank, source_transposed=source_transposed)
+            self.qkv.external_key_map = {"qkv": "q_proj"}
+        else:
+            self.qkv = QKVColumnLinear(hidden_size, num_heads, num_kv_heads, head_size, qkv_bias, dtype=dtype,
+                                       tp_size=tp_size, tp_rank=tp_rank, source_transposed=source_transposed)
+        if value_from_key:
+            # Gemma 4's attention_k_eq_v: the values are the key projection's output. The v rows are
+            # loaded from k_proj, so the fused projection (and every kernel behind it) is unchanged.
+            self.qkv.external_key_map = {"qkv": ["q_proj", "k_proj", "k_proj"]}
+        self.value_from_key = value_from_key
+        # Gemma 4: each value head RMS-normalised, without a weight (eps: the q/k norms').
+        self.v_norm_eps = qk_norm_eps if v_norm else None
+        if v_norm and qk_norm_eps is None:
+            raise ConfigError("a value norm (v_norm) needs the q/k norms' epsilon (qk_norm)")
         self.dense = RowLinear(num_heads * head_size, hidden_size, dense_bias, dtype=dtype,
                                tp_size=tp_size, tp_rank=tp_rank, source_transposed=source_transposed)
         self.rotary = rotary
@@ -99,7 +118,9 @@ class Attention(nn.Module):
                               f"one rank; tp_size {tp_size} is not supported for it")
         q_dim, k_dim = (num_heads * head_size, num_kv_heads * head_size) if qk_norm_whole else (head_size, head_size)
         self.q_norm = norm(q_dim, qk_norm_eps, dtype=dtype) if qk_norm_eps is not None else None
-        self.k_norm = norm(k_dim, qk_norm_eps, dtype=dtype) if qk_norm_eps is not None else None
+        self.k_norm = norm(k_dim, qk_norm_eps, dtype=dtype) if qk_norm_eps is not None and kv_source is None else None
+        # Set (by the model) when a later layer reads this one's K/V: then the step keeps them.
+        self.kv_consumed = False
         # Quantized KV cache (INT8, FP8): float32 [2], the static per-tensor scales of K (after rotary) and V.
         self.register_parameter("kv_cache_scaling_factor", None)
 
@@ -111,12 +132,16 @@ class Attention(nn.Module):
         # hidden: [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        if self.kv_source is not None:
+            return self._forward_shared_kv(hidden, positions, metadata, kv_cache)
         q, k, v = self.qkv(hidden, metadata.lora).split([q_size, kv_size, kv_size], dim=-1)
         if self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(num_tokens, self.num_heads, self.head_size)
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
+        if self.v_norm_eps is not None:
+            v = F.rms_norm(v.float(), (self.head_size,), None, self.v_norm_eps).to(v.dtype)
         if self.q_norm is not None and not self.qk_norm_whole:
             q = self.q_norm(q.reshape(-1, self.head_size)).view(num_tokens, self.num_heads, self.head_size)
             k = self.k_norm(k.reshape(-1, self.head_size)).view(num_tokens, self.num_kv_heads, self.head_size)
@@ -128,8 +153,31 @@ class Attention(nn.Module):
                 k = kernels.rotary_(k, cos, sin, self.rotary.rotary_dim)
             else:
                 q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        if self.kv_consumed:  # for the layers reading this one's K/V (their kv_source)
+            metadata.shared_kv[self.layer_idx] = (k, v)
+        return self._attend(q, k, v, kv_cache, metadata)
+
+    def _forward_shared_kv(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:
+        """A KV-shared layer: its own normalised, rotated queries over layer ``kv_source``'s keys
+        and values of this step (and, through ``kv_cache``, that layer's cache: writing the same
+        K/V to the same slots again leaves it as it was, so the backends need no other path)."""
+        num_tokens = hidden.shape[0]
+        if self.kv_source not in metadata.shared_kv:
+            raise RuntimeError(f"layer {self.layer_idx} reads layer {self.kv_source}'s keys and values, "
+                               "which this step has not computed")
+        k, v = metadata.shared_kv[self.kv_source]
+        q = self.qkv(hidden, metadata.lora).view(num_tokens, self.num_heads, self.head_size)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_size)).view(num_tokens, self.num_heads, self.head_size)
+        if self.rotary is not None:
+            cos, sin = metadata.rotary_cos_sin(self.rotary, positions)
+            q = self.rotary.apply(q, cos, sin)
+        return self._attend(q, k, v, kv_cache, metadata)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, metadata) -> torch.Tensor:
+        num_tokens = q.shape[0]
         out = metadata.backend.forward(q, k, v, kv_cache, metadata, self.scale, window=self.window,
                                        alibi_slopes=self.alibi_slopes, softcap=self.softcap,
                                        kv_scales=self.kv_cache_scaling_factor,
                                        sinks=None if self.sinks is None else self.sinks.weight)  # [tokens, heads, head]
-        return self.dense(out.reshape(num_tokens, q_size), metadata.lora)
+        return self.dense(out.reshape(num_tokens, self.num_heads * self.head_size), metadata.lora)

@@ -1,5 +1,5 @@
-"""Rotary position embedding (RoPE) with linear, dynamic-NTK, llama3, YaRN and LongRoPE
-frequency scaling.
+"""Rotary position embedding (RoPE) with linear, dynamic-NTK, llama3, YaRN, LongRoPE and
+proportional frequency scaling.
 
 Rotation follows the Hugging Face LLaMA layout (``rotate_half``: the first and second
 halves of the rotary dims form the pairs). ``rotary_dim`` may be less than the head size
@@ -14,7 +14,7 @@ from torch import nn
 
 from kiln.errors import ConfigError
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -52,6 +52,20 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, base: float, rotary_dim: int, scaling
     return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
+def _proportional_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Gemma 4's proportional rotary: the whole head is the rotary span (the exponents count over
+    all of it), but only the first ``partial_rotary_factor`` of its frequency pairs turn; the
+    others get frequency 0 (cos 1, sin 0: those dims pass through). Unlike a partial rotary of
+    that fraction, the turning pairs keep the full head's frequencies and pair dim i with
+    i + head/2."""
+    fraction = scaling.get("partial_rotary_factor", 1.0)
+    if not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+        raise ConfigError(f"proportional rotary_scaling needs 'partial_rotary_factor' in [0, 1], got {fraction!r}")
+    turning = int(fraction * inv_freq.numel() * 2 // 2)  # as transformers: int(fraction * head_dim // 2)
+    return torch.cat([inv_freq[:turning], torch.zeros(inv_freq.numel() - turning, dtype=inv_freq.dtype,
+                                                      device=inv_freq.device)])
+
+
 def _yarn_attention_factor(scaling: dict) -> float:
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -85,6 +99,8 @@ class RotaryEmbedding(nn.Module):
                     raise ConfigError(f"rotary_scaling of type {self.rope_type!r} needs a 'factor' or "
                                       "max_position_embeddings")
                 scaling["factor"] = max_position_embeddings / scaling["original_max_position_embeddings"]
+        if self.rope_type == "proportional":  # factor optional (1): see _proportional_inv_freq
+            scaling.setdefault("factor", 1.0)
         if self.rope_type != "default" and "factor" not in scaling:
             raise ConfigError(f"rotary_scaling of type {self.rope_type!r} needs a 'factor'")
         self.factor = float(scaling.get("factor", 1.0))
@@ -102,6 +118,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _yarn_inv_freq(inv_freq, base, rotary_dim, scaling)
             if scaling.get("attention_factor") is None:
                 self.attention_factor = _yarn_attention_factor(scaling)
+        elif self.rope_type == "proportional":
+            inv_freq = _proportional_inv_freq(inv_freq, scaling) / self.factor
         elif self.rope_type == "longrope":
             # Short factors while a sequence is within the original context, long ones past it.
             self.original_context = int(scaling["original_max_position_embeddings"])

@@ -32,7 +32,7 @@ from kiln.layers.lora import LoraTarget
 from kiln.layers.mlp import MLP, GatedMLP
 from kiln.layers.normalization import RmsNorm
 from kiln.models import loading
-from kiln.models.decoder import DecoderLayer, Transformer, positive_field
+from kiln.models.decoder import DecoderLayer, Transformer, layer_field, positive_field
 from kiln.models.native_decode import native_decode_for
 from kiln.models.registry import get_model_class
 
@@ -62,7 +62,7 @@ class DecoderModelForCausalLM(nn.Module):
         """Layer ``layer_idx``'s feed-forward block (a family with experts overrides this)."""
         tp = config.mapping
         shard = dict(dtype=torch_dtype(config.dtype), tp_size=tp.tp_size, tp_rank=tp.tp_rank)
-        inter = config.intermediate_size or 4 * config.hidden_size
+        inter = layer_field(config, layer_idx, "intermediate_size") or 4 * config.hidden_size
         bias = config.get("mlp_bias", False)
         if cls.gated_mlp:
             return GatedMLP(config.hidden_size, inter, config.hidden_act, bias, fused=engine_layout, **shard)
@@ -115,6 +115,7 @@ class DecoderModelForCausalLM(nn.Module):
         t = self.transformer
         if hidden is None:
             hidden = self.first_layer_input(input_ids, positions, metadata.prompts)
+            self.prepare_layer_inputs(input_ids, hidden, metadata)
         native = native_decode_for(self, kv_caches, metadata)
         if native is not None:  # a decode step: every layer in one native call (one rank only)
             return t.finish(native(hidden, positions, metadata))
@@ -174,6 +175,14 @@ class DecoderModelForCausalLM(nn.Module):
         if hasattr(t, "position_embedding"):
             hidden = hidden + t.position_embedding(positions)
         return hidden
+
+    def prepare_layer_inputs(self, input_ids: torch.Tensor, hidden: torch.Tensor, metadata) -> None:
+        """Give the step (``metadata.layer_inputs``) the per-layer inputs its layers read, where the
+        model has them (Gemma 4's per-layer embeddings), from the token ids and the first layer's
+        input ``hidden``; a caller running the layers one by one calls it after ``first_layer_input``."""
+        t = self.transformer
+        if getattr(t, "per_layer_input_size", None):
+            metadata.layer_inputs = t.layer_inputs(input_ids, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[n, vocab_size]`` for the given final hidden states ``[n, hidden]``

@@ -9,6 +9,7 @@ from torch import nn
 from kiln.config import PretrainedConfig
 from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
+from kiln.layers.activation import get_activation
 from kiln.layers.attention import Attention
 from kiln.layers.embedding import Embedding, PromptStep, PromptTuningEmbedding
 from kiln.layers.linear import Linear
@@ -57,6 +58,31 @@ def layer_type(config: PretrainedConfig, layer_idx: int) -> str:
     return types[layer_idx]
 
 
+# The config fields one layer may set apart from the rest (``layer_overrides``).
+LAYER_OVERRIDES = ("head_size", "num_key_value_heads", "intermediate_size", "value_from_key", "kv_source")
+
+
+def layer_field(config: PretrainedConfig, layer_idx: int, name: str):
+    """Layer ``layer_idx``'s value of config field ``name``: its entry in ``layer_overrides``
+    (a list of one dict per layer, each holding some of ``LAYER_OVERRIDES``: Gemma 4's full
+    layers have wider heads and fewer KV heads), else the config's own field.
+
+    ``value_from_key``: the layer's values are its key projection (before the key norm and
+    rotary; Gemma 4's ``attention_k_eq_v``); ``kv_source``: an earlier layer whose keys and
+    values (and KV cache) this layer reads instead of projecting its own (Gemma 4's
+    ``num_kv_shared_layers``).
+    """
+    overrides = config.get("layer_overrides")
+    if overrides is None:
+        return config.get(name)
+    if (not isinstance(overrides, list) or len(overrides) != config.num_hidden_layers
+            or any(not isinstance(o, dict) or set(o) - set(LAYER_OVERRIDES) for o in overrides)):
+        raise ConfigError(f"config field 'layer_overrides' must list, for each of the {config.num_hidden_layers} "
+                          f"layers, a dict of some of {LAYER_OVERRIDES}; got {overrides!r}")
+    layer = overrides[layer_idx]
+    return layer[name] if name in layer else config.get(name)
+
+
 def layer_rotaries(config: PretrainedConfig) -> list[RotaryEmbedding | None] | None:
     """Each layer's rotary embedding (None: positions are not rotary), followed by the shared
     default one (the last entry); None for models without rotary positions.
@@ -80,9 +106,9 @@ def layer_rotaries(config: PretrainedConfig) -> list[RotaryEmbedding | None] | N
                           f"got {sorted(nope, key=str)!r}")
     shared: dict[str, RotaryEmbedding] = {}
 
-    def rotary_of(settings: dict) -> RotaryEmbedding:
-        # rotary_dim (GPT-J) exactly, or a fraction of the head (rotary_pct)
-        dim = settings.get("rotary_dim") or int(config.head_size * settings.get("rotary_pct", 1.0))
+    def rotary_of(settings: dict, head_size: int) -> RotaryEmbedding:
+        # rotary_dim (GPT-J) exactly, or a fraction of the (layer's) head (rotary_pct)
+        dim = settings.get("rotary_dim") or int(head_size * settings.get("rotary_pct", 1.0))
         key = repr((dim, settings.get("rotary_base", 10000.0), settings.get("rotary_scaling")))
         if key not in shared:
             shared[key] = RotaryEmbedding(dim, settings.get("rotary_base", 10000.0), config.max_position_embeddings,
@@ -91,9 +117,10 @@ def layer_rotaries(config: PretrainedConfig) -> list[RotaryEmbedding | None] | N
 
     fields = ("rotary_dim", "rotary_pct", "rotary_base", "rotary_scaling")
     default = {name: config.get(name) for name in fields if config.get(name) is not None}
-    layers = [None if i in nope else rotary_of({**default, **overrides.get(layer_type(config, i), {})})
+    layers = [None if i in nope else rotary_of({**default, **overrides.get(layer_type(config, i), {})},
+                                                 layer_field(config, i, "head_size"))
               for i in range(config.num_hidden_layers)]
-    return [*layers, rotary_of(default)]
+    return [*layers, rotary_of(default, config.head_size)]
 
 
 def attention_settings(config: PretrainedConfig, layer_idx: int) -> dict:
@@ -149,22 +176,53 @@ class DecoderLayer(nn.Module):
                               "(no parallel_residual, no norm_after_residual)")
         self.input_layernorm = None if self.sublayer_norms == "post" else model_cls.make_norm(config, dtype)
         qk_norm_class = model_cls.norm_class if issubclass(model_cls.norm_class, RmsNorm) else RmsNorm
+        kv_source = layer_field(config, layer_idx, "kv_source")
+        if kv_source is not None and not (isinstance(kv_source, int) and 0 <= kv_source < layer_idx):
+            raise ConfigError(f"config field 'layer_overrides' gives layer {layer_idx} kv_source {kv_source!r}; "
+                              "it must be an earlier layer's index")
         self.attention = Attention(
-            layer_idx, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-            config.head_size, qkv_bias=config.get("attn_bias", False),
+            layer_idx, config.hidden_size, config.num_attention_heads,
+            layer_field(config, layer_idx, "num_key_value_heads"),
+            layer_field(config, layer_idx, "head_size"), qkv_bias=config.get("attn_bias", False),
             dense_bias=config.get("dense_bias", config.get("attn_bias", False)), rotary=rotary,
             source_transposed=model_cls.source_transposed,
             qk_norm_eps=config.norm_epsilon if config.get("qk_norm", False) else None,
             qk_layernorm=bool(config.get("qk_layernorm", False)), qk_norm_class=qk_norm_class,
-            qk_norm_whole=bool(config.get("qk_norm_whole", False)), **attention_settings(config, layer_idx), **shard)
+            qk_norm_whole=bool(config.get("qk_norm_whole", False)), v_norm=bool(config.get("v_norm", False)),
+            value_from_key=bool(layer_field(config, layer_idx, "value_from_key")), kv_source=kv_source,
+            **attention_settings(config, layer_idx), **shard)
         self.post_layernorm = None if shared_norm else model_cls.make_norm(config, dtype)
         if self.sublayer_norms != "pre":
             self.pre_feedforward_layernorm = (model_cls.make_norm(config, dtype)
                                               if self.sublayer_norms == "pre_and_post" else None)
             self.post_feedforward_layernorm = model_cls.make_norm(config, dtype)
         self.mlp = model_cls.make_mlp(config, layer_idx, engine_layout)
+        # Gemma 4's per-layer input (``per_layer_input_size``): after the MLP block, the layer adds
+        # norm(proj(act(gate(h)) * its slice of the step's per-layer inputs)) (replicated over ranks).
+        self.per_layer_input_size = config.get("per_layer_input_size")
+        if self.per_layer_input_size:
+            size = self.per_layer_input_size
+            self.per_layer_input_gate = Linear(config.hidden_size, size, bias=False, dtype=dtype)
+            self.per_layer_projection = Linear(size, config.hidden_size, bias=False, dtype=dtype)
+            self.post_per_layer_input_norm = model_cls.make_norm(config, dtype)
+            self.per_layer_act = get_activation(config.hidden_act)
+        # Gemma 4: the layer's output times a learned scalar (``layer_scalar``, residual included).
+        self.layer_scalar = (nn.Parameter(torch.empty(1, dtype=dtype), requires_grad=False)
+                             if config.get("layer_scalar", False) else None)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:
+        hidden = self._blocks(hidden, positions, metadata, kv_cache)
+        if self.per_layer_input_size:
+            if metadata.layer_inputs is None:
+                raise RuntimeError("this model's layers take per-layer inputs; the step has none "
+                                   "(DecoderModelForCausalLM.prepare_layer_inputs)")
+            index = self.attention.layer_idx
+            gated = self.per_layer_act(self.per_layer_input_gate(hidden)) * metadata.layer_inputs[:, index]
+            hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return hidden if self.layer_scalar is None else hidden * self.layer_scalar
+
+    def _blocks(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:
+        """The attention and MLP blocks with their norms and residual adds (see the class docstring)."""
         if self.norm_after_residual:  # OPT-350m: each norm is applied to the residual sum
             hidden = self.input_layernorm(hidden + self.attention(hidden, positions, metadata, kv_cache))
             return self.post_layernorm(hidden + self.mlp(hidden, metadata.lora))
@@ -211,6 +269,17 @@ class Transformer(nn.Module):
             raise ConfigError(
                 f"position_embedding_type {config.position_embedding_type!r} is not one of "
                 "['learned_absolute', 'rope_gpt_neox', 'alibi']")
+        # Gemma 4's per-layer inputs (PLE), made once a step before the first layer (first stage only).
+        self.per_layer_input_size = config.get("per_layer_input_size")
+        if self.per_layer_input_size:
+            if mapping.pp_size > 1:
+                raise ConfigError("per-layer inputs (config field 'per_layer_input_size') are made before the "
+                                  "first layer and read by every layer: pipeline parallelism is not supported")
+            size, layers = self.per_layer_input_size, config.num_hidden_layers
+            self.embed_tokens_per_layer = Embedding(config.get("per_layer_vocab_size") or config.vocab_size,
+                                                    layers * size, dtype=dtype)
+            self.per_layer_model_projection = Linear(config.hidden_size, layers * size, bias=False, dtype=dtype)
+            self.per_layer_projection_norm = model_cls.norm_class(size, config.norm_epsilon, dtype=dtype)
         rotaries = layer_rotaries(config)
         # The rotary most layers share (the native decode step takes models whose layers all use it).
         self.rotary = rotaries[-1] if rotaries else None
@@ -218,11 +287,40 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({
             str(i): model_cls.decoder_layer(model_cls, config, i, rotaries[i] if rotaries else None, engine_layout)
             for i in self.layer_ids})
+        for layer in self.layers.values():  # the layers whose K/V later layers read keep them each step
+            source = getattr(layer.attention, "kv_source", None)
+            if source is not None:
+                if config.quantization.kv_cache_quant_algo is not None:
+                    # The reading layer writes its source's K/V again, with its own scales.
+                    raise ConfigError("a quantized KV cache (kv_cache_quant_algo) is not supported with layers that "
+                                      "read another layer's KV cache (Gemma 4's num_kv_shared_layers)")
+                if str(source) not in self.layers:
+                    raise ConfigError(f"layer {layer.attention.layer_idx} reads layer {source}'s KV cache "
+                                      "(kv_source), which is on another pipeline stage")
+                producer = self.layers[str(source)].attention
+                if getattr(producer, "kv_source", None) is not None:
+                    raise ConfigError(f"layer {layer.attention.layer_idx}'s kv_source {source} reads another "
+                                      "layer's KV itself")
+                if layer.attention.window != producer.window:
+                    raise ConfigError(f"layer {layer.attention.layer_idx} reads layer {source}'s KV cache "
+                                      "(kv_source) but has another sliding window")
+                producer.kv_consumed = True
         if mapping.is_last_pp_rank:
             if config.get("final_norm", True):  # OPT-350m (post-norm layers) has none
                 self.ln_f = model_cls.make_norm(config, dtype)
             if projected:
                 self.project_out = Linear(config.hidden_size, embedding_dim, bias=False, dtype=dtype)
+
+    def layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's per-layer inputs ``[tokens, layers, size]`` from the token ids and the first
+        layer's input ``embeds``: (norm(projection(embeds) / sqrt(hidden)) + the tokens' per-layer
+        embeddings * sqrt(size)) / sqrt(2), each rounded to the model dtype as transformers does."""
+        size, tokens = self.per_layer_input_size, input_ids.shape[0]
+        table = self.embed_tokens_per_layer.weight
+        own = self.embed_tokens_per_layer(input_ids) * torch.tensor(size ** 0.5, dtype=table.dtype)
+        projected = self.per_layer_model_projection(embeds) * embeds.shape[-1] ** -0.5
+        projected = self.per_layer_projection_norm(projected.reshape(-1, size)).view(tokens, -1, size)
+        return (projected + own.view(tokens, -1, size)) * 2.0 ** -0.5
 
     def embed(self, input_ids: torch.Tensor, prompts: PromptStep | None = None) -> torch.Tensor:
         """Token embeddings at the layers' width (through ``project_in`` where narrower); virtual

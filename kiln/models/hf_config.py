@@ -41,9 +41,10 @@ def hf_rope(hf: dict, layer_type: str = "full_attention") -> tuple[float, dict |
     scaling = dict(hf.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or scaling.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
     merged = {**params, **scaling}
-    merged.pop("partial_rotary_factor", None)  # not a scaling: see hf_partial_rotary
     kind = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
     merged.pop("type", None)
+    if kind != "proportional":  # there it says which frequencies turn (kiln.layers.rotary)
+        merged.pop("partial_rotary_factor", None)  # not a scaling: see hf_partial_rotary
     if kind == "default":
         return float(theta), None
     if kind in ("yarn", "longrope") and hf.get("original_max_position_embeddings"):
@@ -58,11 +59,15 @@ def hf_layer_rotary(hf: dict) -> dict:
     params = hf.get("rope_parameters") or {}
     if not params or not set(params) <= set(LAYER_TYPES):
         return {}
-    default = (*hf_rope(hf), _rope_parameters(hf, "full_attention").get("partial_rotary_factor"))
+    full_theta, full_scaling = hf_rope(hf)
+    default = (full_theta, full_scaling, None if full_scaling and full_scaling["rope_type"] == "proportional" else
+               _rope_parameters(hf, "full_attention").get("partial_rotary_factor"))
     overrides = {}
     for kind in params:
         theta, scaling = hf_rope(hf, kind)
-        fraction = _rope_parameters(hf, kind).get("partial_rotary_factor")
+        # Proportional rotary spans the whole head (its fraction is inside the scaling).
+        fraction = None if scaling and scaling["rope_type"] == "proportional" else \
+            _rope_parameters(hf, kind).get("partial_rotary_factor")
         if (theta, scaling, fraction) != default:
             overrides[kind] = {"rotary_base": theta, "rotary_scaling": scaling,
                                **({"rotary_pct": float(fraction)} if fraction is not None else {})}

@@ -58,7 +58,10 @@ def supports_native_decode(model) -> bool:
                 and type(layer.post_layernorm) is RmsNorm and type(attn) is Attention
                 and type(mlp) is GatedMLP and mlp.fused and mlp.act is F.silu and attn.rotary is t.rotary
                 and attn.q_norm is None and attn.sinks is None and not layer.parallel_residual and not layer.norm_after_residual
-                and layer.sublayer_norms == "pre" and layer.residual_multiplier is None):
+                and layer.sublayer_norms == "pre" and layer.residual_multiplier is None
+                and getattr(layer, "layer_scalar", None) is None and not getattr(layer, "per_layer_input_size", None)
+                and attn.kv_source is None
+                and attn.v_norm_eps is None):
             return False
         # The step passes each layer's sliding window on; soft-capping and ALiBi it does not compute.
         if attn.softcap is not None or attn.alibi_slopes is not None or attn.scale != scale:

@@ -156,9 +156,11 @@ def prompt_steps(token_lists: list[list[int]], backend=None,
     return steps
 
 
-def step_kv_cache(model: nn.Module, steps: list[PromptStep]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A zeroed (K, V) cache of one layer of ``model``, as large as the largest of ``steps`` needs."""
-    attention = next(iter(model.transformer.layers.values())).attention
+def step_kv_cache(model: nn.Module, steps: list[PromptStep], layer: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A zeroed (K, V) cache of layer ``layer`` of ``model`` (default: the first; layers may differ
+    in KV heads and head size), as large as the largest of ``steps`` needs."""
+    layers = model.transformer.layers
+    attention = (layers[layer] if layer is not None else next(iter(layers.values()))).attention
     dtype = torch_dtype(model.config.dtype)
     shape = cache_shape(max(s.num_blocks for s in steps), _BLOCK_SIZE, attention.num_kv_heads, attention.head_size)
     return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
@@ -171,7 +173,7 @@ def run_prompts(model: nn.Module, token_lists: list[list[int]], progress: bool =
     step (``prompt_steps``), through ``backend`` (default: the reference PyTorch attention; an
     observer may subclass it)."""
     steps = prompt_steps(token_lists, backend, max_step_tokens)
-    caches = [step_kv_cache(model, steps) for _ in model.transformer.layers]
+    caches = [step_kv_cache(model, steps, name) for name in model.transformer.layers]
     with tqdm(total=len(token_lists), desc="calibrating", unit="text", disable=not progress) as bar:
         for step in steps:
             model(step.input_ids, step.positions, step.metadata, caches)

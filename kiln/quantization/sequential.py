@@ -112,7 +112,7 @@ class _Calibration:
         self.layer_index = {name: i for i, name in enumerate(layers)}
         self.kv_ranges = KVRangeObserver(len(layers)) if kv_cache is not None else None
         self.steps = prompt_steps(token_lists, backend=self.kv_ranges)
-        self.cache = step_kv_cache(model, self.steps)
+        self.caches: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # by (KV heads, head size)
         self.placer = _Placer(model)
         self.hidden: list[torch.Tensor | None] = [None] * len(self.steps)  # the float model's
         self.engine_hidden: list[torch.Tensor | None] = [None] * len(self.steps)  # the quantized model's
@@ -176,6 +176,14 @@ class _Calibration:
             for handle in handles:
                 handle.remove()
 
+    def _cache(self, stage: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step cache for layer ``stage``, one per shape (layers may differ in KV heads and head size)."""
+        attention = self.model.transformer.layers[stage].attention
+        key = (attention.num_kv_heads, attention.head_size)
+        if key not in self.caches:
+            self.caches[key] = step_kv_cache(self.model, self.steps, stage)
+        return self.caches[key]
+
     def _pass(self, stage: str, hidden: list[torch.Tensor | None], keep: bool, head: Observer | None = None) -> None:
         """Every step through the stage from ``hidden``; ``keep``: its outputs replace them
         (step by step, so one step's states are held twice at most)."""
@@ -183,13 +191,14 @@ class _Calibration:
         for i, s in enumerate(self.steps):
             if stage == "pre":
                 out = model.first_layer_input(s.input_ids, s.positions, s.metadata.prompts)
+                model.prepare_layer_inputs(s.input_ids, out, s.metadata)  # Gemma 4's per-layer inputs
             elif stage == "post":
                 out = t.finish(hidden[i])
                 if head is not None:
                     head.observe(out)
                 continue
             else:
-                out = t.layers[stage](hidden[i], s.positions, s.metadata, self.cache)
+                out = t.layers[stage](hidden[i], s.positions, s.metadata, self._cache(stage))
             if keep:
                 hidden[i] = out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kiln.distributed import world_min
 from kiln.models.decoder import layer_window
 from kiln.runtime.engine import Engine
-from kiln.step.kv_cache import available_memory_bytes, cache_value_size, kv_bytes_per_token, kv_cache_dtype
+from kiln.step.kv_cache import available_memory_bytes, kv_cache_dtype, layer_cache_bytes_per_token
 
 KV_CACHE_MEMORY_FRACTION = 0.3  # of the memory available at start-up, when no size is given
 
@@ -28,10 +28,8 @@ def default_num_blocks(engine: Engine, max_num_seqs: int, memory_fraction: float
     if window is not None:  # as Scheduler.peak_blocks
         tokens = min(tokens, window + build.max_num_tokens + build.tokens_per_block)
     wanted = max_num_seqs * -(-tokens // build.tokens_per_block)
-    attention = next(iter(engine.model.transformer.layers.values())).attention
-    per_block = build.tokens_per_block * kv_bytes_per_token(
-        len(engine.model.transformer.layers), attention.num_kv_heads, attention.head_size, kv_cache_dtype(config),
-        cache_value_size(attention))
+    attentions = [layer.attention for layer in engine.model.transformer.layers.values()]
+    per_block = build.tokens_per_block * layer_cache_bytes_per_token(attentions, kv_cache_dtype(config))
     affordable = int(available_memory_bytes() * memory_fraction) // per_block
     return max(1, min(wanted, affordable))
 

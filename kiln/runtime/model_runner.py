@@ -32,7 +32,7 @@ from kiln.runtime.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.verification import verify
 from kiln.step.attention import BACKENDS, select_backend
-from kiln.step.kv_cache import allocate_kv_cache, cache_value_size, indexable, kv_cache_dtype
+from kiln.step.kv_cache import allocate_layer_caches, indexable, kv_cache_dtype
 from kiln.step.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -71,10 +71,8 @@ class ModelRunner:
         self.block_size = engine.build_config.tokens_per_block
         self.num_blocks = num_blocks
         config = engine.config
-        attention = next(iter(self.model.transformer.layers.values())).attention
-        self.kv_caches = allocate_kv_cache(len(self.model.transformer.layers), num_blocks, self.block_size,
-                                           attention.num_kv_heads, attention.head_size, kv_cache_dtype(config),
-                                           value_size=cache_value_size(attention))
+        attentions = [layer.attention for layer in self.model.transformer.layers.values()]
+        self.kv_caches = allocate_layer_caches(attentions, num_blocks, self.block_size, kv_cache_dtype(config))
         self.backend = BACKENDS[select_backend(attention_backend, torch_dtype(config.dtype))]()
         self.history = TokenHistory(engine.build_config.max_seq_len, config.vocab_size)
         # A front end (LLM, the server) gives its own tokenizer; a bare Executor or a pipeline's

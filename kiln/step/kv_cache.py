@@ -10,7 +10,10 @@ their ``(blocks, offsets)`` (``slot_index``: a step computes it once for all its
 
 A layer may keep V rows of another size than its K rows (``cache_value_size``): multi-head
 latent attention (DeepSeek-V2) keeps one "KV head" row per token holding the compressed latent
-and the shared rotary key, and no V at all (size 0).
+and the shared rotary key, and no V at all (size 0). Layers may differ in KV heads and head
+size (Gemma 4's full layers), and a layer may read an earlier layer's cache instead of keeping
+its own (``kv_source``: Gemma 4's KV-shared layers): ``allocate_layer_caches`` gives each layer
+its own shape, and such a layer the same tensors as its source.
 """
 from __future__ import annotations
 
@@ -120,3 +123,55 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_size: int, dtype
     (V rows ``value_size`` wide where given, as ``allocate_kv_cache``)."""
     row = head_size + (head_size if value_size is None else value_size)
     return num_layers * num_kv_heads * row * torch.empty((), dtype=dtype).element_size()
+
+
+def layer_cache_layout(attentions: list) -> list[tuple[int, int, int] | int]:
+    """Per layer (``attentions``: the layers' attention modules, in order): its cache's
+    ``(num_kv_heads, head_size, value_size)``, or, for a layer reading another's cache
+    (``kv_source``), that layer's position in the list."""
+    position = {attn.layer_idx: i for i, attn in enumerate(attentions)}
+    layout: list[tuple[int, int, int] | int] = []
+    for attn in attentions:
+        source = getattr(attn, "kv_source", None)
+        if source is not None:
+            if source not in position:
+                raise ConfigError(f"layer {attn.layer_idx} reads layer {source}'s KV cache, which this rank lacks")
+            layout.append(position[source])
+        else:
+            layout.append((attn.num_kv_heads, attn.head_size, cache_value_size(attn)))
+    return layout
+
+
+def allocate_layer_caches(attentions: list, num_blocks: int, block_size: int, dtype: torch.dtype,
+                          device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pair per layer of ``attentions``, each of the layer's own shape; a layer reading
+    another's cache gets that layer's tensors. Layers all alike take ``allocate_kv_cache``'s
+    layout (one ``[layers, 2, ...]`` allocation: the native decode step reads it so); otherwise
+    the tensors are views of one allocation too, laid end to end."""
+    layout = layer_cache_layout(attentions)
+    own = [entry for entry in layout if not isinstance(entry, int)]
+    if len(own) == len(layout) and len(set(own)) == 1:
+        heads, head_size, value_size = own[0]
+        return allocate_kv_cache(len(layout), num_blocks, block_size, heads, head_size, dtype, device, value_size)
+    shapes = [(cache_shape(num_blocks, block_size, heads, head_size), cache_shape(num_blocks, block_size, heads, value))
+              for heads, head_size, value in own]
+    whole = host_memory.empty((sum(math.prod(k) + math.prod(v) for k, v in shapes),), dtype, device)
+    caches, offset, made = [], 0, iter(shapes)
+    for entry in layout:
+        if isinstance(entry, int):
+            caches.append(caches[entry])
+            continue
+        k_shape, v_shape = next(made)
+        k_end = offset + math.prod(k_shape)
+        v_end = k_end + math.prod(v_shape)
+        caches.append((whole[offset:k_end].view(k_shape), whole[k_end:v_end].view(v_shape)))
+        offset = v_end
+    return caches
+
+
+def layer_cache_bytes_per_token(attentions: list, dtype: torch.dtype) -> int:
+    """Cache bytes one token takes over the layers of ``attentions`` (K and V; a layer reading
+    another's cache adds nothing), as ``allocate_layer_caches`` lays them out."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(heads * (head_size + value) * size
+               for heads, head_size, value in (e for e in layer_cache_layout(attentions) if not isinstance(e, int)))

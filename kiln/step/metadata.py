@@ -36,6 +36,11 @@ class AttentionMetadata:
     token_seq_lens: torch.Tensor  # [num_tokens]: its sequence's seq_len (dynamic rope)
     lora: LoraStep | None = None  # the step's adapters and their rows, for every adapted linear
     prompts: PromptStep | None = None  # the step's prompt-tuning tables, for the embedding
+    # Per-layer inputs of the step's tokens, ``[num_tokens, layers, size]`` (Gemma 4's per-layer
+    # embeddings), computed once before the first layer; None for models without them.
+    layer_inputs: torch.Tensor | None = None
+    # Layer index -> its (K, V) of this step, kept for layers that read another's (kv_source).
+    shared_kv: dict = field(default_factory=dict)
     _rotary_cache: dict = field(default_factory=dict)
     _slot_index: SlotIndex | None = None
     backend_state: dict = field(default_factory=dict)  # backend-specific per-step tensors

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.utils.tiny_models import _save_random
+from tests.utils.tiny_models import _randomize_norms, _save_random
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -111,3 +111,37 @@ def make_phi4_mini(path: Path, *, seed: int = 0, vocab: int = 256, **config):
     return _save_random(path, "Phi3", seed, **_fields(vocab, dict(
         max_position_embeddings=128, num_hidden_layers=2, rope_parameters=rope, original_max_position_embeddings=16,
         tie_word_embeddings=True), config))
+
+
+GEMMA4_TEXT = dict(COMMON, num_hidden_layers=5, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                   attention_k_eq_v=True, sliding_window=WINDOW, num_kv_shared_layers=2,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                                "full_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                       "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                   vocab_size_per_layer_input=256, hidden_size_per_layer_input=8, use_double_wide_mlp=True,
+                   final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh")
+
+
+def make_gemma4(path: Path, *, seed: int = 0, vocab: int = 256, **config):
+    """Gemma 4 (text) shaped like the small releases (E2B/E4B): sliding and full layers with their
+    own head sizes, KV heads (K reused as V on full layers) and rotary (proportional on full
+    layers), the last two layers reading earlier layers' KV cache with double-wide MLPs, per-layer
+    input embeddings, final soft-capping; the layer scalars are random, not 1."""
+    import transformers
+
+    torch.manual_seed(seed)
+    fields = _fields(vocab, GEMMA4_TEXT, config)
+    fields.setdefault("vocab_size_per_layer_input", vocab)
+    model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**fields))
+    _randomize_norms(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5)
+            if fields.get("enable_moe_block"):  # the router's scales start at 1 too
+                layer.router.scale.uniform_(0.5, 1.5)
+                layer.router.per_expert_scale.uniform_(0.5, 1.5)
+    model = model.float().eval()
+    model.save_pretrained(path)
+    return model
