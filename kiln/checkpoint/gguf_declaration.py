@@ -51,6 +51,16 @@ class Meta:
             raise self.error(f"metadata key '{self.arch}.{key}' has a value per layer, which kiln does not support")
         return value if value is None or value is default else int(value)
 
+    def per_layer(self, key: str, layers: int, default: Any = _MISSING) -> list[int]:
+        """``<arch>.<key>`` as one int per layer: llama.cpp's ``get_key_or_arr`` takes an array
+        of ``layers`` values or one value for every layer."""
+        value = self.get(key, default)
+        if isinstance(value, list):
+            if len(value) != layers:
+                raise self.error(f"metadata key '{self.arch}.{key}' has {len(value)} values for {layers} layers")
+            return [int(v) for v in value]
+        return [int(value)] * layers
+
     def float(self, key: str, default: Any = _MISSING) -> Any:
         value = self.get(key, default)
         # Metadata floats are float32; their shortest repr is the decimal the converter wrote (1e-05).
@@ -104,21 +114,26 @@ class GGUFArchitecture:
     norm_offset: float = 0.0  # stored norm weights are the HF weights plus this (Gemma 3: 1)
     transposed: tuple[str, ...] = ()  # HF name suffixes stored [out, in] in GGUF, [in, out] in HF
     unsuffixed: tuple[str, ...] = ()  # HF names under <layers>.N without ".weight" (gpt-oss's sinks)
+    # blk.N.<gguf stem>.<suffix> -> <layers>.N.<whole HF name>: tensors whose GGUF suffix is not
+    # weight/bias or whose HF name has none (Gemma 4's router scales, layer scalar, fused experts)
+    whole: Mapping[str, str] = field(default_factory=dict)
     extra_tensors: tuple[str, ...] = ()  # tensors the config function reads, not weights
     joined: Mapping[str, Joined] = field(default_factory=dict)  # HF block weight name -> its GGUF parts
 
     def hf_name(self, name: str) -> str | None:
         """The HF name of GGUF tensor ``name``; None when it has no HF counterpart."""
         stem, dot, suffix = name.rpartition(".")
-        if not dot or suffix not in ("weight", "bias"):
+        if not dot:
             return None
-        if stem.startswith("blk."):
+        if stem.startswith("blk.") and stem.count(".") >= 2:
             _, layer, part = stem.split(".", 2)
-            hf = self.block.get(part)
+            if (whole := self.whole.get(f"{part}.{suffix}")) is not None:
+                return f"{self.layers}.{layer}.{whole}"
+            hf = self.block.get(part) if suffix in ("weight", "bias") else None
             if hf in self.unsuffixed:
                 return f"{self.layers}.{layer}.{hf}" if suffix == "weight" else None
             return None if hf is None else f"{self.layers}.{layer}.{hf}.{suffix}"
-        return f"{self.top[stem]}.{suffix}" if stem in self.top else None
+        return f"{self.top[stem]}.{suffix}" if stem in self.top and suffix in ("weight", "bias") else None
 
     def part_of(self, name: str) -> tuple[str, Joined, int] | None:
         """(HF name, its declaration, the part's index) when GGUF tensor ``name`` is a part of a

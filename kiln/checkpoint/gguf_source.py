@@ -4,7 +4,8 @@ GGUF (llama.cpp's format) renames tensors, may quantize them, reorders the rows 
 projections for its rotary kernel, shifts Gemma 3's norms, splits DeepSeek-V2's ``kv_b_proj`` in
 two and keeps the config as metadata. :class:`GGUFSource` undoes all of that, so the weights
 loader sees Hugging Face names, shapes, layouts and a Hugging Face style config; what differs per
-architecture is a declaration in ``kiln.checkpoint.gguf_architectures`` / ``gguf_moe``.
+architecture is a declaration in ``kiln.checkpoint.gguf_architectures`` / ``gguf_moe`` /
+``gguf_gemma4``.
 """
 from __future__ import annotations
 

@@ -10,7 +10,10 @@ where HF and llama.cpp agree: Gemma 3 with 6 layers in its default pattern and
 ``query_pre_attn_scalar`` = head size, SmolLM3 NoPE every 4th layer without a window, EXAONE 4
 without a window (llama.cpp's hybrid attention is the 64-layer model's only), Qwen3-MoE with no
 dense layer and renormalised top-k, DeepSeek-V2 with YaRN's mscale equal to its mscale_all_dim
-(llama.cpp's deepseek2 graph takes them equal) and greedy routing. One OLMo 2 file converted to
+(llama.cpp's deepseek2 graph takes them equal) and greedy routing, Gemma 4 (E2B-like: per-layer
+inputs, KV sharing, values from keys, per-layer head sizes and KV heads, double-wide MLPs; and
+26B-A4B-like with experts) with its KV-shared layers' sources where llama.cpp and transformers
+agree (the last non-shared layer full, the one before sliding). One OLMo 2 file converted to
 q8_0 keeps its linears' blocks (MIXED_PRECISION) and stays within 5% of the dequantized engine,
 and so does a DeepSeek-V2 file quantized to q8_0. A DeepSeek-V2 file with kv_b_proj whole (older
 converters) reads as the split one. Metadata-only files check the rules on shapes no tiny model
@@ -18,7 +21,9 @@ has, and that metadata kiln does not know is refused.
 
 The converters need real tokenizers: GPT-2's for most architectures (Phi-4-mini's tokenizer class
 says GPT2Tokenizer; GLM-4 adds ``<|user|>``), a small Llama-2 style BPE for the llama-style ones, a
-sentencepiece model for ERNIE 4.5 (built without biases: llama.cpp's ernie4_5 loads no MLP biases).
+sentencepiece model for ERNIE 4.5 (built without biases: llama.cpp's ernie4_5 loads no MLP biases);
+Gemma 4's writes the tokenizer's tokens only and keeps only their embedding rows, so its models
+have exactly the Llama-2 style tokenizer's 400 tokens.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ from tests.utils.tiny_models import make_llama
 from tests.utils.tiny_moe_models import make_deepseek_v2, make_gpt_oss, make_qwen3_moe
 
 V = GPT2_VOCAB
+GEMMA4_VOCAB = 400  # a size the Llama-2 style BPE fills exactly (its 256 byte tokens and 144 pieces)
 NEW_TOKENS = 8
 # DeepSeek-V2-Lite-Chat's YaRN (mscale = mscale_all_dim = 0.707) on a 64-token original context.
 DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
@@ -82,6 +88,13 @@ def _glm4(hf_dir: Path, gpt2: Path) -> None:
     tokenizer.save_pretrained(hf_dir)
 
 
+def _llama_exact(hf_dir: Path, gpt2: Path) -> None:
+    """The Llama-2 style BPE with exactly the model's vocabulary (Gemma 4's converter pads no
+    tokens and cuts the embedding to the tokenizer's)."""
+    vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
+    assert save_converter_tokenizer(hf_dir, vocab) == vocab
+
+
 def _sentencepiece(hf_dir: Path, gpt2: Path) -> None:
     """ERNIE 4.5's converter reads only a sentencepiece tokenizer.model."""
     save_sentencepiece_tokenizer(hf_dir, 256)
@@ -107,6 +120,10 @@ CASES: dict[str, tuple[Callable, dict, Callable]] = {
     "ernie4.5": (tiny.make_ernie4_5, dict(use_bias=False), _sentencepiece),  # llama.cpp loads no MLP biases
     "glm4": (tiny.make_glm4, dict(vocab=V + 1), _glm4),
     "phi4-mini": (tiny.make_phi4_mini, dict(vocab=V), _phi4),
+    "gemma4": (tiny.make_gemma4, dict(vocab=GEMMA4_VOCAB, vocab_size_per_layer_input=GEMMA4_VOCAB), _llama_exact),
+    "gemma4-moe": (tiny.make_gemma4, dict(vocab=GEMMA4_VOCAB, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+                                          use_double_wide_mlp=False, enable_moe_block=True, num_experts=4,
+                                          top_k_experts=2, moe_intermediate_size=32), _llama_exact),
 }
 WITH_TOKENIZER = "smollm3"  # kiln saves its tokenizer (transformers reads no smollm3 config); the others skip it
 
@@ -187,19 +204,22 @@ def test_gguf_reads_back_as_the_hf_checkpoint(converted, name: str) -> None:
 
 
 def _per_projection_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' fused experts as GGUF's stacked projections: ``gate_up_proj`` gate rows then
-    up rows (Qwen3-MoE), or gpt-oss's ``[E, in, out]`` with gate and up columns alternating."""
+    """transformers' fused experts under an ``mlp`` block as GGUF's stacked projections:
+    ``gate_up_proj`` gate rows then up rows (Qwen3-MoE), or gpt-oss's ``[E, in, out]`` with gate
+    and up columns alternating. (Gemma 4's, directly under the layer, stay fused in its GGUF.)"""
     gpt_oss = any(k.endswith(".gate_up_proj_bias") for k in state)
     out = {}
     for key, tensor in state.items():
         stem, _, name = key.rpartition(".")
-        if name == "gate_up_proj":
+        if ".mlp.experts." not in key:
+            out[key] = tensor
+        elif name == "gate_up_proj":
             gate, up = (tensor[..., 0::2].transpose(1, 2), tensor[..., 1::2].transpose(1, 2)) if gpt_oss \
                 else tensor.chunk(2, dim=1)
             out[f"{stem}.gate_proj.weight"], out[f"{stem}.up_proj.weight"] = gate, up
         elif name == "gate_up_proj_bias":
             out[f"{stem}.gate_proj.bias"], out[f"{stem}.up_proj.bias"] = tensor[:, 0::2], tensor[:, 1::2]
-        elif name == "down_proj" and ".experts." in key:
+        elif name == "down_proj":
             out[f"{key}.weight"] = tensor.transpose(1, 2) if gpt_oss else tensor
         elif name == "down_proj_bias":
             out[f"{stem}.down_proj.bias"] = tensor
@@ -438,3 +458,60 @@ def test_metadata_kiln_does_not_know_is_refused(tmp_path: Path, arch: str, extra
         GGUFSource(_metadata_file(tmp_path / "x.gguf", arch, 2, **extra)).hf_config()
 
 
+
+
+def _rewritten(src: Path, dst: Path, changes: dict) -> Path:
+    """``src`` with the metadata ``changes`` (``<arch>.<key>`` -> value, a list for an array; None
+    drops the key) and its tensors as they are (no vocabulary lists: the embedding's rows count)."""
+    reader = _Reader(src)
+    arch = reader.fields["general.architecture"].contents()
+    changes = {f"{arch}.{k}": v for k, v in changes.items()}
+    w = GGUFWriter(dst, arch)
+    for key, field in reader.fields.items():
+        if key.startswith(("GGUF.", "general.architecture", "tokenizer.ggml.t", "tokenizer.ggml.s")) \
+                or (key in changes and changes[key] is None):
+            continue
+        sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(key, changes.pop(key, field.contents()), field.types[0], sub)
+    for key, value in changes.items():
+        if value is not None:
+            w.add_key_value(key, value, GGUFValueType.UINT32)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_gemma4_reads_llama_cpps_per_layer_metadata(files) -> None:
+    """The converter's per-layer arrays (sliding flags, KV heads, double-wide feed-forward sizes)
+    and proportional rotary (rope_freqs) read as the HF config's per-layer head sizes and KV heads,
+    KV sharing and values from keys."""
+    config = GGUFSource(files["gemma4"][2]).hf_config()
+    hf = files["gemma4"][0].config
+    assert config["layer_types"] == hf.layer_types and config["head_dim"] == 16
+    assert config["per_layer_config"] == {"2": {"head_dim": 32, "num_key_value_heads": 1},
+                                          "4": {"head_dim": 32, "num_key_value_heads": 1}}
+    assert (config["num_kv_shared_layers"], config["attention_k_eq_v"], config["use_double_wide_mlp"],
+            config["intermediate_size"], config["hidden_size_per_layer_input"]) == (2, True, True, 96, 8)
+    assert config["rope_parameters"] == hf.rope_parameters
+    moe = GGUFSource(files["gemma4-moe"][2]).hf_config()
+    assert (moe["enable_moe_block"], moe["num_experts"], moe["top_k_experts"], moe["moe_intermediate_size"]) == (
+        True, 4, 2, 32)
+
+
+@pytest.mark.parametrize(("name", "changes", "match"), [
+    # llama.cpp: the last sliding layer's KV is the last non-shared layer's but one (here full)
+    ("gemma4", {"attention.shared_kv_layers": 1}, "gemma4.attention.shared_kv_layers"),
+    ("gemma4", {"feed_forward_length": [96, 192, 96, 192, 192]}, "gemma4.feed_forward_length"),
+    ("gemma4", {"rope.dimension_count_swa": 8}, "gemma4.rope.dimension_count_swa"),
+    ("gemma4", {"attention.sliding_window_pattern": [True] * 5}, "gemma4.attention.sliding_window_pattern"),
+    ("gemma4-moe", {"expert_gating_func": 2}, "gemma4.expert_gating_func"),  # read by no Gemma 4 graph
+])
+def test_gemma4_metadata_kiln_cannot_represent_is_refused(files, tmp_path: Path, name: str, changes: dict,
+                                                          match: str) -> None:
+    path = _rewritten(files[name][2], tmp_path / "x.gguf", changes)
+    with pytest.raises(CheckpointError, match=match.replace(".", r"\.")):
+        GGUFSource(path).hf_config()

@@ -21,12 +21,12 @@ from tests.utils.tiny_tokenizer import CORPUS
 
 # GPT-2's vocabulary (50,256 byte-level BPE tokens and <|endoftext|>).
 GPT2_VOCAB = 50257
-# Converter classes whose set_vocab (LlamaModel's) takes a Llama-2 style tokenizer.json (BPE with
-# byte fallback) as it is, with no pre-tokenizer hash; the others only know GPT-2 style BPE
-# tokenizers by that hash (or need a sentencepiece tokenizer.model).
+# Converter classes whose set_vocab (LlamaModel's; Gemma 4's LlamaHfVocab) takes a Llama-2 style
+# tokenizer.json (BPE with byte fallback) as it is, with no pre-tokenizer hash; the others only
+# know GPT-2 style BPE tokenizers by that hash (or need a sentencepiece tokenizer.model).
 LLAMA_VOCAB_ARCHITECTURES = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM",
-    "GraniteMoeForCausalLM", "ArceeForCausalLM"})
+    "GraniteMoeForCausalLM", "ArceeForCausalLM", "Gemma4ForCausalLM"})
 _SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2, as in Llama 2 (and tiny_models' config)
 _ALPHABET = ["\u2581", *map(chr, range(0x21, 0x7F))]  # "▁" (a space) and printable ASCII
 LLAMA_MIN_VOCAB = len(_SPECIALS) + len(_ALPHABET)
