@@ -230,13 +230,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def head_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Per head, ``out[t, h] = x[t, h] @ weight[h].T``: ``x`` ``[m, heads, k]``, ``weight``
-    ``[heads, n, k]`` (contiguous), ``out`` ``[m, heads, n]``; ``x`` and ``out`` may be strided
-    views (the last dim contiguous). The skinny GEMM per head, for a few rows of fp32/bf16 (a
-    batched product over a strided weight copies it whole); ``torch.matmul`` elsewhere."""
-    m, heads, k = x.shape
-    n = weight.shape[1]
-    lib = native_library()
+    """Per head ``out[t, h] = x[t, h] @ weight[h].T`` (``x`` ``[m, heads, k]``, contiguous ``weight``
+    ``[heads, n, k]``, ``out`` ``[m, heads, n]``; ``x`` and ``out`` may be strided views, the last
+    dim contiguous): the skinny GEMM per head for a few fp32/bf16 rows, ``torch.matmul`` else."""
+    (m, heads, k), n, lib = x.shape, weight.shape[1], native_library()
     if (lib is None or x.dtype not in DTYPE_SUFFIX or weight.dtype != x.dtype or out.dtype != x.dtype
             or m > SKINNY_MAX_ROWS or not weight.is_contiguous() or x.stride(2) != 1 or out.stride(2) != 1
             or tuple(weight.shape) != (heads, n, k) or tuple(out.shape) != (m, heads, n)):
