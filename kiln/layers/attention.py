@@ -132,47 +132,45 @@ class Attention(nn.Module):
         # hidden: [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
-        if self.kv_source is not None:
-            return self._forward_shared_kv(hidden, positions, metadata, kv_cache)
-        q, k, v = self.qkv(hidden, metadata.lora).split([q_size, kv_size, kv_size], dim=-1)
+        own_kv = self.kv_source is None
+        if own_kv:
+            q, k, v = self.qkv(hidden, metadata.lora).split([q_size, kv_size, kv_size], dim=-1)
+        else:  # a KV-shared layer: its own queries over layer kv_source's keys and values (see _source_kv)
+            q, (k, v) = self.qkv(hidden, metadata.lora), self._source_kv(metadata)
         if self.qk_norm_whole:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
+            k = self.k_norm(k) if own_kv else k
         q = q.view(num_tokens, self.num_heads, self.head_size)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_size)
-        if self.v_norm_eps is not None:
-            v = F.rms_norm(v.float(), (self.head_size,), None, self.v_norm_eps).to(v.dtype)
+        if own_kv:
+            k = k.view(num_tokens, self.num_kv_heads, self.head_size)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_size)
+            if self.v_norm_eps is not None:
+                v = F.rms_norm(v.float(), (self.head_size,), None, self.v_norm_eps).to(v.dtype)
         if self.q_norm is not None and not self.qk_norm_whole:
             q = self.q_norm(q.reshape(-1, self.head_size)).view(num_tokens, self.num_heads, self.head_size)
-            k = self.k_norm(k.reshape(-1, self.head_size)).view(num_tokens, self.num_kv_heads, self.head_size)
+            if own_kv:
+                k = self.k_norm(k.reshape(-1, self.head_size)).view(num_tokens, self.num_kv_heads, self.head_size)
         if self.rotary is not None:
             cos, sin = metadata.rotary_cos_sin(self.rotary, positions)
-            if kernels.elementwise_supported(hidden) and q.dtype == hidden.dtype:
-                # In place on the fresh qkv output: one native pass each instead of ~10 ops.
-                q = kernels.rotary_(q, cos, sin, self.rotary.rotary_dim)
-                k = kernels.rotary_(k, cos, sin, self.rotary.rotary_dim)
-            else:
-                q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+            native = kernels.elementwise_supported(hidden) and q.dtype == hidden.dtype
+            q = self._rotate(q, cos, sin, native)
+            k = self._rotate(k, cos, sin, native) if own_kv else k
         if self.kv_consumed:  # for the layers reading this one's K/V (their kv_source)
             metadata.shared_kv[self.layer_idx] = (k, v)
         return self._attend(q, k, v, kv_cache, metadata)
 
-    def _forward_shared_kv(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, kv_cache) -> torch.Tensor:
-        """A KV-shared layer: its own normalised, rotated queries over layer ``kv_source``'s keys
-        and values of this step (and, through ``kv_cache``, that layer's cache: writing the same
-        K/V to the same slots again leaves it as it was, so the backends need no other path)."""
-        num_tokens = hidden.shape[0]
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: bool) -> torch.Tensor:
+        # Native: in place on the fresh projection output, one pass instead of ~10 ops.
+        return kernels.rotary_(x, cos, sin, self.rotary.rotary_dim) if native else self.rotary.apply(x, cos, sin)
+
+    def _source_kv(self, metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``kv_source``'s normalised, rotated keys and values of this step (its cache comes
+        through ``kv_cache``: writing the same K/V to the same slots again leaves it as it was, so
+        the backends need no other path)."""
         if self.kv_source not in metadata.shared_kv:
             raise RuntimeError(f"layer {self.layer_idx} reads layer {self.kv_source}'s keys and values, "
                                "which this step has not computed")
-        k, v = metadata.shared_kv[self.kv_source]
-        q = self.qkv(hidden, metadata.lora).view(num_tokens, self.num_heads, self.head_size)
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_size)).view(num_tokens, self.num_heads, self.head_size)
-        if self.rotary is not None:
-            cos, sin = metadata.rotary_cos_sin(self.rotary, positions)
-            q = self.rotary.apply(q, cos, sin)
-        return self._attend(q, k, v, kv_cache, metadata)
+        return metadata.shared_kv[self.kv_source]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, metadata) -> torch.Tensor:
         num_tokens = q.shape[0]

@@ -10,11 +10,10 @@ import torch
 from torch import nn
 
 from kiln.checkpoint.shard_spec import ShardSpec, rank_range
-from kiln.layers.linear import Linear
+from kiln.layers.linear import QUANT_PARAMETERS, Linear
 from kiln.layers.quantized_matmul import dequantize_mxfp4
 
 # The parameters of a weight-only quantized projection (kiln.quantization.weight_only's layout).
-QUANT_PARAMETERS = ("weight", "weights_scaling_factor", "zero", "weights_offset")
 
 
 class ExpertLinear(nn.Module):

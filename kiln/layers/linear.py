@@ -32,6 +32,9 @@ from kiln.layers.quantized_matmul import dequantize, fp8_linear, fp8_round_input
 _PACK_BF16 = torch.backends.mkldnn.is_available()
 
 
+# A linear's weight and its per-row quantization parameters (codes, scales, zero points, offsets).
+QUANT_PARAMETERS = ("weight", "weights_scaling_factor", "zero", "weights_offset")
+
 class Linear(nn.Module):
     """``y = x W^T + b`` with the weight ``(out_features, in_features)``.
 
@@ -151,8 +154,7 @@ class Linear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight a quantized layer stands for (row-major codes only)."""
-        tensors = {name: getattr(self, name) for name in ("weight", "weights_scaling_factor", "zero", "weights_offset")
-                   if hasattr(self, name)}
+        tensors = {name: getattr(self, name) for name in QUANT_PARAMETERS if hasattr(self, name)}
         return dequantize(tensors, self.quant_bits, self.group_size, self.codebook)
 
     def _quantized_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -35,7 +35,7 @@ from torch import nn
 from kiln import kernels
 from kiln.checkpoint.shard_spec import ShardSpec
 from kiln.errors import ConfigError
-from kiln.layers.linear import ColumnLinear, Linear, RowLinear, pairs_to_halves_order
+from kiln.layers.linear import QUANT_PARAMETERS, ColumnLinear, Linear, RowLinear, pairs_to_halves_order
 from kiln.layers.normalization import RmsNorm
 from kiln.layers.rotary import RotaryEmbedding
 
@@ -56,9 +56,9 @@ class RopeRowsLinear(ColumnLinear):
         rows = self.out_features
         one = pairs_to_halves_order(self.head, self.rope_start, self.rope)
         order = (torch.arange(rows // self.head)[:, None] * self.head + one).flatten()
-        # The weight (or its codes) and whatever goes per row with it: bias, scales, offsets.
-        return {name: t.index_select(0, order).contiguous() if t.dim() and t.shape[0] == rows else t
-                for name, t in out.items()}
+        # The weight (or its codes) and what goes per row with it: bias, scales, offsets.
+        return {name: t.index_select(0, order).contiguous() if name.rpartition(".")[2] in ("bias", *QUANT_PARAMETERS)
+                else t for name, t in out.items()}
 
 
 class LatentUpProjection(nn.Module):

@@ -13,7 +13,7 @@ from torch import nn
 from kiln import kernels
 from kiln.errors import ConfigError
 from kiln.layers.activation import get_activation
-from kiln.layers.linear import ColumnLinear, RowLinear
+from kiln.layers.linear import QUANT_PARAMETERS, ColumnLinear, RowLinear
 from kiln.layers.lora import LoraStep
 
 
@@ -61,7 +61,7 @@ class GatedMLP(nn.Module):
     def engine_weights(prefix: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rewrite this block's checkpoint tensors into the engine's fused layout."""
         out = {}
-        for name in ("weight", "bias", "weights_scaling_factor", "zero", "weights_offset"):  # quantized rows too
+        for name in ("bias", *QUANT_PARAMETERS):  # quantized rows too
             fc, gate = weights.pop(f"{prefix}fc.{name}", None), weights.pop(f"{prefix}gate.{name}", None)
             if fc is not None:
                 out[f"{prefix}fused_fc.{name}"] = torch.cat([fc, gate], dim=0)

@@ -44,7 +44,8 @@ from torch import nn
 from kiln import distributed, kernels
 from kiln.errors import ConfigError
 from kiln.layers.activation import ClampedSwiGLU, get_activation
-from kiln.layers.expert_linear import QUANT_PARAMETERS, ExpertLinear
+from kiln.layers.expert_linear import ExpertLinear
+from kiln.layers.linear import QUANT_PARAMETERS
 from kiln.layers.mlp import GatedMLP
 
 

@@ -9,13 +9,11 @@ text model (the engine takes token ids, as for LLaVA; see docs/models.md).
 """
 from __future__ import annotations
 
-import dataclasses
-
 from kiln.config import PretrainedConfig
 from kiln.errors import ConfigError
 from kiln.mapping import Mapping
 from kiln.models.gemma import GemmaForCausalLM
-from kiln.models.hf_config import hf_get, hf_sliding_window, hf_text_config, rope_decoder_config
+from kiln.models.hf_config import hf_get, hf_sliding_window, nested_text_config, rope_decoder_config
 from kiln.models.key_maps import NestedLanguageModel
 from kiln.models.registry import register_model
 
@@ -47,9 +45,4 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
 class Gemma3LanguageModel(NestedLanguageModel, Gemma3ForCausalLM):
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
-        if not hf.get("text_config"):
-            raise ConfigError("Gemma3ForConditionalGeneration config lacks 'text_config'")
-        config = super().config_from_hf(hf_text_config(hf, tie_default=True), dtype, mapping)
-        # The checkpoint is an ordinary Gemma 3 language model from here on; the source is recorded.
-        return dataclasses.replace(config, extra={**config.extra,
-                                                  "source_architecture": "Gemma3ForConditionalGeneration"})
+        return nested_text_config(super().config_from_hf, hf, dtype, mapping, "Gemma3ForConditionalGeneration")

@@ -18,8 +18,6 @@ token ids, as for Gemma 3 and LLaVA).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,7 +30,7 @@ from kiln.layers.moe import MixtureOfExperts, check_expert_config
 from kiln.mapping import Mapping
 from kiln.models.base import DecoderModelForCausalLM
 from kiln.models.decoder import DecoderLayer
-from kiln.models.hf_config import hf_get, hf_text_config, rope_decoder_config
+from kiln.models.hf_config import hf_get, nested_text_config, rope_decoder_config
 from kiln.models.key_maps import NestedLanguageModel
 from kiln.models.registry import register_model
 
@@ -207,9 +205,4 @@ def moe_fields(hf: dict, mapping: Mapping) -> dict:
 class Gemma4LanguageModel(NestedLanguageModel, Gemma4ForCausalLM):
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
-        if not hf.get("text_config"):
-            raise ConfigError("Gemma4ForConditionalGeneration config lacks 'text_config'")
-        config = super().config_from_hf(hf_text_config(hf, tie_default=True), dtype, mapping)
-        # The checkpoint is an ordinary Gemma 4 language model from here on; the source is recorded.
-        return dataclasses.replace(config, extra={**config.extra,
-                                                  "source_architecture": "Gemma4ForConditionalGeneration"})
+        return nested_text_config(super().config_from_hf, hf, dtype, mapping, "Gemma4ForConditionalGeneration")

@@ -1,7 +1,8 @@
 """Reading Hugging Face config dicts: required fields with clear errors, rope settings."""
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 from kiln.config import PretrainedConfig
 from kiln.dtypes import DTYPES
@@ -127,6 +128,18 @@ def rope_decoder_config(hf: dict, dtype: str | None, mapping, architecture: str,
         extra={"rotary_base": theta, "rotary_scaling": scaling, "tie_word_embeddings": tied,
                **({"layer_rotary": layer_rotary} if (layer_rotary := hf_layer_rotary(hf)) else {}), **(extra or {})},
     )
+
+
+def nested_text_config(family_config: Callable[[dict, str | None, Any], PretrainedConfig], hf: dict,
+                       dtype: str | None, mapping: Any, source: str) -> PretrainedConfig:
+    """The config of the language model inside a multimodal checkpoint of architecture ``source``
+    (Gemma 3 / 4's ``*ForConditionalGeneration``): ``family_config`` (the text family's
+    ``config_from_hf``) over its ``text_config``, the source recorded in ``extra``."""
+    if not hf.get("text_config"):
+        raise ConfigError(f"{source} config lacks 'text_config'")
+    config = family_config(hf_text_config(hf, tie_default=True), dtype, mapping)
+    # The checkpoint is an ordinary language model of the family from here on.
+    return dataclasses.replace(config, extra={**config.extra, "source_architecture": source})
 
 
 def hf_text_config(hf: dict, tie_default: bool) -> dict:

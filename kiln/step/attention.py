@@ -165,6 +165,9 @@ class AttentionOptions:
                 and self.window is not None and self.window >= length)
 
 
+_SCORE_FLOATS = 1 << 24  # float32 scores _attend computes at once (64 MB)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, relative: torch.Tensor, scale: float,
             options: AttentionOptions) -> torch.Tensor:
     """Attention of ``q`` ``[b, heads, q_len, head]`` over ``k``/``v`` ``[b, kv_heads, kv_len, head]``
@@ -193,9 +196,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, relative: torch.T
 
     return torch.cat([_attend_explicit(q[:, :, i:i + rows], k, v, query_rows(allowed, i), query_rows(bias, i), scale,
                                        options) for i in range(0, q.shape[2], rows)], dim=2)
-
-
-_SCORE_FLOATS = 1 << 24  # float32 scores _attend computes at once (64 MB)
 
 
 def _attend_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,

@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFReader, GGUFWriter
 from safetensors import safe_open
 
 from kiln.checkpoint.gguf_source import GGUFSource, _Reader
@@ -48,7 +48,7 @@ from tests.utils import tiny_family_models as tiny
 from tests.utils.compare import assert_logits_close, hf_greedy, kiln_batch_prompt_logits, kiln_greedy
 from tests.utils.llama_cpp_gguf import (GPT2_VOCAB, convert_many_with_llama_cpp, save_converter_tokenizer,
                                         save_sentencepiece_tokenizer)
-from tests.utils.tiny_gguf import requantize
+from tests.utils.tiny_gguf import copy_metadata, finish, requantize
 from tests.utils.tiny_models import make_llama
 from tests.utils.tiny_moe_models import make_deepseek_v2, make_gpt_oss, make_qwen3_moe
 
@@ -342,10 +342,7 @@ def _metadata_file(path: Path, arch: str, layers: int, hidden: int = 64, heads: 
             w.add_float32(name, value)
         else:
             w.add_string(name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path
 
 
@@ -411,11 +408,8 @@ def _whole_kv_b(src: Path, dst: Path, state: dict[str, torch.Tensor]) -> Path:
     head = {f"deepseek2.attention.{k}": reader.fields[f"deepseek2.attention.{k}_mla"].contents()
             for k in ("key_length", "value_length")}
     w = GGUFWriter(dst, "deepseek2")
-    for key, field in reader.fields.items():
-        if not key.startswith(("GGUF.", "general.architecture", "tokenizer.ggml.t", "tokenizer.ggml.m")) \
-                and not key.endswith("_mla"):
-            sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
-            w.add_key_value(key, head.get(key, field.contents()), field.types[0], sub)
+    copy_metadata(reader, w, skip=("tokenizer.ggml.t", "tokenizer.ggml.m"),
+                  changes={**head, **{key: None for key in reader.fields if key.endswith("_mla")}})
     for t in reader.tensors:
         if t.name.endswith(".attn_k_b.weight"):
             layer = t.name.split(".")[1]
@@ -423,10 +417,7 @@ def _whole_kv_b(src: Path, dst: Path, state: dict[str, torch.Tensor]) -> Path:
             w.add_tensor(f"blk.{layer}.attn_kv_b.weight", kv_b.numpy())
         elif not t.name.endswith(".attn_v_b.weight"):
             w.add_tensor(t.name, np.array(t.data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return dst
 
 
@@ -465,23 +456,12 @@ def _rewritten(src: Path, dst: Path, changes: dict) -> Path:
     drops the key) and its tensors as they are (no vocabulary lists: the embedding's rows count)."""
     reader = _Reader(src)
     arch = reader.fields["general.architecture"].contents()
-    changes = {f"{arch}.{k}": v for k, v in changes.items()}
     w = GGUFWriter(dst, arch)
-    for key, field in reader.fields.items():
-        if key.startswith(("GGUF.", "general.architecture", "tokenizer.ggml.t", "tokenizer.ggml.s")) \
-                or (key in changes and changes[key] is None):
-            continue
-        sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
-        w.add_key_value(key, changes.pop(key, field.contents()), field.types[0], sub)
-    for key, value in changes.items():
-        if value is not None:
-            w.add_key_value(key, value, GGUFValueType.UINT32)
+    copy_metadata(reader, w, skip=("tokenizer.ggml.t", "tokenizer.ggml.s"),
+                  changes={f"{arch}.{k}": v for k, v in changes.items()})
     for t in reader.tensors:
         w.add_tensor(t.name, np.array(t.data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return dst
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGUFValueType, GGUFWriter
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
@@ -18,6 +18,29 @@ LINEARS = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HIDDEN // HEADS, HI
            "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
 # Byte offsets of each K-quant block's float16 scales, and their size: weights of ~0.05.
 K_SCALES = {Q.Q4_K: {0: 2e-4, 2: 1.5e-3}, Q.Q5_K: {0: 1e-4, 2: 1.5e-3}, Q.Q6_K: {208: 2.5e-5}}
+
+
+def finish(w: GGUFWriter) -> None:
+    """Write out and close ``w`` (header, metadata, tensors)."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def copy_metadata(reader, w: GGUFWriter, skip: tuple[str, ...] = (), changes: dict | None = None) -> None:
+    """``reader``'s metadata (a ``GGUFReader``, or kiln's faster reader) into ``w``, but keys
+    starting with a prefix in ``skip``; ``changes``: key -> new value, or None to drop the key
+    (keys the file lacks are added as uint32)."""
+    changes = dict(changes or {})
+    for key, field in reader.fields.items():
+        if key.startswith(("GGUF.", "general.architecture", *skip)) or (key in changes and changes[key] is None):
+            continue
+        sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(key, changes.pop(key, field.contents()), field.types[0], sub)
+    for key, value in changes.items():
+        if value is not None:
+            w.add_key_value(key, value, GGUFValueType.UINT32)
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -68,10 +91,7 @@ def write_llama(path: Path, types: list[dict[str, Q]], output: Q | None = None, 
     norms = ["output_norm.weight"] + [f"blk.{i}.{n}_norm.weight" for i in range(len(types)) for n in ("attn", "ffn")]
     for name in norms:
         w.add_tensor(name, (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
 
 EXPERTS, TOP_K, EXPERT_FFN = 4, 2, 256
@@ -106,24 +126,17 @@ def write_qwen3_moe(path: Path, types: list[dict[str, Q]], seed: int = 0) -> Non
                            ("attn_k_norm", head_dim)):
             w.add_tensor(f"blk.{i}.{name}.weight", (1 + 0.1 * rng.standard_normal(size)).astype(np.float32))
     w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
 
 def requantize(src: Path, dst: Path, types: dict[str, Q]) -> Path:
     """A copy of the float GGUF ``src`` whose tensors named ``*.<stem>.weight`` for a stem in
     ``types`` are quantized to its type by the gguf package (row by row: stacked experts too)."""
-    from gguf import GGUFReader, GGUFValueType
+    from gguf import GGUFReader
 
     reader = GGUFReader(src)
     w = GGUFWriter(dst, reader.fields["general.architecture"].contents())
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
-        w.add_key_value(key, field.contents(), field.types[0], sub)
+    copy_metadata(reader, w)
     for t in reader.tensors:
         data = np.array(t.data)
         qtype = types.get(t.name.rpartition(".")[0].rpartition(".")[2]) if t.name.endswith(".weight") else None
@@ -131,8 +144,5 @@ def requantize(src: Path, dst: Path, types: dict[str, Q]) -> Path:
             w.add_tensor(t.name, data)
         else:
             w.add_tensor(t.name, quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return dst
