@@ -31,7 +31,7 @@ import torch
 from kiln.kernels.decode_step import (LORA_SLOTS, DecoderDims, DecoderHead, DecoderLayerWeights,
                                       LinearWeights, LoraLinear, LoraStepWeights, decode_step,
                                       decode_step_scratch_size)
-from kiln.kernels.moe_experts import (MOE_MAX_ROWS, ExpertWeights, expert_weights, moe_experts,
+from kiln.kernels.moe_experts import (MOE_MAX_ROWS, SHARED_MAX_ROWS, ExpertWeights, expert_weights, moe_experts,
                                       moe_experts_supported, moe_route)
 from kiln.kernels.library import DECODE_KERNELS, DECODE_KERNELS_QUANTIZED_KV, DTYPE_SUFFIX, native_library, output
 from kiln.kernels.packed_linear import (amx_available, pack_bf16, packed_linear, packed_linear_available,

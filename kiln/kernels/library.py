@@ -172,8 +172,8 @@ def _declare_other_kernels(lib: ctypes.CDLL) -> None:
     lib.kiln_moe_route.restype = None
     lib.kiln_moe_experts_supported.argtypes = []
     lib.kiln_moe_experts_supported.restype = ctypes.c_int
-    lib.kiln_moe_experts_bf16.argtypes = [C_PTR, C_INT64, C_INT64, C_PTR, C_PTR, C_INT64, C_PTR, C_PTR, C_INT64,
-                                          ctypes.c_float, ctypes.c_float, C_PTR, ctypes.c_int]
+    lib.kiln_moe_experts_bf16.argtypes = [C_PTR, C_INT64, C_INT64, C_PTR, C_PTR, C_INT64] + [C_PTR] * 5 + [
+        C_INT64, ctypes.c_float, ctypes.c_float, C_PTR, ctypes.c_int]
     lib.kiln_moe_experts_bf16.restype = ctypes.c_int
     lib.kiln_w8a8_supported.argtypes = [C_INT64, C_INT64]
     lib.kiln_w8a8_supported.restype = ctypes.c_int

@@ -151,27 +151,40 @@ static void activate(const float *gu, bf16_t *h, int64_t pairs, int64_t inter, i
 /* x [m, hidden] bf16; ids [m, top_k] int64 expert indices (< num_experts), weights [m, top_k]
  * float32; fc: the fused [fc | up] projection (n = 2 * inter, k = hidden); proj (n = hidden, k =
  * inter); out [m, hidden] bf16. An expert taking more than KILN_QUANT_GEMV_MAX_ROWS rows runs on
- * dequantized tiles, as a linear of that many rows does. Returns 0; 1 without the integer GEMV
- * (kiln_moe_experts_supported), 2 out of memory, 3 an expert index out of range. */
+ * dequantized tiles, as a linear of that many rows does. shared_fc / shared_proj (one expert each,
+ * an intermediate size of their own; or NULL, and always NULL past KILN_QUANT_GEMV_MAX_ROWS rows):
+ * a shared expert every token takes, times shared_weights[t] (float32 [m], or NULL for 1), its
+ * GEMVs in the same parallel regions as the routed experts' and added to each token's float32
+ * sum after them (a separate pair of linears had cost DeepSeek-V2-Lite ~8 ms a step in two more
+ * thread wake-ups, input preparations and PyTorch ops per layer). Returns 0; 1 without the
+ * integer GEMV (kiln_moe_experts_supported), 2 out of memory, 3 an expert index out of range, 4
+ * a shared expert with too many rows. */
 int kiln_moe_experts_bf16(const bf16_t *x, int64_t m, int64_t top_k, const int64_t *ids, const float *weights,
-                          int64_t num_experts, const kiln_experts *fc, const kiln_experts *proj, int64_t act,
-                          float alpha, float limit, bf16_t *out, int num_threads) {
+                          int64_t num_experts, const kiln_experts *fc, const kiln_experts *proj,
+                          const kiln_experts *shared_fc, const kiln_experts *shared_proj, const float *shared_weights,
+                          int64_t act, float alpha, float limit, bf16_t *out, int num_threads) {
     const int64_t pairs = m * top_k, hidden = proj->n, inter = proj->k;
+    const int64_t shared_inter = shared_proj ? shared_proj->k : 0;
     for (int64_t p = 0; p < pairs; ++p)
         if (ids[p] < 0 || ids[p] >= num_experts) return 3;
+    if (shared_fc && m > KILN_QUANT_GEMV_MAX_ROWS) return 4;
     /* Pairs sorted by expert (a counting sort): slot[p] is pair p's row in expert order. */
     int64_t *count = calloc(num_experts + 1, sizeof *count);
     int64_t *slot = malloc(sizeof *slot * (pairs * 4 + 2)), *experts = slot + pairs, *begin = experts + pairs;
     int64_t *few = begin + pairs + 1;
     const int64_t widest = 2 * inter > hidden ? 2 * inter : hidden;
     bf16_t *xs = malloc(sizeof *xs * pairs * (hidden + inter + widest));
-    float *gu = malloc(sizeof *gu * pairs * (2 * inter + hidden));
+    float *gu = malloc(sizeof *gu * (pairs * (2 * inter + hidden) + m * (3 * shared_inter + hidden)));
     if (!count || !slot || !xs || !gu) {
         free(count), free(slot), free(xs), free(gu);
         return 2;
     }
     bf16_t *h = xs + pairs * hidden, *tmp = h + pairs * inter;
     float *y = gu + pairs * 2 * inter;
+    /* the shared expert's [fc | up] outputs, activation (bf16, in the float buffer's room) and output */
+    float *shared_gu = y + pairs * hidden, *shared_y = shared_gu + m * 2 * shared_inter;
+    bf16_t *shared_h = (bf16_t *)(shared_y + m * hidden);
+    const int64_t one_expert[1] = {0}, all_rows[2] = {0, m};
     for (int64_t p = 0; p < pairs; ++p) ++count[ids[p] + 1];
     int64_t active = 0, num_few = 0;
     for (int64_t e = 0; e < num_experts; ++e) {
@@ -192,28 +205,44 @@ int kiln_moe_experts_bf16(const bf16_t *x, int64_t m, int64_t top_k, const int64
         expert_tiles(fc, experts[a], xs + begin[a] * hidden, begin[a + 1] - begin[a], tmp, gu + begin[a] * 2 * inter,
                      num_threads);
     }
-    kiln_gemv_input fc_in, proj_in;
-    void *fc_mem = NULL, *proj_mem = NULL;
+    kiln_gemv_input fc_in, proj_in, shared_fc_in, shared_proj_in;
+    void *fc_mem = NULL, *proj_mem = NULL, *shared_fc_mem = NULL, *shared_proj_mem = NULL;
     int failed = 0;
     if (num_few) {  /* any expert's weight tells the GEMV the input's format */
         const kiln_qweight W = expert_weight(fc, experts[0]);
         fc_mem = kiln_quant_gemv_prepare(xs, &W, pairs, &fc_in);
         failed = fc_mem == NULL;
     }
+    if (shared_fc && !failed) {
+        const kiln_qweight W = expert_weight(shared_fc, 0);
+        shared_fc_mem = kiln_quant_gemv_prepare(x, &W, m, &shared_fc_in);
+        failed = shared_fc_mem == NULL;
+    }
+    /* Each GEMV splits its own units between the threads, with no barrier between the routed
+     * and the shared experts' calls: a thread runs its share of one, then of the other. */
     _Pragma("omp parallel num_threads(num_threads)")
     if (!failed) {
         if (num_few) experts_gemv(fc, &fc_in, experts, begin, few, num_few, gu);
+        if (shared_fc) experts_gemv(shared_fc, &shared_fc_in, one_expert, all_rows, one_expert, 1, shared_gu);
         _Pragma("omp barrier")
+        if (shared_fc) activate(shared_gu, shared_h, m, shared_inter, act, alpha, limit);
         activate(gu, h, pairs, inter, act, alpha, limit);  /* ends in the omp for's barrier */
-        if (num_few) {
-            _Pragma("omp single")
-            {
+        _Pragma("omp single")
+        {
+            if (num_few) {
                 const kiln_qweight W = expert_weight(proj, experts[0]);
                 proj_mem = kiln_quant_gemv_prepare(h, &W, pairs, &proj_in);
                 failed = proj_mem == NULL;
             }
-            if (!failed) experts_gemv(proj, &proj_in, experts, begin, few, num_few, y);
+            if (shared_fc && !failed) {
+                const kiln_qweight W = expert_weight(shared_proj, 0);
+                shared_proj_mem = kiln_quant_gemv_prepare(shared_h, &W, m, &shared_proj_in);
+                failed = shared_proj_mem == NULL;
+            }
         }
+        if (!failed && num_few) experts_gemv(proj, &proj_in, experts, begin, few, num_few, y);
+        if (!failed && shared_fc)
+            experts_gemv(shared_proj, &shared_proj_in, one_expert, all_rows, one_expert, 1, shared_y);
     }
     for (int64_t a = 0; a < active && !failed; ++a) {
         if (begin[a + 1] - begin[a] <= KILN_QUANT_GEMV_MAX_ROWS) continue;
@@ -233,16 +262,23 @@ int kiln_moe_experts_bf16(const bf16_t *x, int64_t m, int64_t top_k, const int64
                     _Pragma("omp simd")
                     for (int64_t c = 0; c < width; ++c) acc[c] += w * ys[c];
                 }
+                if (shared_fc) {
+                    const float w = shared_weights ? shared_weights[t] : 1.f, *ys = shared_y + t * hidden + c0;
+                    _Pragma("omp simd")
+                    for (int64_t c = 0; c < width; ++c) acc[c] += w * ys[c];
+                }
                 for (int64_t c = 0; c < width; ++c) out[t * hidden + c0 + c] = bf16_store(acc[c]);
             }
     }
-    free(fc_mem), free(proj_mem), free(count), free(slot), free(xs), free(gu);
+    free(fc_mem), free(proj_mem), free(shared_fc_mem), free(shared_proj_mem), free(count), free(slot), free(xs);
+    free(gu);
     return failed ? 2 : 0;
 }
 #else
 int kiln_moe_experts_bf16(const bf16_t *x, int64_t m, int64_t top_k, const int64_t *ids, const float *weights,
-                          int64_t num_experts, const kiln_experts *fc, const kiln_experts *proj, int64_t act,
-                          float alpha, float limit, bf16_t *out, int num_threads) {
+                          int64_t num_experts, const kiln_experts *fc, const kiln_experts *proj,
+                          const kiln_experts *shared_fc, const kiln_experts *shared_proj, const float *shared_weights,
+                          int64_t act, float alpha, float limit, bf16_t *out, int num_threads) {
     return 1;
 }
 #endif

@@ -13,6 +13,7 @@ from kiln.kernels.library import C_INT64, C_PTR, native_library
 # way) and the call's buffers grow with its tokens: the layer groups them in PyTorch.
 MOE_MAX_ROWS = 256
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}  # moe_experts.c KILN_ACT_*
+SHARED_MAX_ROWS = 12  # quant_gemv.h KILN_QUANT_GEMV_MAX_ROWS: a shared expert joins calls of this many tokens
 
 
 class ExpertWeights(ctypes.Structure):
@@ -59,21 +60,30 @@ def moe_experts_supported() -> bool:
 
 def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fc: ExpertWeights,
                 proj: ExpertWeights, activation: str = "silu", alpha: float = 0.0, limit: float = 0.0, *,
-                num_experts: int) -> torch.Tensor:
+                num_experts: int, shared: tuple[ExpertWeights, ExpertWeights] | None = None,
+                shared_weights: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` for bf16 ``x`` ``[m, hidden]``
     (``m`` <= ``MOE_MAX_ROWS``), int64 ``experts`` and float32 ``weights`` ``[m, top_k]``; each
     expert ``act(x fc^T (+b)) proj^T (+b)`` with ``fc`` the fused ``[fc | up]`` projection and
     ``activation`` "silu" (``silu(fc) * up``) or "clamped_swiglu" (gpt-oss's, with ``alpha``
     and ``limit``). Float32 sums; bf16 ``[m, hidden]`` out. Experts chosen by up to 12 of the
     tokens run on the integer GEMV (a token's result then does not depend on the others), the
-    rest on dequantized tiles."""
+    rest on dequantized tiles. ``shared``: a shared expert's (fc, proj) (one expert each, same
+    activation; ``m`` <= ``SHARED_MAX_ROWS``) that every token takes, times ``shared_weights``
+    (float32 ``[m]``; None: 1), summed with the routed experts in float32."""
     m, top_k = experts.shape
+    if shared is not None and m > SHARED_MAX_ROWS:
+        raise ValueError(f"moe_experts: a shared expert takes at most {SHARED_MAX_ROWS} rows, got {m}")
     experts, weights = experts.contiguous(), weights.float().contiguous()
     x = x.contiguous()
+    if shared_weights is not None:
+        shared_weights = shared_weights.float().reshape(m).contiguous()
     out = torch.empty(m, proj.n, dtype=torch.bfloat16)
+    shared_fc, shared_proj = (ctypes.byref(shared[0]), ctypes.byref(shared[1])) if shared is not None else (None, None)
     rc = native_library().kiln_moe_experts_bf16(
         x.data_ptr(), m, top_k, experts.data_ptr(), weights.data_ptr(), num_experts, ctypes.byref(fc),
-        ctypes.byref(proj), ACTIVATIONS[activation], alpha, limit, out.data_ptr(), torch.get_num_threads())
+        ctypes.byref(proj), shared_fc, shared_proj, shared_weights.data_ptr() if shared_weights is not None else None,
+        ACTIVATIONS[activation], alpha, limit, out.data_ptr(), torch.get_num_threads())
     if rc == 3:
         raise ValueError(f"moe_experts: an expert index outside 0..{num_experts - 1}")
     if rc != 0:

@@ -155,6 +155,13 @@ class MixtureOfExperts(nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.hidden_size)
         weights, experts = self.route(self.router(x))
+        native = self._native_experts(x)
+        shared = self._native_shared(x) if native is not None else None
+        if shared is not None:  # the shared expert inside the routed experts' call
+            gate = torch.sigmoid(self.shared_expert_gate(x).float()) if self.shared_expert_gate is not None else None
+            out = kernels.moe_experts(x, experts, weights, *native, num_experts=self.num_experts, shared=shared,
+                                      shared_weights=gate)
+            return distributed.all_reduce(out, self.tp_size).view(shape)
         out = self.routed(x, weights, experts)
         if self.shared_expert is not None:
             shared = _gated_mlp_partial(self.shared_expert, x)
@@ -207,19 +214,33 @@ class MixtureOfExperts(nn.Module):
             activation = ("clamped_swiglu", self.gated_act.alpha, self.gated_act.limit)
         else:
             return None
-        weights = []
         proj_bias = self.proj.bias if self.adds_proj_bias else None
-        for linear, bias in ((self.fused_fc, self.fused_fc.bias), (self.proj, proj_bias)):
-            f = linear.quant_format
-            if not (f["tile_order"] and f["bits"] in (4, 8) and kernels.moe_experts_supported()
-                    and (bias is None or bias.dtype == torch.bfloat16)):
-                return None
-            offsets = getattr(linear, "weights_offset", None)
-            weights.append(kernels.expert_weights(
-                linear.weight, linear.weights_scaling_factor, offsets, bias,
-                kernels.quant_bits_arg(f["bits"], f["codebook"]),
-                kernels.quant_kernel_group(linear.weights_scaling_factor[0], f["group_size"])))
-        return (*weights, *activation)
+        weights = [_expert_weights(linear.weight, linear.weights_scaling_factor,
+                                   getattr(linear, "weights_offset", None), linear.quant_format, bias)
+                   for linear, bias in ((self.fused_fc, self.fused_fc.bias), (self.proj, proj_bias))]
+        return None if None in weights else (*weights, *activation)
+
+    def _native_shared(self, x: torch.Tensor) -> tuple | None:
+        """The shared expert's (fc, proj) for ``kernels.moe_experts`` when it joins the routed
+        experts' call (bias-free quantized linears in the kernels' layout, SiLU like the routed
+        experts, at most ``SHARED_MAX_ROWS`` tokens); else None."""
+        mlp = self.shared_expert
+        if mlp is None or x.shape[0] > kernels.SHARED_MAX_ROWS or not mlp.fused or mlp.act is not F.silu:
+            return None
+        key = (mlp.fused_fc.weight.data_ptr(), mlp.proj.weight.data_ptr())
+        if getattr(self, "_shared_key", None) != key:
+            weights = []
+            for linear in (mlp.fused_fc, mlp.proj):
+                fmt = {"bits": linear.quant_bits, "codebook": linear.codebook, "group_size": linear.group_size,
+                       "tile_order": linear.tile_order}
+                plain = (linear.bias is None and not hasattr(linear, "prequant_scaling_factor")
+                         and not hasattr(linear, "activation_scaling_factor"))
+                offsets = getattr(linear, "weights_offset", None)
+                weights.append(_expert_weights(linear.weight[None], linear.weights_scaling_factor[None],
+                                               None if offsets is None else offsets[None], fmt, None)
+                               if plain and linear.quant_bits is not None else None)
+            self._shared, self._shared_key = (None if None in weights else tuple(weights)), key
+        return self._shared
 
     def expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``expert``'s output (this rank's partial sum) for rows ``x`` ``[n, hidden]``."""
@@ -273,6 +294,18 @@ class MixtureOfExperts(nn.Module):
                 fc, gate = weights.pop(f"{prefix}fc.{kind}"), weights.pop(f"{prefix}gate.{kind}")
                 fused[f"{prefix}fused_fc.{kind}"] = torch.cat([fc, gate], dim=1)
         return fused
+
+
+def _expert_weights(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, fmt: dict,
+                    bias: torch.Tensor | None) -> object | None:
+    """``kernels.expert_weights`` over stacked engine tensors (``[E, ...]`` each) in format ``fmt``
+    (its ``bits``, ``codebook``, ``group_size``, ``tile_order``), or None when the native call
+    cannot read them."""
+    if not (fmt["tile_order"] and fmt["bits"] in (4, 8) and kernels.moe_experts_supported()
+            and (bias is None or bias.dtype == torch.bfloat16)):
+        return None
+    return kernels.expert_weights(codes, scales, offsets, bias, kernels.quant_bits_arg(fmt["bits"], fmt["codebook"]),
+                                  kernels.quant_kernel_group(scales[0], fmt["group_size"]))
 
 
 def _biased(linear: ExpertLinear, expert: int, x: torch.Tensor) -> torch.Tensor:

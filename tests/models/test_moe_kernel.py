@@ -18,13 +18,16 @@ pytestmark = pytest.mark.skipif(not kernels.moe_experts_supported(), reason="nee
 HIDDEN, INTER, EXPERTS, TOP_K = 64, 32, 8, 3
 
 
-def quantized_block(fmt: str, *, biased: bool, seed: int = 0) -> tuple[MixtureOfExperts, dict[str, torch.Tensor]]:
+def quantized_block(fmt: str, *, biased: bool, seed: int = 0,
+                    shared: int = 0) -> tuple[MixtureOfExperts, dict[str, torch.Tensor]]:
     """An engine-layout block (fused experts, codes packed for the kernels) in format ``fmt`` and
-    its experts' float32 weights as those codes stand for them."""
+    its experts' float32 weights as those codes stand for them; ``shared``: the intermediate size
+    of a gated shared expert, quantized the same way (its weights under ``shared_*``)."""
     g = torch.Generator().manual_seed(seed)
     block = MixtureOfExperts(HIDDEN, INTER, EXPERTS, TOP_K, "silu", normalize_top_k=True, dtype=torch.bfloat16,
                              fused=True, expert_bias=biased, router_bias=biased,
-                             gated_act=ClampedSwiGLU(1.702, 7.0) if fmt == "e2m1" else None)
+                             gated_act=ClampedSwiGLU(1.702, 7.0) if fmt == "e2m1" else None,
+                             shared_intermediate_size=shared, shared_expert_gate=bool(shared))
     for name, p in block.named_parameters():
         module, _, attr = name.rpartition(".")
         setattr(block.get_submodule(module), attr,
@@ -52,6 +55,16 @@ def quantized_block(fmt: str, *, biased: bool, seed: int = 0) -> tuple[MixtureOf
             tensors["weights_offset"] = torch.stack([p[2] for p in packed])
         linear.use_weight_only(bits, group, fmt == "int4_zero", tensors, tile_order=True,
                                codebook="e2m1" if fmt == "e2m1" else None)
+    for name in ("fused_fc", "proj") if shared else ():
+        linear = getattr(block.shared_expert, name)
+        bits, group = (8, None) if fmt == "int8" else (4, 32)
+        rows = quantize_weight(linear.weight.float(), bits, 32, has_zero_point=fmt == "int4_zero")
+        dense[f"shared_{name}"] = dequantize(rows, bits, group)
+        scales, offsets = kernels.quant_pack_scales(rows["weights_scaling_factor"], rows.get("zero"))
+        tensors = {"weight": kernels.quant_pack(rows["weight"], bits), "weights_scaling_factor": scales}
+        if offsets is not None:
+            tensors["weights_offset"] = offsets
+        linear.use_weight_only(bits, group, fmt == "int4_zero", tensors, tile_order=True)
     return block, dense
 
 
@@ -68,6 +81,10 @@ def reference(block: MixtureOfExperts, dense: dict[str, torch.Tensor], x: torch.
             h = block.gated_act(fc, up) if block.gated_act is not None else torch.nn.functional.silu(fc) * up
             y = dense["proj"][e] @ h
             out[t] += w * (y + block.proj.bias[e].float() if block.proj.bias is not None else y)
+    if block.shared_expert is not None:
+        fc, up = (x.float() @ dense["shared_fused_fc"].T).chunk(2, dim=-1)
+        gate = torch.sigmoid(x.float() @ block.shared_expert_gate.weight.float().T)
+        out += gate * ((torch.nn.functional.silu(fc) * up) @ dense["shared_proj"].T)
     return out
 
 
@@ -87,6 +104,25 @@ def test_native_experts_compute_the_dequantized_codes(fmt: str, biased: bool) ->
         assert (block._native_experts(rows) is not None) == native
         out = block(rows).float().view(copies, 5, HIDDEN)
         assert (out - expected).abs().max() <= 2e-2 * expected.abs().max(), copies
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4_zero"])
+def test_a_shared_expert_joins_the_native_call(fmt: str) -> None:
+    """A gated shared expert (Qwen2-MoE's; DeepSeek's without the gate) computed inside the
+    routed experts' call equals the float32 computation of the same codes, and each token of a
+    batch gets exactly what it gets alone; past SHARED_MAX_ROWS tokens it runs beside the call."""
+    block, dense = quantized_block(fmt, biased=False, seed=5, shared=96)
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    assert block._native_shared(x) is not None
+    expected = reference(block, dense, x)
+    out = block(x).float()
+    assert (out - expected).abs().max() <= 2e-2 * expected.abs().max()
+    for t in range(5):
+        assert torch.equal(block(x[t:t + 1]).float(), out[t:t + 1])
+    rows = x.repeat(3, 1)  # 15 tokens: the shared expert as its own linears
+    assert block._native_shared(rows) is None
+    out = block(rows).float().view(3, 5, HIDDEN)
+    assert (out - expected).abs().max() <= 2e-2 * expected.abs().max()
 
 
 def test_a_batch_equals_its_tokens_one_at_a_time() -> None:
