@@ -88,16 +88,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    """Rotate ``x`` ``[tokens, heads, head_size]`` in place (rotate_half pairing) by fp32
-    ``cos``/``sin`` ``[tokens, rotary_dim]``; heads of a token must be contiguous."""
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, start: int = 0) -> torch.Tensor:
+    """Rotate dims ``start .. start + rotary_dim`` of each head of ``x`` ``[tokens, heads,
+    head_size]`` in place (rotate_half pairing) by fp32 ``cos``/``sin`` ``[tokens, rotary_dim]``;
+    heads of a token must be contiguous (MLA rotates the rope dims at the end of each head)."""
     tokens, heads, head_size = x.shape
-    if x.stride(2) != 1 or x.stride(1) != head_size or cos.dtype != torch.float32:
-        raise ValueError("rotary_: x needs contiguous heads and cos/sin must be float32")
+    if x.stride(2) != 1 or x.stride(1) != head_size or cos.dtype != torch.float32 or start + rotary_dim > head_size:
+        raise ValueError("rotary_: x needs contiguous heads holding the rotated dims; cos/sin must be float32")
     cos, sin = cos.contiguous(), sin.contiguous()
     getattr(native_library(), f"kiln_rotary_{DTYPE_SUFFIX[x.dtype]}")(
-        x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_size, rotary_dim,
-        torch.get_num_threads())
+        x.data_ptr() + start * x.element_size(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads,
+        head_size, rotary_dim, torch.get_num_threads())
     return x
 
 

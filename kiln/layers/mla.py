@@ -175,12 +175,20 @@ class MultiHeadLatentAttention(nn.Module):
             q = self.q_proj(hidden)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        q_nope, q_pe = q.view(n, self.num_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope], dim=-1)
+        q = q.view(n, self.num_heads, self.nope + self.rope)
+        kv = self.kv_a_proj_with_mqa(hidden)
         cos, sin = metadata.rotary_cos_sin(self.rotary, positions)
-        # In float32, as Hugging Face rotates (its complex product), then back to the model dtype.
-        q_pe = self.rotary.apply(q_pe.float(), cos, sin).to(q.dtype)
-        k_pe = self.rotary.apply(k_pe.float().unsqueeze(1), cos, sin).squeeze(1).to(q.dtype)
+        if kernels.elementwise_supported(q) and q.is_contiguous() and kv.is_contiguous() and kv.dtype == q.dtype:
+            # In place on the fresh projections, in float32 and rounded once, as Hugging Face rotates.
+            kernels.rotary_(q, cos, sin, self.rope, start=self.nope)
+            kernels.rotary_(kv.unsqueeze(1), cos, sin, self.rope, start=self.kv_lora_rank)
+        else:  # in float32, as Hugging Face rotates (its complex product), then back to the model dtype
+            q = torch.cat([q[..., :self.nope], self.rotary.apply(q[..., self.nope:].float(), cos, sin).to(q.dtype)],
+                          dim=-1)
+            k_pe = self.rotary.apply(kv[:, None, self.kv_lora_rank:].float(), cos, sin).to(kv.dtype)
+            kv = torch.cat([kv[:, :self.kv_lora_rank], k_pe[:, 0]], dim=-1)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        c, k_pe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
         return q_nope, q_pe, torch.cat([self.kv_a_layernorm(c.contiguous()), k_pe], dim=-1)
 
     def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

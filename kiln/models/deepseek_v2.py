@@ -45,6 +45,9 @@ class DeepseekV2Experts(MixtureOfExperts):
         self.routed_scaling_factor, self.groups = routed_scaling_factor, groups
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.groups is None:  # the plain softmax top-k (natively where it can), scaled
+            weights, experts = super().route(router_logits)
+            return weights * self.routed_scaling_factor, experts
         probs = torch.softmax(router_logits.float(), dim=-1)
         if self.groups is not None:  # group_limited_greedy: experts of the topk_group best groups only
             n_group, topk_group = self.groups

@@ -35,11 +35,14 @@ def latent_attention(attn, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: tor
     if cache.dtype != latent.dtype:
         raise ValueError(f"a latent cache holds the model dtype ({latent.dtype}), got {cache.dtype}")
     write_slots(cache, md.slot_index, latent.unsqueeze(1))
-    out = torch.empty(*q_nope.shape[:2], attn.v_head, dtype=q_nope.dtype)
     st = md.backend_state
     if _STATE not in st:
         st[_STATE] = _prepare_decode(md)
     decode = st[_STATE]
+    if decode is not None and not st["chunks"] and len(decode["tokens"]) == q_nope.shape[0]:  # decode only
+        q = attn.absorb_query(q_nope, q_pe)
+        return attn.absorb_output(_decode(q, cache, decode, attn.scale, md)[..., :attn.kv_lora_rank])
+    out = torch.empty(*q_nope.shape[:2], attn.v_head, dtype=q_nope.dtype)
     if decode is not None:
         rows = decode["tokens"]
         q = attn.absorb_query(q_nope[rows], q_pe[rows])  # [n, heads, kv_lora_rank + rope]

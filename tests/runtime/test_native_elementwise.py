@@ -80,6 +80,19 @@ def test_rotary_in_place_matches_eager(dtype, rotary_dim, tokens):
     assert torch.equal(qkv[:, 64:], v_before)  # v untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_of_the_last_dims_of_each_head(dtype):
+    """start: MLA's heads hold their rotary dims after the others (q_nope then q_pe)."""
+    rope = RotaryEmbedding(8, 10000.0, 256)
+    cos, sin = rope.cos_sin(torch.arange(3, 6))
+    q = _randn(3, 2, 24, dtype=dtype)
+    expected = torch.cat([q[..., :16], rope.apply(q[..., 16:].float(), cos, sin).to(dtype)], dim=-1)
+    kernels.rotary_(q, cos, sin, 8, start=16)
+    torch.testing.assert_close(q, expected, **TOL[dtype])
+    with pytest.raises(ValueError, match="rotated dims"):
+        kernels.rotary_(q, cos, sin, 8, start=17)
+
+
 def test_rotary_rejects_non_contiguous_heads():
     x = _randn(4, 16, 2, dtype=torch.float32).transpose(1, 2)
     cos = sin = torch.zeros(4, 16)
