@@ -13,8 +13,6 @@ from kiln.checkpoint.shard_spec import ShardSpec, rank_range
 from kiln.layers.linear import QUANT_PARAMETERS, Linear
 from kiln.layers.quantized_matmul import dequantize_mxfp4
 
-# The parameters of a weight-only quantized projection (kiln.quantization.weight_only's layout).
-
 
 class ExpertLinear(nn.Module):
     """One projection of every expert, stacked: ``weight`` ``[num_experts, out, in]`` (this

@@ -35,6 +35,7 @@ _PACK_BF16 = torch.backends.mkldnn.is_available()
 # A linear's weight and its per-row quantization parameters (codes, scales, zero points, offsets).
 QUANT_PARAMETERS = ("weight", "weights_scaling_factor", "zero", "weights_offset")
 
+
 class Linear(nn.Module):
     """``y = x W^T + b`` with the weight ``(out_features, in_features)``.
 

@@ -178,18 +178,21 @@ class MultiHeadLatentAttention(nn.Module):
         q = q.view(n, self.num_heads, self.nope + self.rope)
         kv = self.kv_a_proj_with_mqa(hidden)
         cos, sin = metadata.rotary_cos_sin(self.rotary, positions)
-        if kernels.elementwise_supported(q) and q.is_contiguous() and kv.is_contiguous() and kv.dtype == q.dtype:
-            # In place on the fresh projections, in float32 and rounded once, as Hugging Face rotates.
-            kernels.rotary_(q, cos, sin, self.rope, start=self.nope)
-            kernels.rotary_(kv.unsqueeze(1), cos, sin, self.rope, start=self.kv_lora_rank)
-        else:  # in float32, as Hugging Face rotates (its complex product), then back to the model dtype
-            q = torch.cat([q[..., :self.nope], self.rotary.apply(q[..., self.nope:].float(), cos, sin).to(q.dtype)],
-                          dim=-1)
-            k_pe = self.rotary.apply(kv[:, None, self.kv_lora_rank:].float(), cos, sin).to(kv.dtype)
-            kv = torch.cat([kv[:, :self.kv_lora_rank], k_pe[:, 0]], dim=-1)
+        self._rotate_(q, cos, sin, self.nope)
+        self._rotate_(kv.unsqueeze(1), cos, sin, self.kv_lora_rank)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         c, k_pe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
         return q_nope, q_pe, torch.cat([self.kv_a_layernorm(c.contiguous()), k_pe], dim=-1)
+
+    def _rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int) -> None:
+        """Rotate dims ``start .. start + rope`` of each head of a fresh projection output ``x``
+        ``[n, heads, size]`` in place, in float32 and rounded once, as Hugging Face rotates (its
+        complex product): natively in one pass where the kernel takes ``x``."""
+        if kernels.elementwise_supported(x[:, 0]) and x.stride(1) == x.shape[2]:  # rows of whole heads
+            kernels.rotary_(x, cos, sin, self.rope, start=start)
+        else:
+            part = x[..., start:start + self.rope]
+            part.copy_(self.rotary.apply(part.float(), cos, sin))
 
     def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache rows ``[n, kv_lora_rank + rope]`` to per-head keys ``[n, heads, nope + rope]`` and

@@ -48,12 +48,12 @@ class DeepseekV2Experts(MixtureOfExperts):
         if self.groups is None:  # the plain softmax top-k (natively where it can), scaled
             weights, experts = super().route(router_logits)
             return weights * self.routed_scaling_factor, experts
+        # group_limited_greedy: experts of the topk_group best groups only
         probs = torch.softmax(router_logits.float(), dim=-1)
-        if self.groups is not None:  # group_limited_greedy: experts of the topk_group best groups only
-            n_group, topk_group = self.groups
-            best = probs.view(-1, n_group, self.num_experts // n_group).amax(dim=-1)  # [n, n_group]
-            keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(topk_group, dim=-1).indices, True)
-            probs = probs.masked_fill(~keep.repeat_interleave(self.num_experts // n_group, dim=1), 0.0)
+        n_group, topk_group = self.groups
+        best = probs.view(-1, n_group, self.num_experts // n_group).amax(dim=-1)  # [n, n_group]
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(topk_group, dim=-1).indices, True)
+        probs = probs.masked_fill(~keep.repeat_interleave(self.num_experts // n_group, dim=1), 0.0)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         return weights * self.routed_scaling_factor, experts
 
