@@ -73,7 +73,8 @@ class LLM:
         self.tokenizer = self.processor.tokenizer  # None with skip_tokenizer_init
         num_blocks = None
         if args.kv_cache_max_tokens is not None:
-            num_blocks = max(1, args.kv_cache_max_tokens // self.engine.build_config.tokens_per_block)
+            tokens_per_block = self.engine.build_config.tokens_per_block  # whole blocks holding at least that many
+            num_blocks = max(1, -(-args.kv_cache_max_tokens // tokens_per_block))
         self.core = EngineCore(self.engine, max_num_seqs=args.max_batch_size, max_num_tokens=args.max_num_tokens,
                                num_blocks=num_blocks, enable_prefix_caching=args.enable_prefix_caching,
                                speculative_config=draft_engine_for(args.speculative_config, args.cache_dir, progress))
