@@ -54,7 +54,8 @@ def resolve_build_config(config: PretrainedConfig, **options: int | None) -> Bui
 
 ENGINE_DTYPES = tuple(DTYPES)
 # Quantization parameters keep their own dtype (float32, or the kernels' float16) in any engine dtype.
-QUANT_FLOAT32 = (".weights_scaling_factor", ".zero", ".weights_offset", ".prequant_scaling_factor",
+QUANT_FLOAT32 = (".weights_scaling_factor", ".zero", ".weights_offset", ".weights_super_scale",
+                 ".weights_super_offset", ".prequant_scaling_factor",
                  ".activation_scaling_factor", ".kv_cache_scaling_factor")
 
 

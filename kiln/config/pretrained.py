@@ -24,13 +24,16 @@ class LayerQuant:
     """One linear's weight-only format in a ``MIXED_PRECISION`` checkpoint: W8A16 or W4A16 codes,
     ``group_size`` inputs per scale (None: W8A16's scale per output channel), and per group an
     integer ``zero`` point (``has_zero_point``, W4A16) or a float ``weights_offset``
-    (``has_offset``): ``w = code * scale + offset``."""
+    (``has_offset``): ``w = code * scale + offset``. ``super_scales`` (GGUF's K-quants): the group
+    scales and offsets are int8 codes times a float per ``kernels.SUPER_GROUPS`` groups
+    (``weights_super_scale``, ``weights_super_offset``)."""
 
     quant_algo: str
     group_size: int | None = None
     has_zero_point: bool = False
     has_offset: bool = False
     codebook: str | None = None  # "e2m1": W4A16 codes are MXFP4's E2M1 nibbles (twice the value)
+    super_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.quant_algo not in LAYER_ALGOS:
@@ -46,6 +49,8 @@ class LayerQuant:
                                           or self.has_offset):
             raise ConfigError(f"quantized_layers: codebook {self.codebook!r} is not 'e2m1' on a W4A16 layer without "
                               "zero points or offsets")
+        if self.super_scales and (self.group_size is None or self.has_zero_point or self.codebook is not None):
+            raise ConfigError("quantized_layers: super_scales are for group scales and offsets of integer codes")
 
     @property
     def bits(self) -> int:

@@ -34,6 +34,9 @@ from kiln.kernels.decode_step import (LORA_SLOTS, DecoderDims, DecoderHead, Deco
 from kiln.kernels.moe_experts import (MOE_MAX_ROWS, SHARED_MAX_ROWS, ExpertWeights, expert_weights, moe_experts,
                                       moe_experts_supported, moe_route)
 from kiln.kernels.library import DECODE_KERNELS, DECODE_KERNELS_QUANTIZED_KV, DTYPE_SUFFIX, native_library, output
+from kiln.kernels.quant_weights import (CODEBOOKS, CODES_E2M1, SUPER_BYTES, SUPER_GROUPS, fit_offset_groups,
+                                        quant_bits_arg, quant_kernel_group, quant_linear, quant_pack,
+                                        quant_pack_scales, quant_shape_tiles)
 from kiln.kernels.packed_linear import (amx_available, pack_bf16, packed_linear, packed_linear_available,
                                         packed_supported, tile_packable, unpack_bf16)
 
@@ -244,99 +247,6 @@ def head_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> tor
         x.data_ptr(), x.stride(0), x.stride(1), weight.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
         heads, m, n, k, torch.get_num_threads())
     return out
-
-
-def quant_shape_tiles(out_features: int, in_features: int, bits: int, group_size: int | None) -> bool:
-    """Whether the quantized-linear kernel's tile order fits this shape: 16-column blocks,
-    32-wide k blocks, and groups made of whole k blocks (``group_size`` None: int8 with a scale
-    per output channel)."""
-    return (bits in (4, 8) and out_features % 16 == 0 and in_features % 32 == 0
-            and (group_size is None and bits == 8 or group_size is not None and group_size % 32 == 0
-                 and in_features % group_size == 0))
-
-
-def fit_offset_groups(weight: torch.Tensor, importance: torch.Tensor, group: int,
-                      stretch: list[float]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """W4A16_IMATRIX's per-group search (quant_search.c) over float32 ``weight`` ``[rows, cols]``
-    with per-column ``importance`` ``[cols]``: float32 ``(scale, offset)`` ``[rows, cols / group]``;
-    None without the native library (``kiln.quantization.imatrix`` searches in PyTorch then)."""
-    lib = native_library()
-    if lib is None:
-        return None
-    rows, cols = weight.shape
-    x, w = weight.float().contiguous(), importance.float().contiguous()
-    s = torch.tensor(stretch, dtype=torch.float32)
-    scale, offset = torch.empty(rows, cols // group), torch.empty(rows, cols // group)
-    lib.kiln_fit_offset_groups(x.data_ptr(), w.data_ptr(), rows, cols, group, s.data_ptr(), len(stretch),
-                               scale.data_ptr(), offset.data_ptr(), torch.get_num_threads())
-    return scale, offset
-
-
-def quant_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Row-major codes (int8 or e4m3 ``[n, k]``, or 4-bit pairs ``[n, k / 2]`` low nibble first)
-    in the kernels' order (quant_linear.c: int8 tiles, 4-bit chunks); same dtype and shape."""
-    n, width = codes.shape
-    k = width if bits == 8 else 2 * width
-    if native_library() is None or not quant_shape_tiles(n, k, bits, 32) or codes.element_size() != 1:
-        raise ValueError(f"quant_pack: {bits}-bit codes of shape {tuple(codes.shape)} {codes.dtype} do not tile "
-                         "(needs 1-byte codes, out_features % 16 == 0 and in_features % 32 == 0)")
-    codes = codes.contiguous()
-    out = torch.empty_like(codes)
-    native_library().kiln_quant_pack(codes.data_ptr(), out.data_ptr(), n, k, bits, torch.get_num_threads())
-    return out
-
-
-def quant_pack_scales(scales: torch.Tensor, zeros: torch.Tensor | None = None,
-                      offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A checkpoint's float32 scales and zero points or offsets in the kernels' layout: scales per
-    channel ``[n]`` unchanged; group scales ``[n, groups]`` as float16 ``[n / 16, groups, 16]`` (a
-    block's 16 scales are one vector load), group offsets (``offsets``, or ``-zero * scale``) too.
-    kiln's quantizers give float16-exact scales; GGUF K-quants' products of two scales round."""
-    if scales.dim() == 1:
-        return scales.float().contiguous(), None
-
-    def tiled(t: torch.Tensor) -> torch.Tensor:
-        n, groups = t.shape
-        return t.reshape(n // 16, 16, groups).transpose(1, 2).to(torch.float16).contiguous()
-
-    if zeros is not None:
-        offsets = -zeros.float() * scales.float()
-    return tiled(scales), None if offsets is None else tiled(offsets)
-
-
-def quant_kernel_group(scales: torch.Tensor, group_size: int | None) -> int:
-    """The kernels' group for engine ``scales``: 0 for int8's scales per channel, else ``group_size``."""
-    return 0 if scales.dim() == 1 else int(group_size)
-
-
-CODES_E2M1 = 0x100  # kernels.h KILN_CODES_E2M1: or'd into the bits of MXFP4's 4-bit E2M1 codes
-CODEBOOKS = ("e2m1",)  # 4-bit codes through a table (quant_linear.c); None: plain integers
-
-
-def quant_bits_arg(bits: int, codebook: str | None) -> int:
-    """The kernels' ``bits`` argument for ``bits``-bit codes read through ``codebook``."""
-    if codebook is None:
-        return bits
-    if codebook not in CODEBOOKS or bits != 4:
-        raise ValueError(f"codebook {codebook!r} with {bits}-bit codes: the kernels take {CODEBOOKS} 4-bit codes")
-    return bits | CODES_E2M1
-
-
-def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int,
-                 group_size: int | None, bias: torch.Tensor | None, out_features: int, *,
-                 out: torch.Tensor | None = None, codebook: str | None = None) -> torch.Tensor:
-    """``F.linear`` of bf16 ``x`` ``[m, k]`` with a weight-only quantized weight in the kernels'
-    layout: ``codes`` from ``quant_pack``, ``scales`` and ``offsets`` (or None) from
-    ``quant_pack_scales`` (see quant_linear.c); ``group_size`` is ignored for scales per channel;
-    ``codebook`` "e2m1": 4-bit codes are MXFP4's E2M1 nibbles."""
-    m, k = x.shape
-    y = output(out, m, out_features, torch.bfloat16)
-    native_library().kiln_quant_linear_bf16(
-        x.contiguous().data_ptr(), codes.data_ptr(), scales.data_ptr(),
-        offsets.data_ptr() if offsets is not None else None, quant_bits_arg(bits, codebook),
-        quant_kernel_group(scales, group_size),
-        bias.data_ptr() if bias is not None else None, y.data_ptr(), m, out_features, k, torch.get_num_threads())
-    return y
 
 
 def w8a8_supported(x_dtype: torch.dtype, codes: torch.Tensor) -> bool:

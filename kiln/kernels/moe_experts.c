@@ -31,8 +31,8 @@
 #include "quant_gemv.h"
 
 /* One projection of every expert: expert e's codes at codes + e * codes_stride (bytes), its
- * scales and offsets (or NULL) likewise; bias [E, n] bf16 or NULL. bits 8, 4 or 4 |
- * KILN_CODES_E2M1; group 0: int8 with float32 scales per output channel. */
+ * scales and offsets (or NULL) likewise; bias [E, n] bf16 or NULL. bits as kiln_quant_linear_bf16
+ * takes them (8 or 4, flags or'd in); group 0: int8 with float32 scales per output channel. */
 typedef struct {
     const uint8_t *codes;
     const uint8_t *scales, *offsets;
@@ -86,8 +86,8 @@ static kiln_qweight expert_weight(const kiln_experts *E, int64_t e) {
     const kiln_qweight W = {E->codes + e * E->codes_stride, E->group ? NULL : scales,
                             E->group ? scales : NULL,
                             E->group && E->offsets ? (const uint16_t *)(E->offsets + e * E->offsets_stride) : NULL,
-                            E->n, E->k, E->group ? E->group : E->k, E->bits & ~KILN_CODES_E2M1,
-                            (E->bits & KILN_CODES_E2M1) != 0};
+                            E->n, E->k, E->group ? E->group : E->k, E->bits & 0xff,
+                            (E->bits & KILN_CODES_E2M1) != 0, E->group && (E->bits & KILN_SCALES_SUPER) != 0};
     return W;
 }
 

@@ -25,6 +25,12 @@
  *     streams left ~25% of the memory bandwidth unused.
  *   Group scales and offsets (either width) float16 [n / 16][groups][16], so a block's 16 scales
  *     are one vector load.
+ *   Super-blocks (bits | KILN_SCALES_SUPER; GGUF's K-quants: 6-bit scales and minimums of 32
+ *     weights under a float16 per 256): scales and offsets are each [n / 16][groups / 8] records
+ *     of KILN_SUPER_BYTES, 8 x 16 int8 codes (group-major, a column each) and then the 16
+ *     columns' float16 multipliers: scale = code * multiplier, offset likewise (the multiplier
+ *     carries the sign). 4.625 bits a 4-bit weight instead of 5 with float16 pairs, and the
+ *     products are exact in fp32 (float16 pairs rounded them).
  *
  * A few rows of x take a GEMV straight from the codes in integers (quant_gemv); more rows, the
  * codes of a panel dequantized (u * s + o in fp32, rounded to bf16) into the tile layout of the
@@ -103,6 +109,19 @@ static inline void column_scales(const kiln_qweight *W, int64_t nb, int64_t g, f
         for (int c = 0; c < 16; ++c) {
             s[c] = W->channel_scales[nb * 16 + c];
             o[c] = 0.f;
+        }
+        return;
+    }
+    if (W->super) {
+        const int64_t at = (nb * (W->k / W->group / KILN_SUPER_GROUPS) + g / KILN_SUPER_GROUPS) * KILN_SUPER_BYTES;
+        const uint8_t *sc = (const uint8_t *)W->scales + at, *of = (const uint8_t *)W->offsets + at;
+        const int q = (int)(g % KILN_SUPER_GROUPS) * 16, mult = KILN_SUPER_GROUPS * 16;
+        for (int c = 0; c < 16; ++c) {
+            uint16_t h;
+            memcpy(&h, sc + mult + 2 * c, 2);
+            s[c] = (float)(int8_t)sc[q + c] * half_load(h);
+            if (W->offsets) memcpy(&h, of + mult + 2 * c, 2);
+            o[c] = W->offsets ? (float)(int8_t)of[q + c] * half_load(h) : implicit_offset(W, s[c]);
         }
         return;
     }
@@ -228,6 +247,21 @@ static inline void load_block_scales(const kiln_qweight *W, int64_t nb, int64_t 
     if (W->channel_scales) {
         *s = _mm512_loadu_ps(W->channel_scales + nb * 16);
         *o = _mm512_setzero_ps();
+        return;
+    }
+    if (W->super) {  /* int8 codes times the super-block's float16 multipliers */
+        const int64_t at = (nb * (W->k / W->group / KILN_SUPER_GROUPS) + g / KILN_SUPER_GROUPS) * KILN_SUPER_BYTES;
+        const int64_t q = (g % KILN_SUPER_GROUPS) * 16, mult = KILN_SUPER_GROUPS * 16;
+        const uint8_t *sc = (const uint8_t *)W->scales + at;
+        *s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + q)))),
+                           _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + mult))));
+        if (W->offsets) {
+            const uint8_t *of = (const uint8_t *)W->offsets + at;
+            *o = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(of + q)))),
+                               _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(of + mult))));
+        } else {
+            *o = _mm512_mul_ps(_mm512_set1_ps(implicit_offset(W, 1.f)), *s);
+        }
         return;
     }
     const int64_t at = (nb * (W->k / W->group) + g) * 16;
@@ -414,12 +448,14 @@ static void quant_gemv(const bf16_t *x, const kiln_qweight *W, const bf16_t *bia
 #endif
 
 /* group 0: int8 codes with float32 scales per output channel; else float16 scales (and offsets,
- * or NULL) per group of k. bits: 8, 4, or 4 | KILN_CODES_E2M1. */
+ * or NULL) per group of k. bits: 8 or 4, or'd with KILN_SCALES_SUPER (super-block scales and
+ * offsets) and, for 4, KILN_CODES_E2M1. */
 void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const void *scales, const void *offsets,
                             int64_t bits, int64_t group, const bf16_t *bias, bf16_t *y, int64_t m, int64_t n,
                             int64_t k, int num_threads) {
     const kiln_qweight W = {codes, group ? NULL : scales, group ? scales : NULL, group ? offsets : NULL,
-                            n, k, group ? group : k, bits & ~KILN_CODES_E2M1, (bits & KILN_CODES_E2M1) != 0};
+                            n, k, group ? group : k, bits & 0xff, (bits & KILN_CODES_E2M1) != 0,
+                            group && (bits & KILN_SCALES_SUPER) != 0};
 #ifdef KILN_HAVE_QUANT_GEMV
     if (m <= KILN_QUANT_GEMV_MAX_ROWS) {
         quant_gemv(x, &W, bias, y, m, num_threads);

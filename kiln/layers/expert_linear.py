@@ -56,16 +56,16 @@ class ExpertLinear(nn.Module):
 
     def use_weight_only(self, bits: int, group_size: int | None, has_zero_point: bool,
                         tensors: dict[str, torch.Tensor] | None = None, *, has_offset: bool = False,
-                        tile_order: bool = False, codebook: str | None = None) -> None:
+                        tile_order: bool = False, codebook: str | None = None, super_scales: bool = False) -> None:
         """Give every expert :meth:`Linear.use_weight_only`'s parameters, stacked expert-major
         (``[E, ...]`` each: one expert's codes, scales and offsets lie together, so a step reads
         only its chosen experts' bytes): the given ``tensors``, or empty ones of those shapes."""
         fmt = dict(bits=bits, group_size=group_size, has_zero_point=has_zero_point, has_offset=has_offset,
-                   tile_order=tile_order, codebook=codebook)
+                   tile_order=tile_order, codebook=codebook, super_scales=super_scales)
         with torch.device("meta"):
             one = Linear(self.in_features, self.out_features, bias=False, dtype=self.weight.dtype)
             one.use_weight_only(bits, group_size, has_zero_point, has_offset=has_offset, tile_order=tile_order,
-                                codebook=codebook)
+                                codebook=codebook, super_scales=super_scales)
         for name, p in one.named_parameters():
             shape = (self.num_experts, *p.shape)
             tensor = tensors[name] if tensors is not None else torch.empty(shape, dtype=p.dtype,
@@ -100,7 +100,8 @@ class ExpertLinear(nn.Module):
                     f = self.quant_format
                     view.use_weight_only(f["bits"], f["group_size"], f["has_zero_point"],
                                          {n: getattr(self, n).data[e] for n in names}, has_offset=f["has_offset"],
-                                         tile_order=f["tile_order"], codebook=f["codebook"])
+                                         tile_order=f["tile_order"], codebook=f["codebook"],
+                                         super_scales=f["super_scales"])
                 views.append(view)
             self._views, self._views_key = views, key
         return self._views

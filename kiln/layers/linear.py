@@ -18,7 +18,7 @@ from torch import nn
 from kiln import distributed, kernels
 from kiln.checkpoint.shard_spec import ShardSpec, rank_range
 from kiln.layers.lora import LoraStep
-from kiln.layers.quantized_matmul import dequantize, fp8_linear, fp8_round_input, w8a8_linear
+from kiln.layers.quantized_matmul import dequantize, fp8_linear, fp8_round_input, w8a8_linear, weight_only_shapes
 
 # bf16 weights: an engine holds them packed into tiles at build time (``tile_order``;
 # kiln/kernels/panel_linear.c, amx_linear.c), multiplied on AMX or with AVX512-BF16 dot
@@ -33,7 +33,8 @@ _PACK_BF16 = torch.backends.mkldnn.is_available()
 
 
 # A linear's weight and its per-row quantization parameters (codes, scales, zero points, offsets).
-QUANT_PARAMETERS = ("weight", "weights_scaling_factor", "zero", "weights_offset")
+QUANT_PARAMETERS = ("weight", "weights_scaling_factor", "zero", "weights_offset", "weights_super_scale",
+                    "weights_super_offset")
 
 
 class Linear(nn.Module):
@@ -58,6 +59,7 @@ class Linear(nn.Module):
 
     quant_bits: int | None = None  # 8 or 4 once use_weight_only() switched the weight to codes
     codebook: str | None = None  # "e2m1": those 4-bit codes are MXFP4's E2M1 nibbles
+    super_scales: bool = False  # group scales and offsets are int8 codes under super-block multipliers
     act_quant: bool = False  # True once use_w8a8() switched to SmoothQuant W8A8 (int8 activations too)
     fp8: bool = False  # True once use_fp8() switched to FP8 e4m3 weights and activations
     # The weight (codes, or an engine's float bf16 weight: kernels.pack_bf16) is in the kernels' tile layout.
@@ -81,30 +83,23 @@ class Linear(nn.Module):
 
     def use_weight_only(self, bits: int, group_size: int | None, has_zero_point: bool,
                         tensors: dict[str, torch.Tensor] | None = None, *, has_offset: bool = False,
-                        tile_order: bool = False, codebook: str | None = None) -> None:
+                        tile_order: bool = False, codebook: str | None = None, super_scales: bool = False) -> None:
         """Replace the float weight by weight-only quantized parameters (the given ``tensors``, or
         empty ones of the right shapes): ``weight`` codes, ``weights_scaling_factor`` (8-bit with
         ``group_size`` None: one per output channel; else one per group) and, per group, the
         integer ``zero`` (``has_zero_point``, 4-bit) or the float ``weights_offset``
         (``has_offset``). ``tile_order``: the tensors are in the kernels' layout (an engine's:
         ``kernels.quant_pack`` and ``quant_pack_scales``, where a zero point becomes an offset).
-        ``codebook`` "e2m1": 4-bit codes are MXFP4's E2M1 nibbles (``quantized_matmul.dequantize``)."""
+        ``codebook`` "e2m1": 4-bit codes are MXFP4's E2M1 nibbles (``quantized_matmul.dequantize``).
+        ``super_scales`` (GGUF K-quants): the group scales and offsets are int8 codes, under float32
+        ``weights_super_scale`` and ``weights_super_offset`` ``[out, groups / SUPER_GROUPS]``; in the
+        kernels' layout all in the scales' and offsets' super-block records."""
         kernels.quant_bits_arg(bits, codebook)  # a ValueError for a codebook the kernels lack
-        out_features, in_features = self.weight.shape
-        grouped = (out_features, in_features // group_size) if group_size is not None else None
-        shapes = {"weight": ((out_features, in_features), torch.int8) if bits == 8
-                  else ((out_features, in_features // 2), torch.uint8),
-                  "weights_scaling_factor": (grouped or (out_features,), torch.float32)}
-        if has_zero_point and not tile_order:
-            shapes["zero"] = (grouped, torch.float32)
-        if has_offset or (has_zero_point and tile_order):
-            shapes["weights_offset"] = (grouped, torch.float32)
-        if tile_order and grouped is not None:  # the kernels' layout (kernels.quant_pack_scales)
-            for name in ("weights_scaling_factor", "weights_offset"):
-                if name in shapes:
-                    shapes[name] = ((out_features // 16, grouped[1], 16), torch.float16)
+        shapes = weight_only_shapes(*self.weight.shape, bits, group_size, has_zero_point, has_offset, tile_order,
+                                    super_scales)
         self._set_parameters(shapes, tensors)
         self.quant_bits, self.group_size, self.tile_order, self.codebook = bits, group_size, tile_order, codebook
+        self.super_scales = super_scales
 
     def use_prequant_scale(self, factor: torch.Tensor | None = None) -> None:
         """Give a quantized layer AWQ's ``prequant_scaling_factor`` (float32 ``[in_features]``,
@@ -171,7 +166,7 @@ class Linear(nn.Module):
         y = kernels.quant_linear(x.reshape(-1, self.in_features).to(torch.bfloat16), self.weight,
                                  self.weights_scaling_factor, getattr(self, "weights_offset", None), self.quant_bits,
                                  self.group_size, None if bias is None else bias.to(torch.bfloat16), self.out_features,
-                                 codebook=self.codebook)
+                                 codebook=self.codebook, super_scales=self.super_scales)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -232,7 +232,7 @@ class MixtureOfExperts(nn.Module):
             weights = []
             for linear in (mlp.fused_fc, mlp.proj):
                 fmt = {"bits": linear.quant_bits, "codebook": linear.codebook, "group_size": linear.group_size,
-                       "tile_order": linear.tile_order}
+                       "tile_order": linear.tile_order, "super_scales": linear.super_scales}
                 plain = (linear.bias is None and not hasattr(linear, "prequant_scaling_factor")
                          and not hasattr(linear, "activation_scaling_factor"))
                 offsets = getattr(linear, "weights_offset", None)
@@ -299,12 +299,13 @@ class MixtureOfExperts(nn.Module):
 def _expert_weights(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, fmt: dict,
                     bias: torch.Tensor | None) -> object | None:
     """``kernels.expert_weights`` over stacked engine tensors (``[E, ...]`` each) in format ``fmt``
-    (its ``bits``, ``codebook``, ``group_size``, ``tile_order``), or None when the native call
+    (its ``bits``, ``codebook``, ``super_scales``, ``group_size``, ``tile_order``), or None when the native call
     cannot read them."""
     if not (fmt["tile_order"] and fmt["bits"] in (4, 8) and kernels.moe_experts_supported()
             and (bias is None or bias.dtype == torch.bfloat16)):
         return None
-    return kernels.expert_weights(codes, scales, offsets, bias, kernels.quant_bits_arg(fmt["bits"], fmt["codebook"]),
+    bits = kernels.quant_bits_arg(fmt["bits"], fmt["codebook"], fmt["super_scales"])
+    return kernels.expert_weights(codes, scales, offsets, bias, bits,
                                   kernels.quant_kernel_group(scales[0], fmt["group_size"]))
 
 

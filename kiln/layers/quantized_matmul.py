@@ -15,16 +15,55 @@ E4M3_MAX = 448.0  # the largest finite e4m3 value
 E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
+SUPER_MULTIPLIERS = {"weights_scaling_factor": "weights_super_scale", "weights_offset": "weights_super_offset"}
+
+
+def weight_only_shapes(out_features: int, in_features: int, bits: int, group_size: int | None, has_zero_point: bool,
+                       has_offset: bool, tile_order: bool,
+                       super_scales: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of a weight-only quantized linear's parameters (see
+    ``Linear.use_weight_only``), in a checkpoint's layout or (``tile_order``) the kernels'."""
+    grouped = (out_features, in_features // group_size) if group_size is not None else None
+    shapes = {"weight": ((out_features, in_features), torch.int8) if bits == 8
+              else ((out_features, in_features // 2), torch.uint8),
+              "weights_scaling_factor": (grouped or (out_features,), torch.float32)}
+    if has_zero_point and not tile_order:
+        shapes["zero"] = (grouped, torch.float32)
+    if has_offset or (has_zero_point and tile_order):
+        shapes["weights_offset"] = (grouped, torch.float32)
+    if super_scales:  # int8 codes of the scales and offsets, a float32 multiplier per super-block each
+        supers = (out_features, grouped[1] // kernels.SUPER_GROUPS)
+        for name, multiplier in SUPER_MULTIPLIERS.items():
+            if name in shapes:
+                shapes[name], shapes[multiplier] = (grouped, torch.int8), (supers, torch.float32)
+    if tile_order and grouped is not None:  # the kernels' layout (kernels.quant_pack_scales)
+        for name in ("weights_scaling_factor", "weights_offset"):
+            if name in shapes:
+                shapes[name] = (((out_features // 16, supers[1], kernels.SUPER_BYTES), torch.uint8) if super_scales
+                                else ((out_features // 16, grouped[1], 16), torch.float16))
+        for name in SUPER_MULTIPLIERS.values():
+            shapes.pop(name, None)  # packed into the records
+    return shapes
+
+
 def dequantize(tensors: dict[str, torch.Tensor], bits: int, group_size: int | None = 64,
                codebook: str | None = None) -> torch.Tensor:
     """The float32 weight ``[out, in]`` that row-major ``tensors`` (``quantize_weight``'s, or an
     imported GGUF linear's) stand for: ``code * scale`` per channel; per group ``code * scale +
     weights_offset``, or ``(code - zero) * scale`` (zero 8 for 4-bit codes, 0 for int8 ones).
     ``codebook`` "e2m1": each 4-bit code is an E2M1 nibble standing for twice its value (MXFP4's
-    blocks under scales 2^(e - 128))."""
+    blocks under scales 2^(e - 128)). With ``weights_super_scale`` (GGUF K-quants), the group scales
+    and offsets are int8 codes times their super-block's ``weights_super_scale`` and
+    ``weights_super_offset`` (exact in float32: a 6-bit code times a float16)."""
     codes, scale = tensors["weight"], tensors["weights_scaling_factor"]
     if bits == 4:
         codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).view(codes.shape[0], -1)
+    if "weights_super_scale" in tensors:
+        per_group = lambda t: t.repeat_interleave(kernels.SUPER_GROUPS, dim=1)  # noqa: E731
+        scale = scale.float() * per_group(tensors["weights_super_scale"])
+        if "weights_offset" in tensors:
+            offset = tensors["weights_offset"].float() * per_group(tensors["weights_super_offset"])
+            tensors = {**tensors, "weights_offset": offset}
     if codebook == "e2m1":
         values = torch.tensor(E2M1_DOUBLED, dtype=torch.float32)[codes.long()]
         return values * scale.repeat_interleave(group_size, dim=1)

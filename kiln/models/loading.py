@@ -165,7 +165,8 @@ def engine_layout_weights(model: nn.Module, weights: dict[str, torch.Tensor],
         return weights
     for key in [k for k in weights if k.endswith(".weight") and f"{k[:-6]}weights_scaling_factor" in weights]:
         prefix = key[:-6]
-        names = (key, f"{prefix}weights_scaling_factor", f"{prefix}zero", f"{prefix}weights_offset")
+        names = (key, f"{prefix}weights_scaling_factor", f"{prefix}zero", f"{prefix}weights_offset",
+                 f"{prefix}weights_super_scale", f"{prefix}weights_super_offset")
         parts = [weights.pop(name, None) for name in names]
         if parts[0].dim() == 3:  # stacked experts: each packed on its own, kept expert-major
             packed = [_packed_quantized(*(None if t is None else t[e] for t in parts)) for e in range(len(parts[0]))]
@@ -179,7 +180,8 @@ def engine_layout_weights(model: nn.Module, weights: dict[str, torch.Tensor],
 
 
 def _packed_quantized(codes: torch.Tensor, scales: torch.Tensor, zero: torch.Tensor | None,
-                      offsets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                      offsets: torch.Tensor | None, super_scale: torch.Tensor | None = None,
+                      super_offset: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """One quantized linear's checkpoint tensors in the kernels' layout: (codes, scales, offsets)."""
-    packed_scales, packed_offsets = kernels.quant_pack_scales(scales, zero, offsets)
+    packed_scales, packed_offsets = kernels.quant_pack_scales(scales, zero, offsets, super_scale, super_offset)
     return kernels.quant_pack(codes, 4 if codes.dtype == torch.uint8 else 8), packed_scales, packed_offsets

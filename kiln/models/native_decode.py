@@ -251,7 +251,7 @@ def _linear_weights(linear) -> kernels.LinearWeights:
     if linear.quant_bits:
         scales = linear.weights_scaling_factor
         return kernels.LinearWeights(ptr(linear.weight), ptr(linear.bias), None,
-                                     kernels.quant_bits_arg(linear.quant_bits, linear.codebook),
+                                     kernels.quant_bits_arg(linear.quant_bits, linear.codebook, linear.super_scales),
                                      kernels.quant_kernel_group(scales, linear.group_size), ptr(scales),
                                      ptr(getattr(linear, "weights_offset", None)), fp8=0, **extras)
     packed = linear.packed_weight() if linear.weight.dtype == torch.bfloat16 else None

@@ -4,8 +4,9 @@ format with 32 weights a group, recorded per linear in a ``MIXED_PRECISION`` qua
 (``QuantConfig.quantized_layers``), since one file mixes types (Q4_K_M: Q4_K, Q6_K, ...):
 
 * Q4_0 -> W4A16 (zero point 8); Q4_1, Q4_K -> W4A16 with offsets; Q8_0, Q5_0 -> W8A16 with
-  group scales; Q5_1, Q5_K -> W8A16 with offsets: the file's values exactly (an engine rounds
-  K-quant scales and offsets, products of two float16 numbers, to float16);
+  group scales; Q5_1, Q5_K -> W8A16 with offsets: the file's values exactly (K-quants keep their
+  6-bit scale and minimum codes under each super-block's float16 ``d`` and ``dmin``:
+  ``super_scales``);
 * any other quantized type (Q6_K, Q2_K, Q3_K, IQ*) -> W8A16 with group scales, rounded to
   nearest from the dequantized values;
 * float tensors (F32, F16, BF16) and the embedding stay float; a head tied to a quantized
@@ -118,8 +119,9 @@ def use_gguf_layout(model: nn.Module, source: GGUFSource, translate) -> QuantCon
     layers = {}
     for name, (linear, types, f) in plan.items():
         algo = "W8A16" if f.bits == 8 else "W4A16"
-        layers[name] = LayerQuant(algo, GROUP, has_offset=f.offset, codebook=f.codebook)
-        linear.use_weight_only(f.bits, GROUP, False, has_offset=f.offset, codebook=f.codebook)
+        layers[name] = LayerQuant(algo, GROUP, has_offset=f.offset, codebook=f.codebook, super_scales=f.super_scales)
+        linear.use_weight_only(f.bits, GROUP, False, has_offset=f.offset, codebook=f.codebook,
+                               super_scales=f.super_scales)
         linear.external_key_map = {**(getattr(linear, "external_key_map", None) or {}), "weight": BLOCKS}
         linear.weight_postprocess = (_experts_postprocess_for(types[0], f) if isinstance(linear, ExpertLinear)
                                      else _postprocess_for(types, f))
@@ -137,7 +139,8 @@ def _postprocess_for(types: list, f: Native):
 
     def postprocess(key: str, weights: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         stem = key.rpartition(".")[0]
-        tensors = to_format([decode(raw, t) for raw, t in zip(weights, types)], f.bits, f.offset, f.codebook)
+        tensors = to_format([decode(raw, t) for raw, t in zip(weights, types)], f.bits, f.offset, f.codebook,
+                            f.super_scales)
         return {f"{stem}.{name}": tensor for name, tensor in tensors.items()}
 
     return postprocess
@@ -153,7 +156,8 @@ def _experts_postprocess_for(qtype, f: Native):
         # Every step is row by row: a run of experts decodes at once (a few hundred MB of
         # intermediates at most: 128 experts at once took 3.8 GB for Qwen3-30B-A3B's shapes).
         run = max(1, EXPERT_RUN_BYTES // raw[0].numel())
-        parts = [to_format([decode(raw[e:e + run].flatten(0, 1), qtype)], f.bits, f.offset, f.codebook)
+        parts = [to_format([decode(raw[e:e + run].flatten(0, 1), qtype)], f.bits, f.offset, f.codebook,
+                           f.super_scales)
                  for e in range(0, experts, run)]
         return {f"{stem}.{name}": torch.cat([p[name] for p in parts]).view(experts, rows, -1) for name in parts[0]}
 

@@ -26,7 +26,10 @@ rounded to nearest into int8 codes with a float16-exact scale per 32 weights (ab
 added error is at most half that step.
 
 ``Decoded`` parts then go into one kiln format (``to_format``): 8-bit codes hold every 4-bit or
-5-bit group exactly, so the parts of a fused linear take the finest of their formats.
+5-bit group exactly, so the parts of a fused linear take the finest of their formats. K-quants
+keep their scales and minimums as the file does, 6-bit codes under a float16 per super-block
+(kiln's ``super_scales``: 4.625 bits a Q4_K weight, against the file's 4.5 and 5 with float16
+scale and offset pairs); a fused linear mixing them with other types expands them to floats.
 """
 from __future__ import annotations
 
@@ -53,10 +56,12 @@ class Native:
     offset: bool
     exact: bool = True
     codebook: str | None = None  # "e2m1": 4-bit codes are E2M1 nibbles (MXFP4)
+    super_scales: bool = False  # scales and offsets as codes under super-block multipliers (K-quants)
 
 
 NATIVE = {T.Q8_0: Native(8, False), T.Q4_0: Native(4, False), T.Q4_1: Native(4, True), T.Q5_0: Native(8, False),
-          T.Q5_1: Native(8, True), T.Q4_K: Native(4, True), T.Q5_K: Native(8, True),
+          T.Q5_1: Native(8, True), T.Q4_K: Native(4, True, super_scales=True),
+          T.Q5_K: Native(8, True, super_scales=True),
           T.MXFP4: Native(4, False, codebook="e2m1")}
 ROUNDED = Native(8, False, exact=False)  # any other quantized type: int8 codes rounded to nearest
 
@@ -69,11 +74,14 @@ def native(qtype: GGMLQuantizationType) -> Native:
 @dataclass
 class Decoded:
     """One GGUF tensor as ``w = codes * scale + offset``: integer codes ``[rows, in]`` (int16),
-    float32 ``scale`` and ``offset`` (None: zero) ``[rows, in / 32]``."""
+    float32 ``scale`` and ``offset`` (None: zero) ``[rows, in / 32]``; K-quants also as
+    ``supers``: the int8 codes of ``scale`` and ``offset`` and their float32 multipliers
+    ``[rows, in / 256]`` (d and -dmin)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor | None
+    supers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -112,13 +120,13 @@ def _decode_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.
     # K-quants: d, dmin, 12 bytes of 6-bit sub-block scales and minimums, then the codes; each
     # 32 bytes of low nibbles hold two sub-blocks (low nibbles, then high nibbles).
     sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
-    scale, offset = _half(blocks, 0) * sc.astype(np.float32), -(_half(blocks, 2) * mn.astype(np.float32))
+    scale, offset = _half(blocks, 0) * sc.astype(np.float32), -_half(blocks, 2) * mn.astype(np.float32)
     low = blocks[:, 16:144] if qtype == T.Q4_K else blocks[:, 48:176]
     codes = _nibbles(low.reshape(-1, 4, 32)).reshape(-1, 8, 32)
     if qtype == T.Q5_K:  # bit j of byte i of qh: the fifth bit of sub-block j's weight i
         qh = blocks[:, 16:48]
         codes = codes + (((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1).astype(np.int16) << 4)
-    return codes.reshape(len(blocks), -1), scale, offset
+    return codes.reshape(len(blocks), -1), scale, offset, (sc, _half(blocks, 0), mn, -_half(blocks, 2))
 
 
 def decode(raw: torch.Tensor, qtype: GGMLQuantizationType) -> Decoded:
@@ -131,9 +139,10 @@ def decode(raw: torch.Tensor, qtype: GGMLQuantizationType) -> Decoded:
         codes = torch.round(w / scale[..., None]).clamp(-127, 127).to(torch.int16)
         return Decoded(codes.reshape(rows, -1), scale, None)
     block_bytes = GGML_QUANT_SIZES[qtype][1]
-    codes, scale, offset = _decode_blocks(data.reshape(-1, block_bytes), qtype)
+    codes, scale, offset, *supers = _decode_blocks(data.reshape(-1, block_bytes), qtype)
     as_rows = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, -1)  # noqa: E731
-    return Decoded(as_rows(codes), as_rows(scale), None if offset is None else as_rows(offset))
+    return Decoded(as_rows(codes), as_rows(scale), None if offset is None else as_rows(offset),
+                   tuple(as_rows(a) for a in supers[0]) if supers else None)
 
 
 def finest(formats: list[Native]) -> Native:
@@ -143,7 +152,7 @@ def finest(formats: list[Native]) -> Native:
     if len(codebooks) > 1:
         bits, codebooks = 8, {None}
     return Native(bits, any(f.offset for f in formats), all(f.exact for f in formats),
-                  codebooks.pop() if bits == 4 else None)
+                  codebooks.pop() if bits == 4 else None, all(f.super_scales for f in formats))
 
 
 # twice an E2M1 value (-12..12) + 12 -> its nibble (-1: not an E2M1 value): nibbles 0..7 hold 0 and
@@ -153,11 +162,14 @@ _E2M1_NIBBLE[np.asarray(E2M1_DOUBLED) + 12] = np.arange(16)
 _E2M1_NIBBLE[12] = 0
 
 
-def to_format(parts: list[Decoded], bits: int, offset: bool, codebook: str | None = None) -> dict[str, torch.Tensor]:
+def to_format(parts: list[Decoded], bits: int, offset: bool, codebook: str | None = None,
+              super_scales: bool = False) -> dict[str, torch.Tensor]:
     """kiln's checkpoint tensors (``weight``, ``weights_scaling_factor``, ``weights_offset`` when
     ``offset``) of ``parts`` stacked along the rows, in ``bits``-bit codes; exact for parts whose
     formats ``finest`` gives this one. A 4-bit layout without offsets centres codes on 8; the
-    ``e2m1`` codebook takes MXFP4 parts' doubled E2M1 values back to their nibbles."""
+    ``e2m1`` codebook takes MXFP4 parts' doubled E2M1 values back to their nibbles;
+    ``super_scales`` (K-quant parts) keeps the scales and offsets as codes, with
+    ``weights_super_scale`` and ``weights_super_offset``."""
     if codebook == "e2m1":
         codes_t = torch.cat([p.codes for p in parts])
         nibbles = torch.from_numpy(_E2M1_NIBBLE)[(codes_t + 12).clamp(0, 24).long()]
@@ -185,4 +197,8 @@ def to_format(parts: list[Decoded], bits: int, offset: bool, codebook: str | Non
         out = {"weight": codes_t.to(torch.int8).contiguous(), "weights_scaling_factor": scale}
     if offset:
         out["weights_offset"] = torch.cat(offsets).float().contiguous()
+    if super_scales:
+        for i, name in enumerate(("weights_scaling_factor", "weights_super_scale", "weights_offset",
+                                  "weights_super_offset")):
+            out[name] = torch.cat([p.supers[i] for p in parts]).to(torch.int8 if i % 2 == 0 else torch.float32)
     return out

@@ -218,7 +218,7 @@ def use_quantized_layout(name: str, linear: Linear | ExpertLinear, quant: QuantC
     if algo == MIXED_PRECISION:
         f = layer_format(name, linear, quant)
         linear.use_weight_only(f.bits, f.group_size, f.has_zero_point, tensors, has_offset=f.has_offset,
-                               tile_order=tile_order, codebook=f.codebook)
+                               tile_order=tile_order, codebook=f.codebook, super_scales=f.super_scales)
         return
     bits = WEIGHT_ONLY_ALGOS.get(algo)
     linear.use_weight_only(bits, quant.group_size if bits == 4 else None, quant.has_zero_point, tensors,

@@ -24,14 +24,18 @@ from tests.utils.compare import kiln_batch_prompt_logits, kiln_greedy, kiln_prom
 from tests.utils.tiny_gguf import EXPERTS, LINEARS, tensor_bytes, write_llama, write_qwen3_moe
 
 EXACT = list(NATIVE)
+# a quantized linear's checkpoint tensors (a K-quant's super-block multipliers too)
+TENSORS = ("weight", "weights_scaling_factor", "weights_offset", "weights_super_scale", "weights_super_offset")
 
 
-def _wider(qtype: Q) -> list[tuple[int, bool, str | None]]:
-    """Every format holding ``qtype``'s blocks: its own, with an offset, and in 8 bits."""
+def _wider(qtype: Q) -> list[tuple[int, bool, str | None, bool]]:
+    """Every format holding ``qtype``'s blocks: its own, with an offset, and in 8 bits; a
+    K-quant's codes with its super-block scales or with float ones."""
     f = native(qtype)
     if f.codebook is not None:  # MXFP4: its own E2M1 codes, or int8 codes with or without offsets
-        return [(4, False, f.codebook), (8, False, None), (8, True, None)]
-    return sorted({(f.bits, f.offset, None), (f.bits, True, None), (8, f.offset, None), (8, True, None)})
+        return [(4, False, f.codebook, False), (8, False, None, False), (8, True, None, False)]
+    supers = {False, f.super_scales}
+    return sorted({(bits, offset, None, s) for bits in (f.bits, 8) for offset in {f.offset, True} for s in supers})
 
 
 @pytest.mark.parametrize("qtype", [*EXACT, Q.Q6_K], ids=lambda q: q.name)
@@ -39,11 +43,12 @@ def test_blocks_decode_to_the_packages_values(qtype):
     raw = tensor_bytes((32, 512), qtype, np.random.default_rng(3), None)
     expected = torch.from_numpy(gguf_dequantize(raw, qtype))
     decoded = decode(torch.from_numpy(raw), qtype)
-    for bits, offset, codebook in _wider(qtype) if qtype in NATIVE else [(8, False, None)]:
-        tensors = to_format([decoded], bits, offset, codebook)
+    for bits, offset, codebook, supers in _wider(qtype) if qtype in NATIVE else [(8, False, None, False)]:
+        tensors = to_format([decoded], bits, offset, codebook, supers)
+        assert ("weights_super_scale" in tensors) is supers
         got = dequantize(tensors, bits, 32, codebook)
         if qtype in NATIVE:  # bit for bit, in the file's own format or any finer one
-            assert torch.equal(got, expected), (bits, offset)
+            assert torch.equal(got, expected), (bits, offset, supers)
         else:  # Q6_K's 16-weight sub-blocks: rounded to nearest into int8 groups of 32
             step = tensors["weights_scaling_factor"].repeat_interleave(32, dim=1)
             assert torch.all((got - expected).abs() <= step / 2 * (1 + 1e-6))
@@ -62,9 +67,9 @@ EXPECTED_LAYERS = {
     "transformer.layers.0.attention.dense": LayerQuant(W8, 32),
     "transformer.layers.0.mlp.fc": LayerQuant(W4, 32, has_offset=True),
     "transformer.layers.0.mlp.gate": LayerQuant(W4, 32, has_offset=True),
-    "transformer.layers.0.mlp.proj": LayerQuant(W8, 32, has_offset=True),
+    "transformer.layers.0.mlp.proj": LayerQuant(W8, 32, has_offset=True, super_scales=True),  # Q5_K
     "transformer.layers.1.attention.qkv": LayerQuant(W8, 32, has_offset=True),
-    "transformer.layers.1.attention.dense": LayerQuant(W4, 32, has_offset=True),
+    "transformer.layers.1.attention.dense": LayerQuant(W4, 32, has_offset=True, super_scales=True),  # Q4_K
     "transformer.layers.1.mlp.proj": LayerQuant(W8, 32),
     "lm_head": LayerQuant(W4, 32),
 }
@@ -98,8 +103,7 @@ def test_mixed_file_keeps_each_linear_at_its_precision(mixed, tmp_path):
     with safe_open(str(checkpoint / "rank0.safetensors"), "pt") as f:
         assert f.get_tensor("transformer.layers.1.mlp.gate.weight").dtype == torch.float32  # its pair is F16
         for name, fmt in layers.items():
-            tensors = {t: f.get_tensor(f"{name}.{t}") for t in ("weight", "weights_scaling_factor", "weights_offset")
-                       if f"{name}.{t}" in f.keys()}
+            tensors = {t: f.get_tensor(f"{name}.{t}") for t in TENSORS if f"{name}.{t}" in f.keys()}
             got = dequantize(tensors, fmt.bits, 32)
             parts = ["lm_head"] if name == "lm_head" else [
                 f"model.layers.{name.split('.')[2]}.{p}" for p in PARTS[name.split(".", 3)[3]]]
@@ -123,7 +127,7 @@ def test_native_engine_computes_the_dequantized_engine(mixed, tmp_path):
     assert kiln_greedy(native_engine, prompts, 12) == kiln_greedy(float_engine, prompts, 12)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
 def test_engine_holds_the_files_blocks_in_as_many_bytes(tmp_path, qtype):
     path = tmp_path / "tiny.gguf"
     write_llama(path, [dict.fromkeys(LINEARS, qtype)], output=qtype)
@@ -133,8 +137,10 @@ def test_engine_holds_the_files_blocks_in_as_many_bytes(tmp_path, qtype):
     with safe_open(str(engine / "rank0.safetensors"), "pt") as f:
         quantized = [f.get_tensor(k) for k in f.keys() if k.endswith((".weights_scaling_factor", ".weights_offset"))
                      or (k.endswith(".weight") and f.get_tensor(k).element_size() == 1)]
-    # codes, float16 scales and (Q4_1) offsets: byte for byte what the file's blocks take
-    assert sum(t.numel() * t.element_size() for t in quantized) == linears
+    # codes, float16 scales and (Q4_1) offsets: byte for byte what the file's blocks take; Q4_K's
+    # 144-byte super-blocks take 148 (its 6-bit scale and minimum codes a byte each)
+    expected = linears * 148 // 144 if qtype == Q.Q4_K else linears
+    assert sum(t.numel() * t.element_size() for t in quantized) == expected
 
 
 @pytest.mark.parametrize("embedding", [Q.Q8_0, Q.Q4_1, Q.F16], ids=lambda q: q.name)
@@ -168,8 +174,8 @@ def test_head_tied_to_a_quantized_table_reads_its_codes(tmp_path, embedding):
 # of different exact types (they share the finer format) and gpt-oss's MXFP4 down projection.
 EXPERT_TYPES = [dict(ffn_gate_exps=Q.Q4_K, ffn_up_exps=Q.Q4_K, ffn_down_exps=Q.Q6_K),
                 dict(ffn_gate_exps=Q.Q4_0, ffn_up_exps=Q.Q8_0, ffn_down_exps=Q.MXFP4)]
-EXPECTED_EXPERTS = {"transformer.layers.0.mlp.fc": LayerQuant(W4, 32, has_offset=True),
-                    "transformer.layers.0.mlp.gate": LayerQuant(W4, 32, has_offset=True),
+EXPECTED_EXPERTS = {"transformer.layers.0.mlp.fc": LayerQuant(W4, 32, has_offset=True, super_scales=True),
+                    "transformer.layers.0.mlp.gate": LayerQuant(W4, 32, has_offset=True, super_scales=True),
                     "transformer.layers.0.mlp.proj": LayerQuant(W8, 32),
                     "transformer.layers.1.mlp.fc": LayerQuant(W8, 32),
                     "transformer.layers.1.mlp.gate": LayerQuant(W8, 32),
@@ -197,8 +203,7 @@ def test_experts_keep_their_blocks_expert_by_expert(moe, tmp_path):
         for name, fmt in EXPECTED_EXPERTS.items():
             layer, part = name.split(".")[2], EXPERT_PARTS[name.rpartition(".")[2]]
             expected = src.read(f"model.layers.{layer}.mlp.experts.{part}.weight")
-            stacked = {t: f.get_tensor(f"{name}.{t}") for t in ("weight", "weights_scaling_factor", "weights_offset")
-                       if f"{name}.{t}" in f.keys()}
+            stacked = {t: f.get_tensor(f"{name}.{t}") for t in TENSORS if f"{name}.{t}" in f.keys()}
             assert all(t.shape[0] == EXPERTS for t in stacked.values())
             for e in range(EXPERTS):
                 one = {t: v[e] for t, v in stacked.items()}
