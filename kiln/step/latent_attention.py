@@ -51,9 +51,12 @@ def latent_attention(attn, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: tor
         rows = latent[start:end] if slots is None else read_slots(cache, slots)[:, 0]
         k, v = attn.expand(rows)
         q = torch.cat([q_nope[start:end], q_pe[start:end]], dim=-1)
+        # PyTorch's fused CPU attention wants values as wide as keys: zeros pad them (its math
+        # path held the whole [heads, len, len] score matrix, 9.8 GB and 12 s a layer at 8K)
+        v = F.pad(v, (0, q.shape[-1] - v.shape[-1]))
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, len, dim]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=attn.scale)
-        out[start:end] = o[0].transpose(0, 1)
+        out[start:end] = o[0, ..., :attn.v_head].transpose(0, 1)
     return out
 
 
