@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                    help="weight dtype of the checkpoint; auto keeps the source's dtype, and a GGUF file's own "
                         "precision: its quantized linears keep their blocks' codes (Q8_0, Q4_0, Q4_1, Q5_x, Q4_K, "
-                        "Q5_K exactly; Q6_K and other types rounded into 8-bit groups), its float parts float32, "
+                        "Q5_K, Q6_K exactly; other types rounded into 8-bit groups), its float parts float32, "
                         "for a bfloat16 engine about the file's size; a dtype given here dequantizes a GGUF file "
                         "to it, and carries through: kiln build --dtype auto keeps it")
     p.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks to split the weights over (default 1)")

@@ -25,7 +25,7 @@ class LayerQuant:
     ``group_size`` inputs per scale (None: W8A16's scale per output channel), and per group an
     integer ``zero`` point (``has_zero_point``, W4A16) or a float ``weights_offset``
     (``has_offset``): ``w = code * scale + offset``. ``super_scales`` (GGUF's K-quants): the group
-    scales and offsets are int8 codes times a float per ``kernels.SUPER_GROUPS`` groups
+    scales and offsets are int8 codes times a float per ``kernels.SUPER_K`` inputs
     (``weights_super_scale``, ``weights_super_offset``)."""
 
     quant_algo: str
@@ -40,8 +40,12 @@ class LayerQuant:
             raise ConfigError(f"quantized_layers: quant_algo {self.quant_algo!r} is not one of {LAYER_ALGOS}")
         if self.group_size is None and (self.bits == 4 or self.has_offset or self.has_zero_point):
             raise ConfigError(f"quantized_layers: {self.quant_algo} with zero points or offsets needs a group_size")
+        if self.bits == 6 and (self.group_size != 16 or not self.super_scales or self.has_offset
+                               or self.has_zero_point):
+            raise ConfigError("quantized_layers: W6A16 (GGUF's Q6_K) takes groups of 16 under super_scales, "
+                              "without offsets")
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size <= 0
-                                            or self.group_size % 32):
+                                            or self.group_size % 32 and self.bits != 6):
             raise ConfigError(f"quantized_layers: group_size must be a positive multiple of 32, got {self.group_size!r}")
         if self.has_zero_point and (self.has_offset or self.bits == 8):
             raise ConfigError("quantized_layers: zero points are for W4A16 layers without offsets")
@@ -54,7 +58,7 @@ class LayerQuant:
 
     @property
     def bits(self) -> int:
-        return ALGOS[self.quant_algo].weight_bits
+        return LAYER_ALGOS[self.quant_algo]
 
 
 @dataclass(frozen=True)

@@ -32,4 +32,6 @@ KV_CACHE_QUANT_ALGOS = ("FP8", "INT8")
 # Each quantized linear in its own weight-only format (an imported GGUF file's mix of types), listed
 # in QuantConfig.quantized_layers (TensorRT-LLM's name and shape for per-layer precision).
 MIXED_PRECISION = "MIXED_PRECISION"
-LAYER_ALGOS = ("W8A16", "W4A16")  # the formats a layer of a MIXED_PRECISION checkpoint may have
+# The formats a layer of a MIXED_PRECISION checkpoint may have -> their code bits (W6A16: GGUF's Q6_K
+# blocks as they are, an import only).
+LAYER_ALGOS = {"W8A16": 8, "W6A16": 6, "W4A16": 4}

@@ -71,10 +71,10 @@ void kiln_quant_pack(const uint8_t *codes, uint8_t *out, int64_t n, int64_t k, i
 /* Or'd into kiln_quant_linear_bf16's bits: 4-bit codes are MXFP4's E2M1 nibbles (quant_linear.c). */
 #define KILN_CODES_E2M1 0x100
 /* Or'd in too: group scales and offsets are int8 codes times a float16 per super-block of
- * KILN_SUPER_GROUPS groups (GGUF's K-quants), in KILN_SUPER_BYTES per block of 16 columns. */
+ * KILN_SUPER_K inputs (GGUF's K-quants), in KILN_SUPER_BYTES(group) per block of 16 columns. */
 #define KILN_SCALES_SUPER 0x200
-#define KILN_SUPER_GROUPS 8
-#define KILN_SUPER_BYTES (KILN_SUPER_GROUPS * 16 + 16 * 2)
+#define KILN_SUPER_K 256
+#define KILN_SUPER_BYTES(group) ((KILN_SUPER_K / (group)) * 16 + 16 * 2)
 void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const void *scales, const void *offsets,
                             int64_t bits, int64_t group, const bf16_t *bias, bf16_t *y, int64_t m, int64_t n,
                             int64_t k, int num_threads);

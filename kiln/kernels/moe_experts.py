@@ -30,7 +30,8 @@ def expert_weights(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Ten
     """``ExpertWeights`` over stacked engine tensors (``[E, ...]`` each, contiguous; ``bits`` as
     ``kernels.quant_bits_arg`` gives it, ``group`` as ``kernels.quant_kernel_group``)."""
     n = codes.shape[1]
-    k = codes.shape[2] * (1 if (bits & 0xff) == 8 else 2)
+    width = codes.shape[2]  # bytes a row: k, 3k / 4 (6-bit) or k / 2 (4-bit)
+    k = {8: width, 6: width * 4 // 3, 4: width * 2}[bits & 0xff]
 
     def stride(t: torch.Tensor | None) -> int:
         return 0 if t is None else t.stride(0) * t.element_size()

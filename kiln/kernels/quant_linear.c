@@ -25,12 +25,17 @@
  *     streams left ~25% of the memory bandwidth unused.
  *   Group scales and offsets (either width) float16 [n / 16][groups][16], so a block's 16 scales
  *     are one vector load.
- *   Super-blocks (bits | KILN_SCALES_SUPER; GGUF's K-quants: 6-bit scales and minimums of 32
- *     weights under a float16 per 256): scales and offsets are each [n / 16][groups / 8] records
- *     of KILN_SUPER_BYTES, 8 x 16 int8 codes (group-major, a column each) and then the 16
- *     columns' float16 multipliers: scale = code * multiplier, offset likewise (the multiplier
- *     carries the sign). 4.625 bits a 4-bit weight instead of 5 with float16 pairs, and the
- *     products are exact in fp32 (float16 pairs rounded them).
+ *   Super-blocks (bits | KILN_SCALES_SUPER; GGUF's K-quants: 6- or 8-bit scales and minimums of
+ *     16 or 32 weights under a float16 per 256): scales and offsets are each [n / 16][k / 256]
+ *     records of KILN_SUPER_BYTES(group), 256 / group x 16 int8 codes (group-major, a column
+ *     each) and then the 16 columns' float16 multipliers: scale = code * multiplier, offset
+ *     likewise (the multiplier carries the sign). Q4_K: 4.625 bits a weight instead of 5 with
+ *     float16 pairs, and the products are exact in fp32 (float16 pairs rounded them).
+ *   6-bit codes (GGUF's Q6_K: u 0..63, offset -32 * scale when not stored, groups of 16): the
+ *     low nibbles as 4-bit codes in chunks (n * k / 2 bytes), then the high bits in the same
+ *     panel order (n * k / 4 bytes), 64 bytes per block and 16 k: byte 4c + i holds column c's
+ *     k 16p + i, 16p + 4 + i, 16p + 8 + i and 16p + 12 + i in bit pairs 0, 2, 4 and 6, so a
+ *     shift and a mask line them up with the two chunks' nibble vectors. 6.5625 bits a weight.
  *
  * A few rows of x take a GEMV straight from the codes in integers (quant_gemv); more rows, the
  * codes of a panel dequantized (u * s + o in fp32, rounded to bf16) into the tile layout of the
@@ -68,6 +73,12 @@ static inline int64_t chunk_at(int64_t n, int64_t k, int64_t nb, int64_t j) {
     return (first * (k / 8) + j * pair + (nb - first)) * 64;
 }
 
+/* 6-bit codes: byte offset of the high bits of k 16p .. 16p + 15 of block nb (after the nibbles). */
+static inline int64_t high_bits_at(int64_t n, int64_t k, int64_t nb, int64_t p) {
+    const int64_t first = nb & ~(int64_t)1, pair = first + 1 < n / 16 ? 2 : 1;
+    return n * k / 2 + (first * (k / 16) + p * pair + (nb - first)) * 64;
+}
+
 /* Tile / chunk order from row-major codes: int8 [n, k] or packed 4-bit [n, k / 2] (byte j of a
  * row holds codes 2j in its low and 2j + 1 in its high nibble). */
 void kiln_quant_pack(const uint8_t *codes, uint8_t *out, int64_t n, int64_t k, int64_t bits, int num_threads) {
@@ -100,7 +111,12 @@ void kiln_quant_pack(const uint8_t *codes, uint8_t *out, int64_t n, int64_t k, i
 
 /* The offset a group has when none is stored: 4-bit codes are centred on 8, int8 codes on 0. */
 static inline float implicit_offset(const kiln_qweight *W, float s) {
-    return W->bits == 4 ? (W->e2m1 ? -12.f : -8.f) * s : 0.f;
+    return W->bits == 4 ? (W->e2m1 ? -12.f : -8.f) * s : W->bits == 6 ? -32.f * s : 0.f;
+}
+
+/* Byte offset of the super-block record holding group g of block nb (super scales). */
+static inline int64_t super_record_at(const kiln_qweight *W, int64_t nb, int64_t g) {
+    return (nb * (W->k / KILN_SUPER_K) + g * W->group / KILN_SUPER_K) * KILN_SUPER_BYTES(W->group);
 }
 
 /* Scale and offset of the 16 columns of block nb in group g (fp32). */
@@ -113,9 +129,9 @@ static inline void column_scales(const kiln_qweight *W, int64_t nb, int64_t g, f
         return;
     }
     if (W->super) {
-        const int64_t at = (nb * (W->k / W->group / KILN_SUPER_GROUPS) + g / KILN_SUPER_GROUPS) * KILN_SUPER_BYTES;
+        const int64_t at = super_record_at(W, nb, g), per = KILN_SUPER_K / W->group;
         const uint8_t *sc = (const uint8_t *)W->scales + at, *of = (const uint8_t *)W->offsets + at;
-        const int q = (int)(g % KILN_SUPER_GROUPS) * 16, mult = KILN_SUPER_GROUPS * 16;
+        const int q = (int)(g % per) * 16, mult = (int)per * 16;
         for (int c = 0; c < 16; ++c) {
             uint16_t h;
             memcpy(&h, sc + mult + 2 * c, 2);
@@ -132,10 +148,14 @@ static inline void column_scales(const kiln_qweight *W, int64_t nb, int64_t g, f
     }
 }
 
-/* The 4-bit code of column c, k index kk (kk < 32) of k block kb in block nb (chunk order). */
+/* The 4- or 6-bit code of column c, k index kk (kk < 32) of k block kb in block nb (chunk order). */
 static inline int code4(const kiln_qweight *W, int64_t nb, int64_t kb, int c, int kk) {
     const uint8_t byte = W->codes[chunk_at(W->n, W->k, nb, kb * 4 + kk / 8) + 4 * c + kk % 4];
     const int u = (kk % 8) < 4 ? byte & 0x0f : byte >> 4;
+    if (W->bits == 6) {
+        const uint8_t high = W->codes[high_bits_at(W->n, W->k, nb, kb * 2 + kk / 16) + 4 * c + kk % 4];
+        return u | (((high >> (2 * ((kk % 16) / 4))) & 3) << 4);
+    }
     return W->e2m1 ? E2M1_U[u] : u;
 }
 
@@ -143,6 +163,31 @@ static inline int code4(const kiln_qweight *W, int64_t nb, int64_t kb, int c, in
 /* E2M1_U in each 128-bit lane, for VPSHUFB (a byte's low 4 bits pick within its lane). */
 static inline __m512i e2m1_table(void) {
     return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)E2M1_U));
+}
+
+/* 6-bit codes: bit pair `pair` of each high-bits byte, moved to bits 4-5 (beside the nibble). */
+static inline __m512i high_pair(__m512i high, int pair) {
+    const __m512i mask = _mm512_set1_epi8(0x30);
+    switch (pair) {
+    case 0: return _mm512_and_si512(_mm512_slli_epi16(high, 4), mask);
+    case 1: return _mm512_and_si512(_mm512_slli_epi16(high, 2), mask);
+    case 2: return _mm512_and_si512(high, mask);
+    default: return _mm512_and_si512(_mm512_srli_epi16(high, 2), mask);
+    }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+/* Column scales and offsets spread over a tile row's 32 lanes (lane i: column i / 2, + 8 in the
+ * upper half): [0] low half scales, [1] high half scales, [2], [3] offsets. */
+static inline void tile_scales(const float s[16], const float o[16], __m512 v[4]) {
+    const __m512i lo_idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+    const __m512 sv = _mm512_loadu_ps(s), ov = _mm512_loadu_ps(o);
+    v[0] = _mm512_permutexvar_ps(lo_idx, sv);
+    v[1] = _mm512_permutexvar_ps(hi_idx, sv);
+    v[2] = _mm512_permutexvar_ps(lo_idx, ov);
+    v[3] = _mm512_permutexvar_ps(hi_idx, ov);
 }
 #endif
 
@@ -154,12 +199,8 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
             column_scales(W, nb0 + b, kb * 32 / W->group, s, o);
             bf16_t *out = scratch + (b * kblocks + kb) * 512;
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-            /* lane i of a 16-lane half is column i / 2 (+ 8 for the upper half) */
-            const __m512i lo_idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-            const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
-            const __m512 sv = _mm512_loadu_ps(s), ov = _mm512_loadu_ps(o);
-            const __m512 s_lo = _mm512_permutexvar_ps(lo_idx, sv), s_hi = _mm512_permutexvar_ps(hi_idx, sv);
-            const __m512 o_lo = _mm512_permutexvar_ps(lo_idx, ov), o_hi = _mm512_permutexvar_ps(hi_idx, ov);
+            __m512 sv[4];
+            tile_scales(s, o, sv);
             /* a chunk's dword c holds 4 k of column c; tile row 4j + q wants bytes 2q, 2q + 1 of
              * each dword (q < 2: low nibbles, else high): gather them as the rows' 32-byte halves */
             const __m512i pick = _mm512_set_epi8(  /* 4-bit chunks (int8 tiles are in place: above) */
@@ -172,9 +213,9 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
                 for (int p = 0; p < 16; ++p) {
                     const __m256i q = _mm256_loadu_si256((const __m256i *)(tile + p * 32));
                     const __m512 f_lo = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s_lo, o_lo);
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), sv[0], sv[2]);
                     const __m512 f_hi = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s_hi, o_hi);
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), sv[1], sv[3]);
                     _mm512_storeu_si512(out + p * 32, (__m512i)_mm512_cvtne2ps_pbh(f_hi, f_lo));
                 }
                 continue;
@@ -182,30 +223,42 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
             const __m512i mask = _mm512_set1_epi8(0x0f);
             const __m512i table = e2m1_table();
             for (int j = 0; j < 4; ++j) {
+                if (j == 2 && W->group < 32) {  /* 6-bit codes: the k block's second group of 16 */
+                    column_scales(W, nb0 + b, (kb * 32 + 16) / W->group, s, o);
+                    tile_scales(s, o, sv);
+                }
                 const __m512i bytes = _mm512_loadu_si512(W->codes + chunk_at(W->n, W->k, nb0 + b, kb * 4 + j));
                 __m512i nibbles[2] = {_mm512_and_si512(bytes, mask), _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask)};
                 if (W->e2m1)
                     for (int h = 0; h < 2; ++h) nibbles[h] = _mm512_shuffle_epi8(table, nibbles[h]);
+                if (W->bits == 6) {
+                    const int64_t at = high_bits_at(W->n, W->k, nb0 + b, kb * 2 + j / 2);
+                    const __m512i high = _mm512_loadu_si512(W->codes + at);
+                    for (int h = 0; h < 2; ++h)
+                        nibbles[h] = _mm512_or_si512(nibbles[h], high_pair(high, 2 * (j % 2) + h));
+                }
                 for (int h = 0; h < 2; ++h) {
                     const __m512i rows = _mm512_permutexvar_epi8(pick, nibbles[h]);  /* rows 4j + 2h, 4j + 2h + 1 */
                     for (int r = 0; r < 2; ++r) {
                         const __m256i u = r ? _mm512_extracti64x4_epi64(rows, 1) : _mm512_castsi512_si256(rows);
                         const __m512 f_lo = _mm512_fmadd_ps(
-                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u))), s_lo, o_lo);
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u))), sv[0], sv[2]);
                         const __m512 f_hi = _mm512_fmadd_ps(
-                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u, 1))), s_hi, o_hi);
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u, 1))), sv[1], sv[3]);
                         _mm512_storeu_si512(out + (4 * j + 2 * h + r) * 32, (__m512i)_mm512_cvtne2ps_pbh(f_hi, f_lo));
                     }
                 }
             }
 #else
-            for (int p = 0; p < 16; ++p)
+            for (int p = 0; p < 16; ++p) {
+                if (p == 8 && W->group < 32) column_scales(W, nb0 + b, (kb * 32 + 16) / W->group, s, o);
                 for (int i = 0; i < 32; ++i) {
                     const int c = i / 2;
                     const float u = W->bits == 8 ? (float)(int8_t)W->codes[((nb0 + b) * kblocks + kb) * 512 + p * 32 + i]
                                                  : (float)code4(W, nb0 + b, kb, c, 2 * p + i % 2);
                     out[p * 32 + i] = bf16_store(u * s[c] + o[c]);
                 }
+            }
 #endif
         }
     return scratch;
@@ -232,10 +285,11 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
  * crossover further). Covers a step verifying up to 11 proposals, whose rows then compute what
  * plain decode steps do. */
 
-/* k per flush: 4-bit, a block of x (32); else a divisor of the group (a multiple of 32) of at
+/* k per flush: 4-bit, a block of x (32); 6-bit, a group (16); else a divisor of the group (a multiple of 32) of at
  * most 512 k. */
 static inline int64_t flush_span(const kiln_qweight *W) {
     if (W->bits == 4) return 32;
+    if (W->bits == 6) return 16;  /* Q6_K's groups of 16: two spans of each block of x */
     if (W->channel_scales) return 512;
     int64_t blocks = W->group / 32, best = 1;
     for (int64_t d = 1; d <= 16; ++d)
@@ -250,8 +304,8 @@ static inline void load_block_scales(const kiln_qweight *W, int64_t nb, int64_t 
         return;
     }
     if (W->super) {  /* int8 codes times the super-block's float16 multipliers */
-        const int64_t at = (nb * (W->k / W->group / KILN_SUPER_GROUPS) + g / KILN_SUPER_GROUPS) * KILN_SUPER_BYTES;
-        const int64_t q = (g % KILN_SUPER_GROUPS) * 16, mult = KILN_SUPER_GROUPS * 16;
+        const int64_t at = super_record_at(W, nb, g), per = KILN_SUPER_K / W->group;
+        const int64_t q = (g % per) * 16, mult = per * 16;
         const uint8_t *sc = (const uint8_t *)W->scales + at;
         *s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + q)))),
                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + mult))));
@@ -271,7 +325,7 @@ static inline void load_block_scales(const kiln_qweight *W, int64_t nb, int64_t 
 }
 
 /* Whether a group's offset enters the GEMV (through the span's sum of x). */
-static inline int has_offsets(const kiln_qweight *W) { return W->bits == 4 || W->offsets != NULL; }
+static inline int has_offsets(const kiln_qweight *W) { return W->bits != 8 || W->offsets != NULL; }
 
 static inline __m512i bcast32(const void *p) {
     int32_t v;
@@ -287,8 +341,9 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
     /* A panel's codes are short (a few KB), too short for the hardware prefetcher to ramp up
      * on: each load prefetches the same spot of the next panel (this thread's next, but at the
      * end of its run), a whole panel ahead. */
-    const int64_t next_panel = (W->bits == 8 ? 4 : 2) * 16 * k * W->bits / 8;
-    const uint8_t *panel = W->bits == 4 ? W->codes + chunk_at(W->n, k, nb0, 0) : NULL;
+    const int64_t next_panel = W->bits == 8 ? 4 * 16 * k : 2 * 16 * k / 2;  /* 6-bit: its nibbles */
+    const uint8_t *panel = W->bits != 8 ? W->codes + chunk_at(W->n, k, nb0, 0) : NULL;
+    const uint8_t *high_panel = W->bits == 6 ? W->codes + high_bits_at(W->n, k, nb0, 0) : NULL;
     __m512 total[4][4];
     for (int t = 0; t < MT; ++t)
         for (int b = 0; b < NB; ++b) total[t][b] = _mm512_setzero_ps();
@@ -329,6 +384,13 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
                         low = _mm512_shuffle_epi8(table, low);
                         high = _mm512_shuffle_epi8(table, high);
                     }
+                    if (W->bits == 6) {  /* the high bits of both chunks of 16 k: 64 bytes */
+                        const uint8_t *bits = high_panel + ((j / 2) * NB + b) * 64;
+                        if (j % 2 == 0) _mm_prefetch((const char *)(bits + next_panel / 2), _MM_HINT_T0);
+                        const __m512i hb = _mm512_loadu_si512(bits);
+                        low = _mm512_or_si512(low, high_pair(hb, 2 * (j % 2)));
+                        high = _mm512_or_si512(high, high_pair(hb, 2 * (j % 2) + 1));
+                    }
                     for (int t = 0; t < MT; ++t) {
                         const int64_t at = (t0 + t) * k + 8 * j;
                         acc[t][b] = _mm512_dpbusd_epi32(acc[t][b], low, bcast32(in->x8 + at));
@@ -356,7 +418,7 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
 
 /* x as the GEMV reads it, in one allocation (returned). int8 weights: each row in 16-bit fixed
  * point, a scale per row, and the sum of each flush span's x as the kernel sees it. 4-bit
- * weights: each block of 32 in int8 with a scale of its own (its largest value over 127, as
+ * weights (6-bit: sums per 16): each block of 32 in int8 with a scale of its own (its largest value over 127, as
  * llama.cpp's Q8 blocks hold activations), and the block's sum as the kernel sees it: one
  * VPDPBUSD per code vector and row (16-bit x split in two bytes took two). Sixteen values a
  * vector: done serially before the threads start, a scalar loop here cost as much as the GEMV
@@ -370,8 +432,8 @@ void *kiln_quant_gemv_prepare(const bf16_t *x, const kiln_qweight *W, int64_t m,
     float *xscale = (float *)(x16 + m * k), *xsum = xscale + m * spans;
     for (int64_t t = 0; t < m; ++t) {
         const bf16_t *xr = x + t * k;
-        if (W->bits == 4) {
-            for (int64_t i = 0; i < k; i += 32) {  /* span 32: k is a multiple of 32 */
+        if (W->bits != 8) {
+            for (int64_t i = 0; i < k; i += 32) {  /* a block of 32 (k is a multiple of 32): one span, or two (6-bit) */
                 const __m512 a = load16_bf16(xr + i), b = load16_bf16(xr + i + 16);
                 const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
                 const float scale = amax > 0.f ? amax / 127.f : 1.f;
@@ -380,8 +442,14 @@ void *kiln_quant_gemv_prepare(const bf16_t *x, const kiln_qweight *W, int64_t m,
                 const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
                 _mm_storeu_si128((__m128i *)(x8 + t * k + i), _mm512_cvtsepi32_epi8(qa));
                 _mm_storeu_si128((__m128i *)(x8 + t * k + i + 16), _mm512_cvtsepi32_epi8(qb));
-                xscale[t * spans + i / 32] = scale;
-                xsum[t * spans + i / 32] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)) * scale;
+                if (span == 16) {
+                    xscale[t * spans + i / 16] = xscale[t * spans + i / 16 + 1] = scale;
+                    xsum[t * spans + i / 16] = (float)_mm512_reduce_add_epi32(qa) * scale;
+                    xsum[t * spans + i / 16 + 1] = (float)_mm512_reduce_add_epi32(qb) * scale;
+                } else {
+                    xscale[t * spans + i / 32] = scale;
+                    xsum[t * spans + i / 32] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)) * scale;
+                }
             }
             continue;
         }
@@ -411,14 +479,14 @@ void *kiln_quant_gemv_prepare(const bf16_t *x, const kiln_qweight *W, int64_t m,
     return mem;
 }
 
-int64_t kiln_quant_gemv_unit(const kiln_qweight *W) { return W->bits == 4 ? 2 : 4; }
+int64_t kiln_quant_gemv_unit(const kiln_qweight *W) { return W->bits == 8 ? 4 : 2; }
 
 /* 4-bit, one panel (1 or 2 blocks); int8, a full panel of 4 at once, a last panel's 1-3 blocks
  * one at a time. */
 void kiln_quant_gemv_tile(const kiln_qweight *W, const kiln_gemv_input *in, int64_t t0, int mt, int64_t nb0,
                           int blocks, float *out) {
 #define ROWS(MT)                                                                                   \
-    if (W->bits == 4) {                                                                            \
+    if (W->bits != 8) {                                                                            \
         if (blocks == 2) gemv_blocks(W, in, t0, MT, nb0, 2, out);                                  \
         else gemv_blocks(W, in, t0, MT, nb0, 1, out);                                              \
     } else if (blocks == 4) gemv_blocks(W, in, t0, MT, nb0, 4, out);                               \
@@ -442,7 +510,7 @@ static void quant_gemv(const bf16_t *x, const kiln_qweight *W, const bf16_t *bia
     kiln_gemv_input in;
     void *mem = kiln_quant_gemv_prepare(x, W, m, &in);
     const quant_tile_ctx ctx = {W, &in};
-    kiln_gemv_panels(quant_tile, &ctx, bias, NULL, y, m, W->n, W->bits == 4 ? 2 : 1, num_threads);
+    kiln_gemv_panels(quant_tile, &ctx, bias, NULL, y, m, W->n, W->bits == 8 ? 1 : 2, num_threads);
     free(mem);
 }
 #endif

@@ -57,7 +57,7 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
 
-    quant_bits: int | None = None  # 8 or 4 once use_weight_only() switched the weight to codes
+    quant_bits: int | None = None  # 8, 6 or 4 once use_weight_only() switched the weight to codes
     codebook: str | None = None  # "e2m1": those 4-bit codes are MXFP4's E2M1 nibbles
     super_scales: bool = False  # group scales and offsets are int8 codes under super-block multipliers
     act_quant: bool = False  # True once use_w8a8() switched to SmoothQuant W8A8 (int8 activations too)
@@ -92,7 +92,7 @@ class Linear(nn.Module):
         ``kernels.quant_pack`` and ``quant_pack_scales``, where a zero point becomes an offset).
         ``codebook`` "e2m1": 4-bit codes are MXFP4's E2M1 nibbles (``quantized_matmul.dequantize``).
         ``super_scales`` (GGUF K-quants): the group scales and offsets are int8 codes, under float32
-        ``weights_super_scale`` and ``weights_super_offset`` ``[out, groups / SUPER_GROUPS]``; in the
+        ``weights_super_scale`` and ``weights_super_offset`` ``[out, in / SUPER_K]``; in the
         kernels' layout all in the scales' and offsets' super-block records."""
         kernels.quant_bits_arg(bits, codebook)  # a ValueError for a codebook the kernels lack
         shapes = weight_only_shapes(*self.weight.shape, bits, group_size, has_zero_point, has_offset, tile_order,

@@ -301,7 +301,7 @@ def _expert_weights(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Te
     """``kernels.expert_weights`` over stacked engine tensors (``[E, ...]`` each) in format ``fmt``
     (its ``bits``, ``codebook``, ``super_scales``, ``group_size``, ``tile_order``), or None when the native call
     cannot read them."""
-    if not (fmt["tile_order"] and fmt["bits"] in (4, 8) and kernels.moe_experts_supported()
+    if not (fmt["tile_order"] and fmt["bits"] in (4, 6, 8) and kernels.moe_experts_supported()
             and (bias is None or bias.dtype == torch.bfloat16)):
         return None
     bits = kernels.quant_bits_arg(fmt["bits"], fmt["codebook"], fmt["super_scales"])

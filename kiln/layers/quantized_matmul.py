@@ -24,23 +24,24 @@ def weight_only_shapes(out_features: int, in_features: int, bits: int, group_siz
     """Name -> (shape, dtype) of a weight-only quantized linear's parameters (see
     ``Linear.use_weight_only``), in a checkpoint's layout or (``tile_order``) the kernels'."""
     grouped = (out_features, in_features // group_size) if group_size is not None else None
-    shapes = {"weight": ((out_features, in_features), torch.int8) if bits == 8
-              else ((out_features, in_features // 2), torch.uint8),
+    code_width = {8: in_features, 6: in_features * 3 // 4 if tile_order else in_features, 4: in_features // 2}[bits]
+    shapes = {"weight": ((out_features, code_width), torch.int8 if bits == 8 or bits == 6 and not tile_order
+                         else torch.uint8),
               "weights_scaling_factor": (grouped or (out_features,), torch.float32)}
     if has_zero_point and not tile_order:
         shapes["zero"] = (grouped, torch.float32)
     if has_offset or (has_zero_point and tile_order):
         shapes["weights_offset"] = (grouped, torch.float32)
     if super_scales:  # int8 codes of the scales and offsets, a float32 multiplier per super-block each
-        supers = (out_features, grouped[1] // kernels.SUPER_GROUPS)
+        supers = (out_features, in_features // kernels.SUPER_K)
         for name, multiplier in SUPER_MULTIPLIERS.items():
             if name in shapes:
                 shapes[name], shapes[multiplier] = (grouped, torch.int8), (supers, torch.float32)
     if tile_order and grouped is not None:  # the kernels' layout (kernels.quant_pack_scales)
         for name in ("weights_scaling_factor", "weights_offset"):
             if name in shapes:
-                shapes[name] = (((out_features // 16, supers[1], kernels.SUPER_BYTES), torch.uint8) if super_scales
-                                else ((out_features // 16, grouped[1], 16), torch.float16))
+                shapes[name] = (((out_features // 16, supers[1], kernels.super_bytes(group_size)), torch.uint8)
+                                if super_scales else ((out_features // 16, grouped[1], 16), torch.float16))
         for name in SUPER_MULTIPLIERS.values():
             shapes.pop(name, None)  # packed into the records
     return shapes
@@ -59,7 +60,7 @@ def dequantize(tensors: dict[str, torch.Tensor], bits: int, group_size: int | No
     if bits == 4:
         codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).view(codes.shape[0], -1)
     if "weights_super_scale" in tensors:
-        per_group = lambda t: t.repeat_interleave(kernels.SUPER_GROUPS, dim=1)  # noqa: E731
+        per_group = lambda t: t.repeat_interleave(kernels.SUPER_K // group_size, dim=1)  # noqa: E731
         scale = scale.float() * per_group(tensors["weights_super_scale"])
         if "weights_offset" in tensors:
             offset = tensors["weights_offset"].float() * per_group(tensors["weights_super_offset"])

@@ -113,7 +113,8 @@ def load_checkpoint(model_cls: type, config: PretrainedConfig, checkpoint_dir: s
             # decode as fast from file pages). 4-bit codes decode ~16% slower from 4 KiB pages
             # than from huge pages (SmolLM2-1.7B shape, docs/benchmark-log.md): those are read.
             weights = reader.mapped()
-            read = [f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear) and m.quant_bits == 4]
+            read = [f"{name}.weight" for name, m in model.named_modules()
+                    if isinstance(m, Linear) and m.quant_bits in (4, 6)]  # nibbles
         else:  # a checkpoint's are read, for the conversions that rewrite them
             weights, read = {}, [name for name, _ in model.named_parameters()]
         weights.update(_read_to_huge_pages(reader, read))
@@ -168,20 +169,26 @@ def engine_layout_weights(model: nn.Module, weights: dict[str, torch.Tensor],
         names = (key, f"{prefix}weights_scaling_factor", f"{prefix}zero", f"{prefix}weights_offset",
                  f"{prefix}weights_super_scale", f"{prefix}weights_super_offset")
         parts = [weights.pop(name, None) for name in names]
+        # uint8 codes are 4-bit pairs; int8 ones 8-bit, but for W6A16's (GGUF's Q6_K), the only
+        # format with groups of 16 (under super-block scales); e4m3 are FP8's
+        codes, scales, super_scale = parts[0], parts[1], parts[4]
+        bits = 4 if codes.dtype == torch.uint8 else \
+            6 if super_scale is not None and codes.shape[-1] == 16 * scales.shape[-1] else 8
         if parts[0].dim() == 3:  # stacked experts: each packed on its own, kept expert-major
-            packed = [_packed_quantized(*(None if t is None else t[e] for t in parts)) for e in range(len(parts[0]))]
+            packed = [_packed_quantized(bits, *(None if t is None else t[e] for t in parts))
+                      for e in range(len(parts[0]))]
             packed = tuple(None if packed[0][i] is None else torch.stack([p[i] for p in packed]) for i in range(3))
         else:
-            packed = _packed_quantized(*parts)
+            packed = _packed_quantized(bits, *parts)
         for name, tensor in zip((key, f"{prefix}weights_scaling_factor", f"{prefix}weights_offset"), packed):
             if tensor is not None:
                 weights[name] = tensor
     return weights
 
 
-def _packed_quantized(codes: torch.Tensor, scales: torch.Tensor, zero: torch.Tensor | None,
+def _packed_quantized(bits: int, codes: torch.Tensor, scales: torch.Tensor, zero: torch.Tensor | None,
                       offsets: torch.Tensor | None, super_scale: torch.Tensor | None = None,
                       super_offset: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """One quantized linear's checkpoint tensors in the kernels' layout: (codes, scales, offsets)."""
     packed_scales, packed_offsets = kernels.quant_pack_scales(scales, zero, offsets, super_scale, super_offset)
-    return kernels.quant_pack(codes, 4 if codes.dtype == torch.uint8 else 8), packed_scales, packed_offsets
+    return kernels.quant_pack(codes, bits), packed_scales, packed_offsets

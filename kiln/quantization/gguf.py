@@ -7,8 +7,10 @@ format with 32 weights a group, recorded per linear in a ``MIXED_PRECISION`` qua
   group scales; Q5_1, Q5_K -> W8A16 with offsets: the file's values exactly (K-quants keep their
   6-bit scale and minimum codes under each super-block's float16 ``d`` and ``dmin``:
   ``super_scales``);
-* any other quantized type (Q6_K, Q2_K, Q3_K, IQ*) -> W8A16 with group scales, rounded to
-  nearest from the dequantized values;
+* Q6_K -> W6A16: its 6-bit codes, int8 scales of 16 weights and float16 ``d`` as they are; in a
+  fused linear beside other types (Q4_K_M's attn_v in qkv), W8A16 rounded as below;
+* any other quantized type (Q2_K, Q3_K, IQ*) -> W8A16 with group scales, rounded to nearest from
+  the dequantized values;
 * float tensors (F32, F16, BF16) and the embedding stay float; a head tied to a quantized
   embedding gets codes of its own in the table's format (as llama.cpp's output matmul reads the
   table's blocks): Q8_0 SmolLM2-135M's head is 28 MB of codes a decode step reads instead of
@@ -60,7 +62,7 @@ def _format(linear: Linear | ExpertLinear, types: list) -> Native | None:
     if not plain or any(t in FLOAT_TYPES for t in types):
         return None
     f = finest([native(t) for t in types])
-    return f if kernels.quant_shape_tiles(linear.out_features, linear.in_features, f.bits, GROUP) else None
+    return f if kernels.quant_shape_tiles(linear.out_features, linear.in_features, f.bits, f.group) else None
 
 
 def _untie_head(model: nn.Module, source: GGUFSource, embedding: str) -> Native | None:
@@ -118,9 +120,9 @@ def use_gguf_layout(model: nn.Module, source: GGUFSource, translate) -> QuantCon
     plan = _plan(model, source, translate)
     layers = {}
     for name, (linear, types, f) in plan.items():
-        algo = "W8A16" if f.bits == 8 else "W4A16"
-        layers[name] = LayerQuant(algo, GROUP, has_offset=f.offset, codebook=f.codebook, super_scales=f.super_scales)
-        linear.use_weight_only(f.bits, GROUP, False, has_offset=f.offset, codebook=f.codebook,
+        algo = {8: "W8A16", 6: "W6A16", 4: "W4A16"}[f.bits]
+        layers[name] = LayerQuant(algo, f.group, has_offset=f.offset, codebook=f.codebook, super_scales=f.super_scales)
+        linear.use_weight_only(f.bits, f.group, False, has_offset=f.offset, codebook=f.codebook,
                                super_scales=f.super_scales)
         linear.external_key_map = {**(getattr(linear, "external_key_map", None) or {}), "weight": BLOCKS}
         linear.weight_postprocess = (_experts_postprocess_for(types[0], f) if isinstance(linear, ExpertLinear)
@@ -139,8 +141,8 @@ def _postprocess_for(types: list, f: Native):
 
     def postprocess(key: str, weights: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         stem = key.rpartition(".")[0]
-        tensors = to_format([decode(raw, t) for raw, t in zip(weights, types)], f.bits, f.offset, f.codebook,
-                            f.super_scales)
+        tensors = to_format([decode(raw, t, f.group) for raw, t in zip(weights, types)], f.bits, f.offset,
+                            f.codebook, f.super_scales)
         return {f"{stem}.{name}": tensor for name, tensor in tensors.items()}
 
     return postprocess
@@ -156,7 +158,7 @@ def _experts_postprocess_for(qtype, f: Native):
         # Every step is row by row: a run of experts decodes at once (a few hundred MB of
         # intermediates at most: 128 experts at once took 3.8 GB for Qwen3-30B-A3B's shapes).
         run = max(1, EXPERT_RUN_BYTES // raw[0].numel())
-        parts = [to_format([decode(raw[e:e + run].flatten(0, 1), qtype)], f.bits, f.offset, f.codebook,
+        parts = [to_format([decode(raw[e:e + run].flatten(0, 1), qtype, f.group)], f.bits, f.offset, f.codebook,
                            f.super_scales)
                  for e in range(0, experts, run)]
         return {f"{stem}.{name}": torch.cat([p[name] for p in parts]).view(experts, rows, -1) for name in parts[0]}

@@ -32,22 +32,28 @@ def _wider(qtype: Q) -> list[tuple[int, bool, str | None, bool]]:
     """Every format holding ``qtype``'s blocks: its own, with an offset, and in 8 bits; a
     K-quant's codes with its super-block scales or with float ones."""
     f = native(qtype)
+    if f.group != 32:  # Q6_K's 6-bit codes in groups of 16: only its own
+        return [(f.bits, f.offset, None, f.super_scales)]
     if f.codebook is not None:  # MXFP4: its own E2M1 codes, or int8 codes with or without offsets
         return [(4, False, f.codebook, False), (8, False, None, False), (8, True, None, False)]
     supers = {False, f.super_scales}
     return sorted({(bits, offset, None, s) for bits in (f.bits, 8) for offset in {f.offset, True} for s in supers})
 
 
-@pytest.mark.parametrize("qtype", [*EXACT, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", EXACT, ids=lambda q: q.name)
 def test_blocks_decode_to_the_packages_values(qtype):
     raw = tensor_bytes((32, 512), qtype, np.random.default_rng(3), None)
     expected = torch.from_numpy(gguf_dequantize(raw, qtype))
-    decoded = decode(torch.from_numpy(raw), qtype)
-    for bits, offset, codebook, supers in _wider(qtype) if qtype in NATIVE else [(8, False, None, False)]:
+    group = native(qtype).group
+    decoded = decode(torch.from_numpy(raw), qtype, group)
+    cases = [(f, decoded) for f in _wider(qtype)]
+    if group != 32:  # Q6_K beside other types in one linear: rounded into int8 groups of 32
+        cases.append(((8, False, None, False), decode(torch.from_numpy(raw), qtype)))
+    for (bits, offset, codebook, supers), decoded in cases:
         tensors = to_format([decoded], bits, offset, codebook, supers)
         assert ("weights_super_scale" in tensors) is supers
-        got = dequantize(tensors, bits, 32, codebook)
-        if qtype in NATIVE:  # bit for bit, in the file's own format or any finer one
+        got = dequantize(tensors, bits, 16 if bits == 6 else 32, codebook)
+        if group == 32 or bits == 6:  # bit for bit, in the file's own format or any finer one
             assert torch.equal(got, expected), (bits, offset, supers)
         else:  # Q6_K's 16-weight sub-blocks: rounded to nearest into int8 groups of 32
             step = tensors["weights_scaling_factor"].repeat_interleave(32, dim=1)
@@ -70,7 +76,7 @@ EXPECTED_LAYERS = {
     "transformer.layers.0.mlp.proj": LayerQuant(W8, 32, has_offset=True, super_scales=True),  # Q5_K
     "transformer.layers.1.attention.qkv": LayerQuant(W8, 32, has_offset=True),
     "transformer.layers.1.attention.dense": LayerQuant(W4, 32, has_offset=True, super_scales=True),  # Q4_K
-    "transformer.layers.1.mlp.proj": LayerQuant(W8, 32),
+    "transformer.layers.1.mlp.proj": LayerQuant("W6A16", 16, super_scales=True),  # Q6_K alone
     "lm_head": LayerQuant(W4, 32),
 }
 PARTS = {"attention.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
@@ -104,16 +110,18 @@ def test_mixed_file_keeps_each_linear_at_its_precision(mixed, tmp_path):
         assert f.get_tensor("transformer.layers.1.mlp.gate.weight").dtype == torch.float32  # its pair is F16
         for name, fmt in layers.items():
             tensors = {t: f.get_tensor(f"{name}.{t}") for t in TENSORS if f"{name}.{t}" in f.keys()}
-            got = dequantize(tensors, fmt.bits, 32)
+            got = dequantize(tensors, fmt.bits, fmt.group_size)
             parts = ["lm_head"] if name == "lm_head" else [
                 f"model.layers.{name.split('.')[2]}.{p}" for p in PARTS[name.split(".", 3)[3]]]
             expected = torch.cat([src.read(f"{p}.weight") for p in parts])
-            rounded = [src.tensor_type(f"{p}.weight") == Q.Q6_K for p in parts]
+            rounded = [src.tensor_type(f"{p}.weight") == Q.Q6_K and fmt.bits != 6 for p in parts]
             rows = torch.cat([torch.full((src.shape(f"{p}.weight")[0],), r) for p, r in zip(parts, rounded)])
-            # The file's values exactly (q/k rows un-permuted), but for Q6_K rows (within half a step).
+            # The file's values exactly (q/k rows un-permuted), but for Q6_K rows beside other types
+            # (within half a step).
             assert torch.equal(got[~rows], expected[~rows]), name
-            step = tensors["weights_scaling_factor"].repeat_interleave(32, dim=1)[rows]
-            assert torch.all((got[rows] - expected[rows]).abs() <= step / 2 * (1 + 1e-6)), name
+            if rows.any():
+                step = tensors["weights_scaling_factor"].repeat_interleave(32, dim=1)[rows]
+                assert torch.all((got[rows] - expected[rows]).abs() <= step / 2 * (1 + 1e-6)), name
 
 
 def test_native_engine_computes_the_dequantized_engine(mixed, tmp_path):
@@ -127,7 +135,7 @@ def test_native_engine_computes_the_dequantized_engine(mixed, tmp_path):
     assert kiln_greedy(native_engine, prompts, 12) == kiln_greedy(float_engine, prompts, 12)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_engine_holds_the_files_blocks_in_as_many_bytes(tmp_path, qtype):
     path = tmp_path / "tiny.gguf"
     write_llama(path, [dict.fromkeys(LINEARS, qtype)], output=qtype)
@@ -137,8 +145,9 @@ def test_engine_holds_the_files_blocks_in_as_many_bytes(tmp_path, qtype):
     with safe_open(str(engine / "rank0.safetensors"), "pt") as f:
         quantized = [f.get_tensor(k) for k in f.keys() if k.endswith((".weights_scaling_factor", ".weights_offset"))
                      or (k.endswith(".weight") and f.get_tensor(k).element_size() == 1)]
-    # codes, float16 scales and (Q4_1) offsets: byte for byte what the file's blocks take; Q4_K's
-    # 144-byte super-blocks take 148 (its 6-bit scale and minimum codes a byte each)
+    # codes, float16 scales and (Q4_1) offsets: byte for byte what the file's blocks take (Q6_K's
+    # too: 6-bit codes, a byte per 16-weight scale and a float16 per 256); Q4_K's 144-byte
+    # super-blocks take 148 (its 6-bit scale and minimum codes a byte each)
     expected = linears * 148 // 144 if qtype == Q.Q4_K else linears
     assert sum(t.numel() * t.element_size() for t in quantized) == expected
 
@@ -170,13 +179,13 @@ def test_head_tied_to_a_quantized_table_reads_its_codes(tmp_path, embedding):
         assert (ours - ref).abs().max() <= 0.02 * ref.abs().max()
 
 
-# Stacked experts: layer 0 Q4_K_M's experts (gate/up Q4_K, down Q6_K, rounded), layer 1 gate and up
+# Stacked experts: layer 0 Q4_K_M's experts (gate/up Q4_K, down Q6_K), layer 1 gate and up
 # of different exact types (they share the finer format) and gpt-oss's MXFP4 down projection.
 EXPERT_TYPES = [dict(ffn_gate_exps=Q.Q4_K, ffn_up_exps=Q.Q4_K, ffn_down_exps=Q.Q6_K),
                 dict(ffn_gate_exps=Q.Q4_0, ffn_up_exps=Q.Q8_0, ffn_down_exps=Q.MXFP4)]
 EXPECTED_EXPERTS = {"transformer.layers.0.mlp.fc": LayerQuant(W4, 32, has_offset=True, super_scales=True),
                     "transformer.layers.0.mlp.gate": LayerQuant(W4, 32, has_offset=True, super_scales=True),
-                    "transformer.layers.0.mlp.proj": LayerQuant(W8, 32),
+                    "transformer.layers.0.mlp.proj": LayerQuant("W6A16", 16, super_scales=True),
                     "transformer.layers.1.mlp.fc": LayerQuant(W8, 32),
                     "transformer.layers.1.mlp.gate": LayerQuant(W8, 32),
                     "transformer.layers.1.mlp.proj": LayerQuant(W4, 32, codebook="e2m1")}
@@ -191,7 +200,7 @@ def moe(tmp_path_factory) -> Path:
 
 
 def test_experts_keep_their_blocks_expert_by_expert(moe, tmp_path):
-    """Each expert's codes, scales and offsets hold the file's values (Q6_K: within half a step)."""
+    """Each expert's codes, scales and offsets hold the file's values."""
     from kiln.convert import convert_checkpoint
 
     checkpoint = convert_checkpoint(moe, tmp_path / "ckpt", progress=False)
@@ -207,12 +216,8 @@ def test_experts_keep_their_blocks_expert_by_expert(moe, tmp_path):
             assert all(t.shape[0] == EXPERTS for t in stacked.values())
             for e in range(EXPERTS):
                 one = {t: v[e] for t, v in stacked.items()}
-                got = dequantize(one, fmt.bits, 32, fmt.codebook)
-                if src.tensor_type(f"model.layers.{layer}.mlp.experts.{part}.weight") == Q.Q6_K:
-                    step = one["weights_scaling_factor"].repeat_interleave(32, dim=1)
-                    assert torch.all((got - expected[e]).abs() <= step / 2 * (1 + 1e-6)), name
-                else:
-                    assert torch.equal(got, expected[e]), (name, e)
+                got = dequantize(one, fmt.bits, fmt.group_size, fmt.codebook)
+                assert torch.equal(got, expected[e]), (name, e)
 
 
 def test_native_experts_compute_the_dequantized_engine(moe, tmp_path):

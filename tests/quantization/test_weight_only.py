@@ -94,26 +94,27 @@ def test_quant_linear_group_scales_and_offsets(bits, offset, m, n, k, group):
                                rtol=1e-2)
 
 
-@pytest.mark.parametrize("bits,offset", [(4, True), (8, True), (4, False)])
+@pytest.mark.parametrize("bits,offset", [(4, True), (8, True), (4, False), (6, False)])
 @pytest.mark.parametrize("m", [1, 5, 17])
 def test_quant_linear_super_block_scales(bits, offset, m):
     """GGUF K-quants' layout: group scales and offsets as int8 codes under a float16 multiplier
-    per 8 groups (each 16 columns' in one record): the GEMV (few rows) and the dequantized tiles
-    (17 rows) compute what the float32 weight does."""
-    n, k = 48, 512
+    per 256 inputs (each 16 columns' in one record), and Q6_K's 6-bit codes in groups of 16: the
+    GEMV (few rows) and the dequantized tiles (17 rows) compute what the float32 weight does."""
+    n, k, group = 48, 512, 16 if bits == 6 else 32
     g = torch.Generator().manual_seed(bits + m)
-    tensors = _group_tensors(n, k, bits, False)
-    tensors["weights_scaling_factor"] = torch.randint(-64, 64, (n, k // 32), dtype=torch.int8, generator=g)
+    tensors = _group_tensors(n, k, bits, False) if bits != 6 else {
+        "weight": torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g)}
+    tensors["weights_scaling_factor"] = torch.randint(-64, 64, (n, k // group), dtype=torch.int8, generator=g)
     tensors["weights_super_scale"] = (torch.rand(n, k // 256, generator=g) / 256 + 1e-4).half().float()
     if offset:
-        tensors["weights_offset"] = torch.randint(-64, 64, (n, k // 32), dtype=torch.int8, generator=g)
+        tensors["weights_offset"] = torch.randint(-64, 64, (n, k // group), dtype=torch.int8, generator=g)
         tensors["weights_super_offset"] = -(torch.rand(n, k // 256, generator=g) / 64).half().float()
-    reference_w = dequantize(tensors, bits, 32).double()
+    reference_w = dequantize(tensors, bits, group).double()
     x = _randn(m, k, seed=m).to(torch.bfloat16)
     scales, offsets = kernels.quant_pack_scales(tensors["weights_scaling_factor"], None, tensors.get("weights_offset"),
                                                 tensors["weights_super_scale"], tensors.get("weights_super_offset"))
-    assert scales.shape == (n // 16, k // 256, kernels.SUPER_BYTES) and (offsets is None) == (not offset)
-    got = kernels.quant_linear(x, kernels.quant_pack(tensors["weight"], bits), scales, offsets, bits, 32, None, n,
+    assert scales.shape == (n // 16, k // 256, kernels.super_bytes(group)) and (offsets is None) == (not offset)
+    got = kernels.quant_linear(x, kernels.quant_pack(tensors["weight"], bits), scales, offsets, bits, group, None, n,
                                super_scales=True)
     expected = x.double() @ reference_w.t()
     torch.testing.assert_close(got.double(), expected, atol=3e-2 * k ** 0.5 * reference_w.abs().max().item(),
