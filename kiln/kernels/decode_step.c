@@ -43,7 +43,7 @@ enum { LINEAR = 0, ATTENTION = 1, OTHER = 2 };
 #include "kernels.h"
 
 /* A linear's weight, bias (or NULL) and, for bf16, its tile-packed copy (or NULL); a weight-only
- * quantized one (bits 8 or 4) has tile-ordered codes as its weight, its scales and offsets (or
+ * quantized one (bits 8, 6 or 4) has tile-ordered codes as its weight, its scales and offsets (or
  * NULL) and its group size (0: int8 with float32 scales per output channel; quant_linear.c); an
  * FP8 one (fp8 set) e4m3 codes in tile order and float32 scales per column. AWQ's input multiplier `prequant` (float32 [k], or NULL) and a static FP8
  * activation scale `act_scale` (FP8, W4A8_AWQ; 0 for none) apply to the input first. A

@@ -11,7 +11,7 @@ from kiln.kernels.library import C_INT64, C_PTR, DTYPE_SUFFIX, native_library
 
 
 class LinearWeights(ctypes.Structure):
-    """A linear layer for ``decode_step``: weight (tile-ordered codes when ``bits`` is 8 or 4, or
+    """A linear layer for ``decode_step``: weight (tile-ordered codes when ``bits`` is 8, 6 or 4, or
     e4m3 codes when ``fp8``), bias (or NULL), tile-packed bf16 copy (or NULL), for quantized
     weights the group size (0: scales per channel), scales and offsets (or NULL) in the kernels'
     layout (``kernels.quant_pack_scales``), AWQ's ``prequant`` multiplier

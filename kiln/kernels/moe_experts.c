@@ -32,7 +32,7 @@
 
 /* One projection of every expert: expert e's codes at codes + e * codes_stride (bytes), its
  * scales and offsets (or NULL) likewise; bias [E, n] bf16 or NULL. bits as kiln_quant_linear_bf16
- * takes them (8 or 4, flags or'd in); group 0: int8 with float32 scales per output channel. */
+ * takes them (8, 6 or 4, flags or'd in); group 0: int8 with float32 scales per output channel. */
 typedef struct {
     const uint8_t *codes;
     const uint8_t *scales, *offsets;

@@ -13,7 +13,7 @@ typedef struct {
     const float *channel_scales;     /* int8 per channel: [n]; else NULL */
     const uint16_t *scales;          /* per group: float16 [n / 16][groups][16] (super: see below) */
     const uint16_t *offsets;         /* per group: float16 [n / 16][groups][16] (or super), or NULL */
-    int64_t n, k, group, bits;       /* group: k for per-channel scales; bits 8 or 4 */
+    int64_t n, k, group, bits;       /* group: k for per-channel scales; bits 8, 6 or 4 */
     int e2m1;                        /* 4-bit codes are MXFP4's E2M1 nibbles */
     int super;                       /* scales and offsets as super-blocks (quant_linear.c) */
 } kiln_qweight;

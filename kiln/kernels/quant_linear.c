@@ -516,7 +516,7 @@ static void quant_gemv(const bf16_t *x, const kiln_qweight *W, const bf16_t *bia
 #endif
 
 /* group 0: int8 codes with float32 scales per output channel; else float16 scales (and offsets,
- * or NULL) per group of k. bits: 8 or 4, or'd with KILN_SCALES_SUPER (super-block scales and
+ * or NULL) per group of k. bits: 8, 6 or 4, or'd with KILN_SCALES_SUPER (super-block scales and
  * offsets) and, for 4, KILN_CODES_E2M1. */
 void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const void *scales, const void *offsets,
                             int64_t bits, int64_t group, const bf16_t *bias, bf16_t *y, int64_t m, int64_t n,

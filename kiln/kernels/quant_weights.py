@@ -64,6 +64,8 @@ def quant_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _pack_6bit(codes: torch.Tensor) -> torch.Tensor:
+    """6-bit codes (int8 ``[n, k]``, -32..31) as quant_linear.c reads them: ``u = code + 32``'s low
+    nibbles in 4-bit chunks, then its high bit pairs in the same panel order."""
     n, k = codes.shape
     if native_library() is None or not quant_shape_tiles(n, k, 6, 16) or codes.dtype != torch.int8:
         raise ValueError(f"quant_pack: 6-bit codes of shape {tuple(codes.shape)} {codes.dtype} do not tile "
