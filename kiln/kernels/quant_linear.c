@@ -73,10 +73,10 @@ static inline int64_t chunk_at(int64_t n, int64_t k, int64_t nb, int64_t j) {
     return (first * (k / 8) + j * pair + (nb - first)) * 64;
 }
 
-/* 6-bit codes: byte offset of the high bits of k 16p .. 16p + 15 of block nb (after the nibbles). */
+/* 6-bit codes: byte offset of the high bits of k 16p .. 16p + 15 of block nb, after the nibbles:
+ * 64 bytes per 16 k, in the panel order the chunks of half as many k have. */
 static inline int64_t high_bits_at(int64_t n, int64_t k, int64_t nb, int64_t p) {
-    const int64_t first = nb & ~(int64_t)1, pair = first + 1 < n / 16 ? 2 : 1;
-    return n * k / 2 + (first * (k / 16) + p * pair + (nb - first)) * 64;
+    return n * k / 2 + chunk_at(n, k / 2, nb, p);
 }
 
 /* Tile / chunk order from row-major codes: int8 [n, k] or packed 4-bit [n, k / 2] (byte j of a

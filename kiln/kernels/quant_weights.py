@@ -106,8 +106,8 @@ def quant_pack_scales(scales: torch.Tensor, zeros: torch.Tensor | None = None, o
 
 def _super_blocks(codes: torch.Tensor, multipliers: torch.Tensor) -> torch.Tensor:
     """int8 codes ``[n, groups]`` and their multipliers ``[n, supers]`` as records ``[n / 16,
-    supers, super_bytes(group)]``: each super-block's codes group-major (16 columns a group), then its 16
-    columns' float16 multipliers."""
+    supers, super_bytes(group)]``: each super-block's codes group-major (16 columns a group),
+    then its 16 columns' float16 multipliers."""
     (n, groups), supers = codes.shape, multipliers.shape[1]
     per = groups // supers
     c = codes.to(torch.int8).view(torch.uint8).reshape(n // 16, 16, supers, per).permute(0, 2, 3, 1)

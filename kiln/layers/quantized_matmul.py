@@ -55,7 +55,7 @@ def dequantize(tensors: dict[str, torch.Tensor], bits: int, group_size: int | No
     ``codebook`` "e2m1": each 4-bit code is an E2M1 nibble standing for twice its value (MXFP4's
     blocks under scales 2^(e - 128)). With ``weights_super_scale`` (GGUF K-quants), the group scales
     and offsets are int8 codes times their super-block's ``weights_super_scale`` and
-    ``weights_super_offset`` (exact in float32: a 6-bit code times a float16)."""
+    ``weights_super_offset`` (exact in float32: a code of at most 8 bits times a float16)."""
     codes, scale = tensors["weight"], tensors["weights_scaling_factor"]
     if bits == 4:
         codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).view(codes.shape[0], -1)

@@ -1,6 +1,6 @@
 """GGUF files at their own precision: each linear whose GGUF tensors are quantized keeps its
 blocks' codes, scales and offsets (``kiln.quantization.gguf_blocks``) in a weight-only kiln
-format with 32 weights a group, recorded per linear in a ``MIXED_PRECISION`` quantization config
+format with 32 weights a group (Q6_K's 16), recorded per linear in a ``MIXED_PRECISION`` quantization config
 (``QuantConfig.quantized_layers``), since one file mixes types (Q4_K_M: Q4_K, Q6_K, ...):
 
 * Q4_0 -> W4A16 (zero point 8); Q4_1, Q4_K -> W4A16 with offsets; Q8_0, Q5_0 -> W8A16 with
@@ -42,7 +42,7 @@ from torch import nn
 from kiln import kernels
 from kiln.checkpoint.gguf_source import BLOCKS, FLOAT_TYPES, GGUFSource
 from kiln.config import LayerQuant, QuantConfig
-from kiln.config.quant_algos import MIXED_PRECISION
+from kiln.config.quant_algos import LAYER_ALGOS, MIXED_PRECISION
 from kiln.layers.expert_linear import ExpertLinear
 from kiln.layers.linear import Linear
 from kiln.layers.mlp import GatedMLP
@@ -120,7 +120,7 @@ def use_gguf_layout(model: nn.Module, source: GGUFSource, translate) -> QuantCon
     plan = _plan(model, source, translate)
     layers = {}
     for name, (linear, types, f) in plan.items():
-        algo = {8: "W8A16", 6: "W6A16", 4: "W4A16"}[f.bits]
+        algo = next(name for name, bits in LAYER_ALGOS.items() if bits == f.bits)
         layers[name] = LayerQuant(algo, f.group, has_offset=f.offset, codebook=f.codebook, super_scales=f.super_scales)
         linear.use_weight_only(f.bits, f.group, False, has_offset=f.offset, codebook=f.codebook,
                                super_scales=f.super_scales)

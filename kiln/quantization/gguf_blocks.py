@@ -78,14 +78,14 @@ def native(qtype: GGMLQuantizationType) -> Native:
 @dataclass
 class Decoded:
     """One GGUF tensor as ``w = codes * scale + offset``: integer codes ``[rows, in]`` (int16),
-    float32 ``scale`` and ``offset`` (None: zero) ``[rows, in / 32]``; K-quants also as
-    ``supers``: the int8 codes of ``scale`` and ``offset`` and their float32 multipliers
-    ``[rows, in / 256]`` (d and -dmin)."""
+    float32 ``scale`` and ``offset`` (None: zero) ``[rows, in / 32]`` (Q6_K: ``in / 16``);
+    K-quants also as ``supers``: the int8 codes of ``scale`` and its float32 multipliers
+    ``[rows, in / 256]`` (d), then, with offsets, those of ``offset`` (-dmin)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor | None
-    supers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    supers: tuple[torch.Tensor, ...] | None = None
 
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:
