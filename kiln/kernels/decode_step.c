@@ -6,9 +6,14 @@
  * kernels (rmsnorm, AMX or skinny gemm, rotary, paged attention, silu_mul) in the same order with
  * the same roundings, so it agrees with the layer-by-layer path bit for bit; each layer is
  *
- *   x = rmsnorm(h); qkv = x Wqkv^T (+b); rotary(q, k); cache[slot] = k, v
+ *   x = rmsnorm(h); qkv = x Wqkv^T (+b); [per-head rmsnorm(q), rmsnorm(k)]; rotary(q, k);
+ *   cache[slot] = k, v
  *   h = h + attention(q, cache; the layer's sliding window) Wo^T (+b)
  *   x = rmsnorm(h); gu = x Wfc^T (+b); h = h + (silu(gate) * up) Wproj^T (+b)
+ *
+ * or, in a layer with experts (bf16 models with weight-only quantized experts: Qwen3-MoE,
+ * Mixtral), h = h + the chosen experts' weighted sum for x (router, softmax top-k and the
+ * experts call of moe_experts.c, as kiln.layers.moe computes them).
  *
  * with the residual adds rounded to the model dtype as eager PyTorch does. Layouts: hidden
  * [m, hidden_size] (updated in place), the KV caches [num_blocks, kv_heads, block_size,
@@ -59,22 +64,41 @@ typedef struct {
     int64_t w8a8;  /* SmoothQuant: row-major int8 codes, scales per column, int8 activations per row */
 } kiln_linear;
 
+/* A mixture-of-experts block in place of the MLP (bf16 models): the router, a bf16 [E, hidden]
+ * weight (and bias, or NULL) read by the skinny GEMM as kiln.layers.moe's ReplicatedLinear
+ * reads it; kiln_moe_route's softmax top-k (normalized when `normalize`); the chosen experts of
+ * `fc` (each expert's fused [fc | up] rows) and `proj` with activation `act` (KILN_ACT_*, with
+ * alpha and limit) in one kiln_moe_experts_bf16 call. */
+typedef struct {
+    const void *router, *router_bias;
+    int64_t num_experts, top_k, normalize;
+    kiln_experts fc, proj;
+    int64_t act;
+    float alpha, limit;
+} kiln_moe_block;
+
 /* window: the layer's sliding attention window (0: none); kv_scales: float32 [K scale, V scale]
- * of a quantized cache (NULL for a float one). */
+ * of a quantized cache (NULL for a float one); q_norm / k_norm: per-head RMSNorm weights [head_size]
+ * applied to q and k before rotary (Qwen3; NULL: none); moe: the layer's experts, which then
+ * replace fused_fc and proj (NULL: a dense MLP). */
 typedef struct {
     const void *input_norm, *post_norm;
     kiln_linear qkv, dense, fused_fc, proj;
     void *k_cache, *v_cache;
     int64_t window;
     const float *kv_scales;
+    const void *q_norm, *k_norm;
+    const kiln_moe_block *moe;
 } kiln_decoder_layer;
 
 /* kv_kind: the caches' element type (KILN_KV_FLOAT: the model dtype; KILN_KV_INT8, KILN_KV_FP8);
- * head_width: the LM head's outputs when the step computes logits (0: it does not). */
+ * head_width: the LM head's outputs when the step computes logits (0: it does not); inter: the
+ * widest dense MLP (0 when every layer has experts); qk_eps: the q/k norms' epsilon. */
 typedef struct {
     int64_t hidden, heads, kv_heads, head_size, rot_dim, inter, block_size, max_blocks;
     float eps, scale;
     int64_t kv_kind, head_width;
+    float qk_eps;
 } kiln_decoder_dims;
 
 /* One LoRA module of one adapter inside one linear (e.g. attn_k inside the fused qkv): `a`
@@ -224,6 +248,36 @@ static void lora_apply_##SUFFIX(const T *x, T *y, int64_t m, int64_t n, int64_t 
 DEFINE_LORA_APPLY(f32, float, f32_load, f32_store)
 DEFINE_LORA_APPLY(bf16, bf16_t, bf16_load, bf16_store)
 
+/* out [m, hidden] = the experts block B for x [m, hidden], as kiln.layers.moe's MixtureOfExperts
+ * computes it (same kernels, same roundings). 0, or KILN_STEP_EXPERTS_FAILED plus
+ * kiln_moe_experts_bf16's code (2: no memory). */
+#define KILN_STEP_EXPERTS_FAILED 100
+static int moe_block_bf16(const bf16_t *x, const kiln_moe_block *B, bf16_t *out, int64_t m, int64_t hidden,
+                          int num_threads) {
+    const int64_t E = B->num_experts, K = B->top_k;
+    bf16_t *logits = malloc(sizeof(bf16_t) * m * E);
+    int64_t *ids = malloc(sizeof(int64_t) * m * K);
+    float *weights = malloc(sizeof(float) * m * K);
+    int rc = 2;
+    if (logits && ids && weights) {
+        kiln_skinny_gemm_bf16(x, B->router, B->router_bias, logits, m, E, hidden, num_threads);
+        kiln_moe_route(logits, 1, m, E, K, B->normalize, ids, weights);
+        rc = kiln_moe_experts_bf16(x, m, K, ids, weights, E, &B->fc, &B->proj, NULL, NULL, NULL, B->act, B->alpha,
+                                   B->limit, out, num_threads);
+    }
+    free(logits);
+    free(ids);
+    free(weights);
+    return rc ? KILN_STEP_EXPERTS_FAILED + rc : 0;
+}
+
+/* Experts take bf16 only (their GEMV quantizes bf16 rows): kiln.models.native_decode gives an
+ * fp32 model's step no experts block. */
+static int moe_block_f32(const float *x, const kiln_moe_block *B, float *out, int64_t m, int64_t hidden,
+                         int num_threads) {
+    return KILN_STEP_EXPERTS_FAILED + 1;
+}
+
 /* One layer's decode attention over its cache, through the variant for the cache's type. */
 #define ATTEND(FN, KT) FN(qkv, qkv_width, (const KT *)L->k_cache, (const KT *)L->v_cache, token_index,  \
                           block_tables, seq_lens, attn, m, d->heads, d->kv_heads, D, d->block_size,     \
@@ -234,6 +288,17 @@ DEFINE_LORA_APPLY(bf16, bf16_t, bf16_load, bf16_store)
 static void residual_add_##SUFFIX(T *h, const T *x, int64_t n) {                                 \
     _Pragma("omp simd")                                                                            \
     for (int64_t i = 0; i < n; ++i) h[i] = STORE(LOAD(h[i]) + LOAD(x[i]));                         \
+}                                                                                                  \
+                                                                                                   \
+/* Qwen3's q/k norms: each head of q and k in qkv [m, width] normalized in place. */              \
+static void qk_norm_##SUFFIX(T *qkv, int64_t width, const kiln_decoder_layer *L,                  \
+                             const kiln_decoder_dims *d, int64_t m, int num_threads) {            \
+    const int64_t D = d->head_size;                                                                \
+    for (int64_t t = 0; t < m; ++t) {                                                              \
+        T *q = qkv + t * width, *k = q + d->heads * D;                                             \
+        kiln_rmsnorm_##SUFFIX(q, D, L->q_norm, q, d->heads, D, d->qk_eps, num_threads);            \
+        kiln_rmsnorm_##SUFFIX(k, D, L->k_norm, k, d->kv_heads, D, d->qk_eps, num_threads);         \
+    }                                                                                              \
 }                                                                                                  \
                                                                                                    \
 /* One token's K or V, x [kv_heads, D], into cache slot `slot` (each head's row in its own run \
@@ -269,6 +334,7 @@ int kiln_decode_step_##SUFFIX(T *hidden, int64_t m, const kiln_decoder_layer *la
         TIMED(LINEAR, linear_##SUFFIX(normed, &L->qkv, qkv, m, qkv_width, H, num_threads));         \
         if (lora) TIMED(LINEAR, lora_apply_##SUFFIX(normed, qkv, m, qkv_width, H,                  \
                                                     L->qkv.bias, lora, l, 0, work, num_threads));  \
+        if (L->q_norm) TIMED(OTHER, qk_norm_##SUFFIX(qkv, qkv_width, L, d, m, num_threads));       \
         TIMED(OTHER, {                                                                             \
             if (d->rot_dim > 0) {                                                                  \
                 kiln_rotary_##SUFFIX(qkv, qkv_width, cos, sin, m, d->heads, D, d->rot_dim, num_threads); \
@@ -295,13 +361,18 @@ int kiln_decode_step_##SUFFIX(T *hidden, int64_t m, const kiln_decoder_layer *la
             residual_add_##SUFFIX(hidden, out, m * H);                                             \
             kiln_rmsnorm_##SUFFIX(hidden, H, L->post_norm, normed, m, H, d->eps, num_threads);      \
         });                                                                                        \
-        TIMED(LINEAR, linear_##SUFFIX(normed, &L->fused_fc, gate_up, m, 2 * I, H, num_threads));    \
-        if (lora) TIMED(LINEAR, lora_apply_##SUFFIX(normed, gate_up, m, 2 * I, H,                  \
-                                                    L->fused_fc.bias, lora, l, 2, work, num_threads));\
-        TIMED(OTHER, kiln_silu_mul_##SUFFIX(gate_up, 2 * I, act, m, I, num_threads));              \
-        TIMED(LINEAR, linear_##SUFFIX(act, &L->proj, out, m, H, I, num_threads));                   \
-        if (lora) TIMED(LINEAR, lora_apply_##SUFFIX(act, out, m, H, I,                             \
-                                                    L->proj.bias, lora, l, 3, work, num_threads)); \
+        if (L->moe) {  /* expert linears hold no LoRA modules */                                   \
+            TIMED(LINEAR, rc = moe_block_##SUFFIX(normed, L->moe, out, m, H, num_threads));        \
+            if (rc != 0) { free(work); return rc; }                                                \
+        } else {                                                                                   \
+            TIMED(LINEAR, linear_##SUFFIX(normed, &L->fused_fc, gate_up, m, 2 * I, H, num_threads)); \
+            if (lora) TIMED(LINEAR, lora_apply_##SUFFIX(normed, gate_up, m, 2 * I, H,              \
+                                                        L->fused_fc.bias, lora, l, 2, work, num_threads)); \
+            TIMED(OTHER, kiln_silu_mul_##SUFFIX(gate_up, 2 * I, act, m, I, num_threads));          \
+            TIMED(LINEAR, linear_##SUFFIX(act, &L->proj, out, m, H, I, num_threads));               \
+            if (lora) TIMED(LINEAR, lora_apply_##SUFFIX(act, out, m, H, I,                         \
+                                                        L->proj.bias, lora, l, 3, work, num_threads)); \
+        }                                                                                          \
         TIMED(OTHER, residual_add_##SUFFIX(hidden, out, m * H));                                   \
     }                                                                                              \
     if (head) {                                                                                    \

@@ -8,6 +8,7 @@ import ctypes
 import torch
 
 from kiln.kernels.library import C_INT64, C_PTR, DTYPE_SUFFIX, native_library
+from kiln.kernels.moe_experts import ACTIVATIONS, ExpertWeights
 
 
 class LinearWeights(ctypes.Structure):
@@ -22,21 +23,44 @@ class LinearWeights(ctypes.Structure):
                 ("w8a8", C_INT64)]
 
 
+class MoeBlockWeights(ctypes.Structure):
+    """A layer's experts block for ``decode_step`` (decode_step.c ``kiln_moe_block``): the bf16
+    router weight ``[E, hidden]`` and bias (or NULL), ``top_k`` of ``num_experts`` (renormalized
+    when ``normalize``), the stacked experts' fused ``fc`` and ``proj`` (``ExpertWeights``) and
+    the activation (``ACTIVATIONS``, with ``alpha`` and ``limit``)."""
+    _fields_ = [("router", C_PTR), ("router_bias", C_PTR), ("num_experts", C_INT64), ("top_k", C_INT64),
+                ("normalize", C_INT64), ("fc", ExpertWeights), ("proj", ExpertWeights), ("act", C_INT64),
+                ("alpha", ctypes.c_float), ("limit", ctypes.c_float)]
+
+
+def moe_block_weights(router: torch.Tensor, router_bias: torch.Tensor | None, top_k: int, normalize: bool,
+                      fc: ExpertWeights, proj: ExpertWeights, activation: str, alpha: float,
+                      limit: float) -> MoeBlockWeights:
+    """``MoeBlockWeights`` for a contiguous bf16 router (and bias) and ``kernels.expert_weights``."""
+    return MoeBlockWeights(router.data_ptr(), router_bias.data_ptr() if router_bias is not None else None,
+                           router.shape[0], top_k, int(normalize), fc, proj, ACTIVATIONS[activation], alpha, limit)
+
+
 class DecoderLayerWeights(ctypes.Structure):
-    """One layer's tensors for ``decode_step`` (raw pointers), its sliding window (0: none) and,
-    for a quantized cache, its float32 ``[2]`` K/V scales (else NULL)."""
+    """One layer's tensors for ``decode_step`` (raw pointers), its sliding window (0: none), for
+    a quantized cache its float32 ``[2]`` K/V scales (else NULL), its per-head q/k norm weights
+    (else NULL) and its experts block (a ``MoeBlockWeights`` pointer replacing fused_fc and
+    proj, else NULL)."""
     _fields_ = [("input_norm", C_PTR), ("post_norm", C_PTR)] + [
         (name, LinearWeights) for name in ("qkv", "dense", "fused_fc", "proj")] + [
-        ("k_cache", C_PTR), ("v_cache", C_PTR), ("window", C_INT64), ("kv_scales", C_PTR)]
+        ("k_cache", C_PTR), ("v_cache", C_PTR), ("window", C_INT64), ("kv_scales", C_PTR),
+        ("q_norm", C_PTR), ("k_norm", C_PTR), ("moe", C_PTR)]
 
 
 class DecoderDims(ctypes.Structure):
-    """The shapes ``decode_step`` needs (per rank; ``rot_dim`` 0 means no rotary), the KV
-    cache's element kind (0: the model dtype, else ``KV_KINDS`` of its dtype) and the LM head's
-    output width when the step computes logits (0: it does not)."""
+    """The shapes ``decode_step`` needs (per rank; ``rot_dim`` 0 means no rotary; ``inter`` the
+    widest dense MLP, 0 when every layer has experts), the KV cache's element kind (0: the model
+    dtype, else ``KV_KINDS`` of its dtype), the LM head's output width when the step computes
+    logits (0: it does not) and the q/k norms' epsilon."""
     _fields_ = [(name, C_INT64) for name in (
         "hidden", "heads", "kv_heads", "head_size", "rot_dim", "inter", "block_size", "max_blocks")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_kind", C_INT64), ("head_width", C_INT64)]
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_kind", C_INT64), ("head_width", C_INT64),
+        ("qk_eps", ctypes.c_float)]
 
 
 class DecoderHead(ctypes.Structure):
@@ -62,6 +86,9 @@ class LoraStepWeights(ctypes.Structure):
     ``work_size``: float32 scratch, ``m`` x (the widest linear input + the largest rank + the
     widest module)."""
     _fields_ = [("adapters", C_PTR), ("num_adapters", C_INT64), ("token_adapter", C_PTR), ("work_size", C_INT64)]
+
+
+EXPERTS_FAILED = 100  # decode_step.c KILN_STEP_EXPERTS_FAILED: plus moe_experts' own code
 
 
 def decode_step_scratch_size(dims: DecoderDims, num_tokens: int) -> int:
@@ -96,5 +123,8 @@ def decode_step(hidden: torch.Tensor, layers: ctypes.Array, dims: DecoderDims, c
         ctypes.byref(head) if head is not None else None, logits.data_ptr() if logits is not None else None,
         ctypes.byref(lora) if lora is not None else None, torch.get_num_threads(),
         profile.data_ptr() if profile is not None else None)
+    if rc >= EXPERTS_FAILED:
+        raise (MemoryError if rc == EXPERTS_FAILED + 2 else RuntimeError)(
+            f"decode_step: the experts call failed with code {rc - EXPERTS_FAILED}")
     if rc != 0:
         raise RuntimeError(f"decode_step: attention kernel failed with code {rc}")

@@ -87,6 +87,26 @@ void kiln_fp8_linear_bf16(const bf16_t *x, const uint8_t *codes, const float *w_
 void kiln_prepare_quant_input(const bf16_t *x, int64_t m, int64_t k, const float *prequant, float act_scale,
                               bf16_t *out, int num_threads);
 
+/* One projection of every expert: expert e's codes at codes + e * codes_stride (bytes), its
+ * scales and offsets (or NULL) likewise; bias [E, n] bf16 or NULL. bits as kiln_quant_linear_bf16
+ * takes them (8, 6 or 4, flags or'd in); group 0: int8 with float32 scales per output channel. */
+typedef struct {
+    const uint8_t *codes;
+    const uint8_t *scales, *offsets;
+    const bf16_t *bias;
+    int64_t codes_stride, scales_stride, offsets_stride;
+    int64_t bits, group, n, k;
+} kiln_experts;
+
+enum { KILN_ACT_SILU = 0, KILN_ACT_CLAMPED_SWIGLU = 1 };
+/* Routing and the chosen experts of a mixture-of-experts block (moe_experts.c). */
+void kiln_moe_route(const void *logits, int64_t is_bf16, int64_t m, int64_t E, int64_t top_k, int64_t normalize,
+                    int64_t *ids, float *weights);
+int kiln_moe_experts_bf16(const bf16_t *x, int64_t m, int64_t top_k, const int64_t *ids, const float *weights,
+                          int64_t num_experts, const kiln_experts *fc, const kiln_experts *proj,
+                          const kiln_experts *shared_fc, const kiln_experts *shared_proj, const float *shared_weights,
+                          int64_t act, float alpha, float limit, bf16_t *out, int num_threads);
+
 int kiln_w8a8_supported(int64_t n, int64_t k);
 void kiln_w8a8_linear_bf16(const bf16_t *x, const int8_t *codes, const float *w_scale, const float *prequant,
                            const bf16_t *bias, bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads);

@@ -30,19 +30,6 @@
 #include "kernels.h"
 #include "quant_gemv.h"
 
-/* One projection of every expert: expert e's codes at codes + e * codes_stride (bytes), its
- * scales and offsets (or NULL) likewise; bias [E, n] bf16 or NULL. bits as kiln_quant_linear_bf16
- * takes them (8, 6 or 4, flags or'd in); group 0: int8 with float32 scales per output channel. */
-typedef struct {
-    const uint8_t *codes;
-    const uint8_t *scales, *offsets;
-    const bf16_t *bias;
-    int64_t codes_stride, scales_stride, offsets_stride;
-    int64_t bits, group, n, k;
-} kiln_experts;
-
-enum { KILN_ACT_SILU = 0, KILN_ACT_CLAMPED_SWIGLU = 1 };
-
 /* Routing (kiln.layers.moe's MixtureOfExperts.route, one call instead of four tensor ops a
  * layer): per row of router logits [m, E] (bf16 when is_bf16, else float32), the softmax over
  * all E in float32, the top_k largest (the lower index first among equals) into ids [m, top_k]

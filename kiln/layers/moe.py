@@ -196,11 +196,16 @@ class MixtureOfExperts(nn.Module):
         return out.to(x.dtype)
 
     def _native_experts(self, x: torch.Tensor) -> tuple | None:
-        """``kernels.moe_experts``' (fc, proj, activation, alpha, limit) when it takes ``x`` and these
-        experts: a few bf16 rows, an engine's quantized experts (the kernels' layout) and an
-        activation it computes; else None."""
-        if not (x.dtype == torch.bfloat16 and x.shape[0] <= kernels.MOE_MAX_ROWS and self.fused
-                and self.fused_fc.quant_format is not None and self.proj.quant_format is not None):
+        """``native_experts()`` when ``kernels.moe_experts`` takes ``x``: a few bf16 rows."""
+        if not (x.dtype == torch.bfloat16 and x.shape[0] <= kernels.MOE_MAX_ROWS):
+            return None
+        return self.native_experts()
+
+    def native_experts(self) -> tuple | None:
+        """``kernels.moe_experts``' (fc, proj, activation, alpha, limit) for these experts when it
+        takes them: an engine's quantized experts (the kernels' layout) and an activation it
+        computes; else None."""
+        if not (self.fused and self.fused_fc.quant_format is not None and self.proj.quant_format is not None):
             return None
         key = (self.fused_fc.weight.data_ptr(), self.proj.weight.data_ptr())  # reassigned together at load time
         if getattr(self, "_native_key", None) != key:

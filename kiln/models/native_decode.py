@@ -6,8 +6,10 @@ is as much as the arithmetic of a few tokens. ``NativeDecodeStep`` hands every l
 is the same, bit for bit). It applies to a model only when every layer is exactly the
 shape that kernel computes: an RMSNorm of its own before attention and before the MLP
 (sequential, pre-norm: not OPT's post-norm nor a parallel layer), a fused qkv projection
-with rotate-half rotary (or none) and no q/k norm, plain causal attention or a sliding
-window (no soft-capping, no ALiBi), a fused SiLU-gated MLP, one rank, fp32 or bf16 weights
+with rotate-half rotary (or none) and per-head q/k RMSNorms (Qwen3) or none, plain causal
+attention or a sliding window (no soft-capping, no ALiBi), a fused SiLU-gated MLP or, in bf16
+engines, a mixture of experts with weight-only quantized experts and no shared expert
+(Qwen3-MoE, Mixtral: the router, routing and experts call of kiln.layers.moe), one rank, fp32 or bf16 weights
 (or, in bf16 engines, weight-only int8/4-bit codes with AWQ's input multiply, FP8,
 W4A8_AWQ and SmoothQuant W8A8), a KV cache of the model dtype or a quantized one
 (INT8, FP8: the step writes the codes with the layer's scales, as the attention backend does,
@@ -34,6 +36,7 @@ from kiln import kernels
 from kiln.layers.attention import Attention
 from kiln.layers.lora import LoraStep
 from kiln.layers.mlp import GatedMLP
+from kiln.layers.moe import MixtureOfExperts
 from kiln.layers.normalization import RmsNorm
 
 UNLIMITED = 1 << 62
@@ -49,15 +52,18 @@ def supports_native_decode(model) -> bool:
     if (dtype not in (torch.float32, torch.bfloat16) or model.config.mapping.world_size != 1
             or hasattr(t, "position_embedding") or kernels.native_library() is None):
         return False
-    scale = next(iter(t.layers.values())).attention.scale
+    first = next(iter(t.layers.values())).attention
+    scale, qk_eps = first.scale, _qk_norm_eps(first)
     for layer in t.layers.values():
         attn, mlp = layer.attention, layer.mlp
+        experts = _experts_supported(mlp, dtype)
         # The shared decoder layer declares itself fit (a family's own layer class, a subclass,
         # computes something else and does not inherit the declaration).
         if not (type(layer).__dict__.get("native_decode_shape", False) and type(layer.input_layernorm) is RmsNorm
                 and type(layer.post_layernorm) is RmsNorm and type(attn) is Attention
-                and type(mlp) is GatedMLP and mlp.fused and mlp.act is F.silu and attn.rotary is t.rotary
-                and attn.q_norm is None and attn.sinks is None and not layer.parallel_residual and not layer.norm_after_residual
+                and (experts or (type(mlp) is GatedMLP and mlp.fused and mlp.act is F.silu))
+                and attn.rotary is t.rotary and _qk_norm_eps(attn) == qk_eps
+                and attn.sinks is None and not layer.parallel_residual and not layer.norm_after_residual
                 and layer.sublayer_norms == "pre" and layer.residual_multiplier is None
                 and getattr(layer, "layer_scalar", None) is None and not getattr(layer, "per_layer_input_size", None)
                 and attn.kv_source is None
@@ -68,11 +74,35 @@ def supports_native_decode(model) -> bool:
             return False
         if any(p.device.type != "cpu" or not p.is_contiguous() for p in layer.parameters()):
             return False
-        if not all(_module_supported(module, dtype) for module in layer.modules()):
+        modules = [*attn.modules(), layer.input_layernorm, layer.post_layernorm, *([] if experts else mlp.modules())]
+        if not all(_module_supported(module, dtype) for module in modules):
             return False
         if layer.input_layernorm.eps != layer.post_layernorm.eps:
             return False
     return True
+
+
+def _qk_norm_eps(attn: Attention) -> float | None:
+    """The epsilon of ``attn``'s per-head q/k RMSNorms (0.0 without q/k norms; None: norms the
+    step does not compute, such as OLMo 2's over the whole projection)."""
+    if attn.q_norm is None and attn.k_norm is None:
+        return 0.0
+    if (type(attn.q_norm) is not RmsNorm or type(attn.k_norm) is not RmsNorm or attn.qk_norm_whole
+            or attn.q_norm.eps != attn.k_norm.eps):
+        return None
+    return attn.q_norm.eps
+
+
+def _experts_supported(mlp, dtype: torch.dtype) -> bool:
+    """Whether the step's experts block computes ``mlp``: a bf16 model's mixture of experts
+    (kiln.layers.moe's own class, one rank, no shared expert) whose experts the native experts
+    call reads and whose router is a contiguous bf16 weight."""
+    if type(mlp) is not MixtureOfExperts or dtype != torch.bfloat16 or mlp.tp_size != 1 or mlp.shared_expert is not None:
+        return False
+    router = mlp.router
+    return (router.weight.dtype == dtype and router.weight.is_contiguous()
+            and (router.bias is None or (router.bias.dtype == dtype and router.bias.is_contiguous()))
+            and mlp.native_experts() is not None)
 
 
 def supports_native_head(model) -> bool:
@@ -111,13 +141,16 @@ class NativeDecodeStep:
         first = layers[0].attention
         k_cache = kv_caches[0][0]
         self.dtype = t.vocab_embedding.weight.dtype  # the model's (the cache may hold codes)
+        dense = [layer.mlp for layer in layers if not isinstance(layer.mlp, MixtureOfExperts)]
         self.dims = kernels.DecoderDims(
             hidden=model.config.hidden_size, heads=first.num_heads, kv_heads=first.num_kv_heads,
             head_size=first.head_size, rot_dim=t.rotary.rotary_dim if t.rotary is not None else 0,
-            inter=layers[0].mlp.proj.in_features, block_size=k_cache.shape[2], max_blocks=0,
+            inter=max((mlp.proj.in_features for mlp in dense), default=0), block_size=k_cache.shape[2], max_blocks=0,
             eps=layers[0].input_layernorm.eps, scale=first.scale,
-            kv_kind=0 if k_cache.dtype == self.dtype else kernels.KV_KINDS[k_cache.dtype])
+            kv_kind=0 if k_cache.dtype == self.dtype else kernels.KV_KINDS[k_cache.dtype],
+            qk_eps=_qk_norm_eps(first))
         self.weights = (kernels.DecoderLayerWeights * len(layers))()
+        self._experts: list[kernels.MoeBlockWeights] = []  # what the layers' ``moe`` pointers point at
         packed_everywhere = True
         for entry, layer, (k, v) in zip(self.weights, layers, kv_caches):
             attn, mlp = layer.attention, layer.mlp
@@ -127,8 +160,16 @@ class NativeDecodeStep:
             entry.window = attn.window or 0
             scales = attn.kv_cache_scaling_factor  # float32 [K, V]: a quantized cache's
             entry.kv_scales = scales.data_ptr() if self.dims.kv_kind else None
-            for field, linear in (("qkv", attn.qkv), ("dense", attn.dense), ("fused_fc", mlp.fused_fc),
-                                  ("proj", mlp.proj)):
+            if attn.q_norm is not None:
+                entry.q_norm, entry.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
+            linears = [("qkv", attn.qkv), ("dense", attn.dense)]
+            if isinstance(mlp, MixtureOfExperts):  # any rows up to MOE_MAX_ROWS (the router: the skinny GEMM)
+                self._experts.append(kernels.moe_block_weights(
+                    mlp.router.weight, mlp.router.bias, mlp.top_k, mlp.normalize_top_k, *mlp.native_experts()))
+                entry.moe = ctypes.addressof(self._experts[-1])
+            else:
+                linears += [("fused_fc", mlp.fused_fc), ("proj", mlp.proj)]
+            for field, linear in linears:
                 setattr(entry, field, _linear_weights(linear))
                 packed_everywhere &= _packed(linear, getattr(entry, field))
         # The final norm and LM head too, when the step can compute them: the caller then gets
@@ -145,6 +186,8 @@ class NativeDecodeStep:
             self.max_tokens = UNLIMITED if packed_everywhere else 1
         else:
             self.max_tokens = kernels.SKINNY_MAX_ROWS
+        if self._experts:
+            self.max_tokens = min(self.max_tokens, kernels.MOE_MAX_ROWS)
         self.rotary = t.rotary
         self.scratch = torch.empty(0, dtype=self.dtype)
         # Set to a float64 [3] tensor to accumulate seconds in linears / attention / the rest.
@@ -155,9 +198,11 @@ class NativeDecodeStep:
         self._weight = first.qkv.weight
         self._weight_ptr = self._weight.data_ptr()
         self._no_rotary = torch.zeros(1, dtype=torch.float32)
-        self._linears = [(layer.attention.qkv, layer.attention.dense, layer.mlp.fused_fc, layer.mlp.proj)
-                         for layer in layers]
-        self._widest_input = max(linear.in_features for linear in self._linears[0])
+        # Each layer's four linears as LoRA sees them (None: experts, which hold no LoRA modules).
+        self._linears = [(layer.attention.qkv, layer.attention.dense, *(
+            (None, None) if isinstance(layer.mlp, MixtureOfExperts) else (layer.mlp.fused_fc, layer.mlp.proj)))
+            for layer in layers]
+        self._widest_input = max(linear.in_features for linears in self._linears for linear in linears if linear)
         # Each adapter's LoraLinear array (and the tensors it points at), while the adapter lives.
         self._lora_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -216,6 +261,8 @@ class NativeDecodeStep:
             tensors, work = [], 0
             for layer, linears in enumerate(self._linears):
                 for which, linear in enumerate(linears):
+                    if linear is None:
+                        continue
                     present = [(t, adapter.weights[t.layer, t.module_id]) for t in linear.lora_targets
                                if (t.layer, t.module_id) in adapter.weights]
                     for slot, (target, (a, b, magnitude)) in enumerate(present):

@@ -19,9 +19,12 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from tests.conftest import convert_and_build
 from tests.utils.tiny_models import make_gpt2, make_llama
+from tests.utils.tiny_moe_models import make_qwen3_moe
 from tests.utils.tiny_tokenizer import CORPUS, VOCAB_SIZE, save_tiny_tokenizer
 
-CASES = {  # name: (make_llama options, engine dtype or weight-only quant_algo, kv_cache_quant_algo)
+# name: (make_llama options, or another maker's under "maker"; engine dtype or weight-only quant_algo,
+# kv_cache_quant_algo)
+CASES = {
     "llama-fp32": (dict(num_heads=4, num_kv_heads=2), "float32", None),
     # Every bf16 matmul on AMX tiles (shapes divisible by 16 x 32): steps of any number of tokens.
     "llama-bf16-tied": (dict(num_heads=4, num_kv_heads=1, tie=True, intermediate=128), "bfloat16", None),
@@ -42,6 +45,9 @@ CASES = {  # name: (make_llama options, engine dtype or weight-only quant_algo, 
     "llama-bf16-int8kv": (dict(num_heads=4, num_kv_heads=2, intermediate=128, vocab=VOCAB_SIZE), "bfloat16", "INT8"),
     "llama-bf16-fp8kv": (dict(num_heads=4, num_kv_heads=2, intermediate=128, vocab=VOCAB_SIZE), "bfloat16", "FP8"),
     "llama-fp32-fp8kv": (dict(num_heads=4, num_kv_heads=1, vocab=VOCAB_SIZE), "float32", "FP8"),
+    # Qwen3-MoE (per-head q/k norms; routed experts, 4-bit with zero points, beside a dense layer):
+    # the router, routing and experts call inside the step.
+    "qwen3-moe-w4a16": (dict(maker=make_qwen3_moe, moe_intermediate=64, intermediate=128), "W4A16", None),
 }
 
 
@@ -49,7 +55,8 @@ CASES = {  # name: (make_llama options, engine dtype or weight-only quant_algo, 
 def engine_dir(request, tmp_path_factory):
     options, dtype, kv_algo = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    make_llama(root / "hf", hidden=64, layers=3, **options)
+    options = dict(options)
+    options.pop("maker", make_llama)(root / "hf", hidden=64, layers=3, **options)
     if dtype == "W4A16":
         quant = QuantConfig(quant_algo="W4A16", group_size=32, has_zero_point=True)
         return convert_and_build(root / "hf", root / "kiln", {"tokens_per_block": 4}, quantization=quant)

@@ -90,7 +90,8 @@ def test_tokens_spread_over_experts_and_kiln_routes_like_hf(built, monkeypatch, 
 
 def test_layer_kinds_and_native_decode_refusal(built) -> None:
     """Qwen2-MoE's decoder_sparse_step and mlp_only_layers decide which layers have experts; the
-    one-call native decode step refuses MoE models (it computes dense SiLU-gated MLPs only)."""
+    one-call native decode step refuses float experts and shared experts (its experts block
+    takes weight-only quantized experts without a shared one: tests/models/test_native_decode.py)."""
     sparse = Engine(built("qwen2-moe-sparse-step").engine_dir).model
     kinds = [type(layer.mlp) for layer in sparse.transformer.layers.values()]
     assert kinds == [GatedMLP, MixtureOfExperts, GatedMLP, GatedMLP]
