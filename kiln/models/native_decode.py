@@ -54,6 +54,8 @@ def supports_native_decode(model) -> bool:
         return False
     first = next(iter(t.layers.values())).attention
     scale, qk_eps = first.scale, _qk_norm_eps(first)
+    if qk_eps is None:
+        return False
     for layer in t.layers.values():
         attn, mlp = layer.attention, layer.mlp
         experts = _experts_supported(mlp, dtype)
@@ -85,12 +87,12 @@ def supports_native_decode(model) -> bool:
 def _qk_norm_eps(attn: Attention) -> float | None:
     """The epsilon of ``attn``'s per-head q/k RMSNorms (0.0 without q/k norms; None: norms the
     step does not compute, such as OLMo 2's over the whole projection)."""
-    if attn.q_norm is None and attn.k_norm is None:
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # (any attention class)
+    if q_norm is None and k_norm is None:
         return 0.0
-    if (type(attn.q_norm) is not RmsNorm or type(attn.k_norm) is not RmsNorm or attn.qk_norm_whole
-            or attn.q_norm.eps != attn.k_norm.eps):
+    if (type(q_norm) is not RmsNorm or type(k_norm) is not RmsNorm or attn.qk_norm_whole or q_norm.eps != k_norm.eps):
         return None
-    return attn.q_norm.eps
+    return q_norm.eps
 
 
 def _experts_supported(mlp, dtype: torch.dtype) -> bool:
