@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 
 from kiln.kernels.decode_step import (LORA_SLOTS, DecoderDims, DecoderHead, DecoderLayerWeights,
-                                      LinearWeights, LoraLinear, LoraStepWeights, MoeBlockWeights, decode_step,
-                                      decode_step_scratch_size, moe_block_weights)
+                                      LatentAttentionWeights, LinearWeights, LoraLinear, LoraStepWeights,
+                                      MoeBlockWeights, decode_step, decode_step_scratch_size, moe_block_weights)
 from kiln.kernels.moe_experts import (MOE_MAX_ROWS, SHARED_MAX_ROWS, ExpertWeights, expert_weights, moe_experts,
                                       moe_experts_supported, moe_route)
 from kiln.kernels.library import DECODE_KERNELS, DECODE_KERNELS_QUANTIZED_KV, DTYPE_SUFFIX, native_library, output

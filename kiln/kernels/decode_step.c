@@ -12,8 +12,10 @@
  *   x = rmsnorm(h); gu = x Wfc^T (+b); h = h + (silu(gate) * up) Wproj^T (+b)
  *
  * or, in a layer with experts (bf16 models with weight-only quantized experts: Qwen3-MoE,
- * Mixtral), h = h + the chosen experts' weighted sum for x (router, softmax top-k and the
- * experts call of moe_experts.c, as kiln.layers.moe computes them).
+ * Mixtral, DeepSeek-V2), h = h + the chosen experts' weighted sum for x (router, softmax top-k
+ * and the experts call of moe_experts.c, as kiln.layers.moe computes them), a shared expert's
+ * output included; a latent attention layer (DeepSeek-V2's MLA) computes its attention block the
+ * absorbed way (latent_attention) over a cache of one latent row per token.
  *
  * with the residual adds rounded to the model dtype as eager PyTorch does. Layouts: hidden
  * [m, hidden_size] (updated in place), the KV caches [num_blocks, kv_heads, block_size,
@@ -75,12 +77,30 @@ typedef struct {
     kiln_experts fc, proj;
     int64_t act;
     float alpha, limit;
+    float scaling;                       /* the routing weights' factor (DeepSeek's routed_scaling_factor) */
+    int64_t has_shared;                  /* a shared expert every token takes (un-gated), in the same call */
+    kiln_experts shared_fc, shared_proj;
 } kiln_moe_block;
+
+/* Multi-head latent attention (DeepSeek-V2; kiln.layers.mla) in place of qkv and the KV cache's
+ * K/V rows: q from q_b (q_proj) or q_b(rmsnorm(q_a x)) (q_a.weight or packed set), each head
+ * `nope` dims then `rope`; kv_a's latent (kv_lora, normalized by kv_norm) and shared rotary key
+ * (rope) are the token's cache row (k_cache [num_blocks, 1, block_size, kv_lora + rope]); the
+ * absorbed decode scores q_nope keys[h]^T (keys [heads, kv_lora, nope]) and q_pe against the
+ * rows and takes its values from the rows' latents times values[h]^T ([heads, v_head, kv_lora]).
+ * eps: the q_a and kv_a norms' epsilon. */
+typedef struct {
+    kiln_linear q_a, q_b, kv_a;
+    const void *q_a_norm, *kv_norm, *keys, *values;
+    int64_t q_lora, kv_lora, nope, rope, v_head;
+    float eps;
+} kiln_latent_attention;
 
 /* window: the layer's sliding attention window (0: none); kv_scales: float32 [K scale, V scale]
  * of a quantized cache (NULL for a float one); q_norm / k_norm: per-head RMSNorm weights [head_size]
  * applied to q and k before rotary (Qwen3; NULL: none); moe: the layer's experts, which then
- * replace fused_fc and proj (NULL: a dense MLP). */
+ * replace fused_fc and proj (NULL: a dense MLP); mla: the layer's latent attention, which then
+ * replaces qkv (dims head_size is its v_head; NULL: ordinary attention). */
 typedef struct {
     const void *input_norm, *post_norm;
     kiln_linear qkv, dense, fused_fc, proj;
@@ -89,6 +109,7 @@ typedef struct {
     const float *kv_scales;
     const void *q_norm, *k_norm;
     const kiln_moe_block *moe;
+    const kiln_latent_attention *mla;
 } kiln_decoder_layer;
 
 /* kv_kind: the caches' element type (KILN_KV_FLOAT: the model dtype; KILN_KV_INT8, KILN_KV_FP8);
@@ -262,8 +283,11 @@ static int moe_block_bf16(const bf16_t *x, const kiln_moe_block *B, bf16_t *out,
     if (logits && ids && weights) {
         kiln_skinny_gemm_bf16(x, B->router, B->router_bias, logits, m, E, hidden, num_threads);
         kiln_moe_route(logits, 1, m, E, K, B->normalize, ids, weights);
-        rc = kiln_moe_experts_bf16(x, m, K, ids, weights, E, &B->fc, &B->proj, NULL, NULL, NULL, B->act, B->alpha,
-                                   B->limit, out, num_threads);
+        if (B->scaling != 1.f)
+            for (int64_t i = 0; i < m * K; ++i) weights[i] *= B->scaling;
+        rc = kiln_moe_experts_bf16(x, m, K, ids, weights, E, &B->fc, &B->proj, B->has_shared ? &B->shared_fc : NULL,
+                                   B->has_shared ? &B->shared_proj : NULL, NULL, B->act, B->alpha, B->limit, out,
+                                   num_threads);
     }
     free(logits);
     free(ids);
@@ -301,6 +325,49 @@ static void qk_norm_##SUFFIX(T *qkv, int64_t width, const kiln_decoder_layer *L,
     }                                                                                              \
 }                                                                                                  \
                                                                                                    \
+/* A latent attention layer's decode (kiln.layers.mla and kiln.step.latent_attention's absorbed  \
+ * path, same kernels and roundings): x [m, hidden] to the heads' values out [m, heads * v_head], \
+ * writing each token's cache row first. 0, 2 (no memory) or the attention kernel's code. */      \
+static int latent_attention_##SUFFIX(const T *x, const kiln_decoder_layer *L, const kiln_decoder_dims *d, \
+                                     const float *cos, const float *sin, const int64_t *slots,    \
+                                     const int64_t *token_index, const int64_t *block_tables,     \
+                                     const int64_t *seq_lens, T *out, int64_t m, int num_threads) { \
+    const kiln_latent_attention *A = L->mla;                                                       \
+    const int64_t heads = d->heads, qk = A->nope + A->rope, row = A->kv_lora + A->rope;            \
+    const int has_q_a = A->q_a.weight || A->q_a.packed;                                            \
+    T *q = malloc(sizeof(T) * m * (heads * qk + row + 2 * heads * row + (has_q_a ? A->q_lora : 0))); \
+    if (!q) return 2;                                                                              \
+    T *kv = q + m * heads * qk, *q_latent = kv + m * row, *o_latent = q_latent + m * heads * row;   \
+    if (has_q_a) {                                                                                 \
+        T *qa = o_latent + m * heads * row;                                                        \
+        linear_##SUFFIX(x, &A->q_a, qa, m, A->q_lora, d->hidden, num_threads);                     \
+        kiln_rmsnorm_##SUFFIX(qa, A->q_lora, A->q_a_norm, qa, m, A->q_lora, A->eps, num_threads);  \
+        linear_##SUFFIX(qa, &A->q_b, q, m, heads * qk, A->q_lora, num_threads);                    \
+    } else {                                                                                       \
+        linear_##SUFFIX(x, &A->q_b, q, m, heads * qk, d->hidden, num_threads);                     \
+    }                                                                                              \
+    linear_##SUFFIX(x, &A->kv_a, kv, m, row, d->hidden, num_threads);                              \
+    kiln_rotary_##SUFFIX(q + A->nope, heads * qk, cos, sin, m, heads, qk, A->rope, num_threads);  \
+    kiln_rotary_##SUFFIX(kv + A->kv_lora, row, cos, sin, m, 1, row, A->rope, num_threads);        \
+    for (int64_t t = 0; t < m; ++t) {                                                              \
+        T *r = kv + t * row, *ql = q_latent + t * heads * row;                                     \
+        kiln_rmsnorm_##SUFFIX(r, row, A->kv_norm, r, 1, A->kv_lora, A->eps, num_threads);          \
+        memcpy((T *)L->k_cache + slots[t] * row, r, sizeof(T) * row);  /* one row a slot */        \
+        for (int64_t h = 0; h < heads; ++h)  /* the query's rotary part as it is */                \
+            memcpy(ql + h * row + A->kv_lora, q + t * heads * qk + h * qk + A->nope, sizeof(T) * A->rope); \
+    }                                                                                              \
+    kiln_head_gemm_##SUFFIX(q, heads * qk, qk, A->keys, q_latent, heads * row, row, heads, m, A->kv_lora, \
+                            A->nope, num_threads);                                                 \
+    const int rc = kiln_paged_decode_attention_##SUFFIX(                                           \
+        q_latent, heads * row, L->k_cache, L->k_cache, token_index, block_tables, seq_lens, o_latent, m, heads, 1, \
+        row, d->block_size, d->max_blocks, d->scale, 0, NULL, 0.f, NULL, 1.f, 1.f, num_threads);   \
+    if (rc == 0)                                                                                   \
+        kiln_head_gemm_##SUFFIX(o_latent, heads * row, row, A->values, out, heads * A->v_head, A->v_head, heads, \
+                                m, A->v_head, A->kv_lora, num_threads);                           \
+    free(q);                                                                                       \
+    return rc;                                                                                     \
+}                                                                                                  \
+                                                                                                   \
 /* One token's K or V, x [kv_heads, D], into cache slot `slot` (each head's row in its own run \
  * of the block): copied, or as codes of x * inv_scale. */                                         \
 static void store_kv_##SUFFIX(const T *x, void *cache, int64_t slot, const kiln_decoder_dims *d,   \
@@ -331,28 +398,33 @@ int kiln_decode_step_##SUFFIX(T *hidden, int64_t m, const kiln_decoder_layer *la
         const float k_scale = L->kv_scales ? L->kv_scales[0] : 1.f;                                \
         const float v_scale = L->kv_scales ? L->kv_scales[1] : 1.f;                                \
         TIMED(OTHER, kiln_rmsnorm_##SUFFIX(hidden, H, L->input_norm, normed, m, H, d->eps, num_threads)); \
-        TIMED(LINEAR, linear_##SUFFIX(normed, &L->qkv, qkv, m, qkv_width, H, num_threads));         \
-        if (lora) TIMED(LINEAR, lora_apply_##SUFFIX(normed, qkv, m, qkv_width, H,                  \
-                                                    L->qkv.bias, lora, l, 0, work, num_threads));  \
-        if (L->q_norm) TIMED(OTHER, qk_norm_##SUFFIX(qkv, qkv_width, L, d, m, num_threads));       \
-        TIMED(OTHER, {                                                                             \
-            if (d->rot_dim > 0) {                                                                  \
-                kiln_rotary_##SUFFIX(qkv, qkv_width, cos, sin, m, d->heads, D, d->rot_dim, num_threads); \
-                kiln_rotary_##SUFFIX(qkv + q_size, qkv_width, cos, sin, m, d->kv_heads, D, d->rot_dim, \
-                                     num_threads);                                                 \
-            }                                                                                      \
-            for (int64_t t = 0; t < m; ++t) {                                                      \
-                const T *row = qkv + t * qkv_width + q_size;                                       \
-                store_kv_##SUFFIX(row, L->k_cache, slots[t], d, d->kv_kind, 1.f / k_scale);        \
-                store_kv_##SUFFIX(row + kv_size, L->v_cache, slots[t], d, d->kv_kind, 1.f / v_scale); \
-            }                                                                                      \
-        });                                                                                        \
         int rc = 0;                                                                                \
-        TIMED(ATTENTION, rc = d->kv_kind == KILN_KV_INT8                                           \
-                                  ? ATTEND(kiln_paged_decode_attention_##SUFFIX##_i8, int8_t)      \
-                              : d->kv_kind == KILN_KV_FP8                                          \
-                                  ? ATTEND(kiln_paged_decode_attention_##SUFFIX##_f8, fp8_t)       \
-                                  : ATTEND(kiln_paged_decode_attention_##SUFFIX, T));              \
+        if (L->mla) {                                                                              \
+            TIMED(ATTENTION, rc = latent_attention_##SUFFIX(normed, L, d, cos, sin, slots, token_index, \
+                                                            block_tables, seq_lens, attn, m, num_threads)); \
+        } else {                                                                                   \
+            TIMED(LINEAR, linear_##SUFFIX(normed, &L->qkv, qkv, m, qkv_width, H, num_threads));    \
+            if (lora) TIMED(LINEAR, lora_apply_##SUFFIX(normed, qkv, m, qkv_width, H,              \
+                                                        L->qkv.bias, lora, l, 0, work, num_threads)); \
+            if (L->q_norm) TIMED(OTHER, qk_norm_##SUFFIX(qkv, qkv_width, L, d, m, num_threads));   \
+            TIMED(OTHER, {                                                                         \
+                if (d->rot_dim > 0) {                                                              \
+                    kiln_rotary_##SUFFIX(qkv, qkv_width, cos, sin, m, d->heads, D, d->rot_dim, num_threads); \
+                    kiln_rotary_##SUFFIX(qkv + q_size, qkv_width, cos, sin, m, d->kv_heads, D, d->rot_dim, \
+                                         num_threads);                                             \
+                }                                                                                  \
+                for (int64_t t = 0; t < m; ++t) {                                                  \
+                    const T *row = qkv + t * qkv_width + q_size;                                   \
+                    store_kv_##SUFFIX(row, L->k_cache, slots[t], d, d->kv_kind, 1.f / k_scale);    \
+                    store_kv_##SUFFIX(row + kv_size, L->v_cache, slots[t], d, d->kv_kind, 1.f / v_scale); \
+                }                                                                                  \
+            });                                                                                    \
+            TIMED(ATTENTION, rc = d->kv_kind == KILN_KV_INT8                                       \
+                                      ? ATTEND(kiln_paged_decode_attention_##SUFFIX##_i8, int8_t)  \
+                                  : d->kv_kind == KILN_KV_FP8                                      \
+                                      ? ATTEND(kiln_paged_decode_attention_##SUFFIX##_f8, fp8_t)   \
+                                      : ATTEND(kiln_paged_decode_attention_##SUFFIX, T));          \
+        }                                                                                          \
         if (rc != 0) { free(work); return rc; }                                                    \
         TIMED(LINEAR, linear_##SUFFIX(attn, &L->dense, out, m, H, q_size, num_threads));            \
         if (lora) TIMED(LINEAR, lora_apply_##SUFFIX(attn, out, m, H, q_size,                       \

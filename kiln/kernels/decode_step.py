@@ -26,30 +26,49 @@ class LinearWeights(ctypes.Structure):
 class MoeBlockWeights(ctypes.Structure):
     """A layer's experts block for ``decode_step`` (decode_step.c ``kiln_moe_block``): the bf16
     router weight ``[E, hidden]`` and bias (or NULL), ``top_k`` of ``num_experts`` (renormalized
-    when ``normalize``), the stacked experts' fused ``fc`` and ``proj`` (``ExpertWeights``) and
-    the activation (``ACTIVATIONS``, with ``alpha`` and ``limit``)."""
+    when ``normalize``, then times ``scaling``), the stacked experts' fused ``fc`` and ``proj``
+    (``ExpertWeights``), the activation (``ACTIVATIONS``, with ``alpha`` and ``limit``) and, with
+    ``has_shared``, an un-gated shared expert's ``shared_fc`` and ``shared_proj``."""
     _fields_ = [("router", C_PTR), ("router_bias", C_PTR), ("num_experts", C_INT64), ("top_k", C_INT64),
                 ("normalize", C_INT64), ("fc", ExpertWeights), ("proj", ExpertWeights), ("act", C_INT64),
-                ("alpha", ctypes.c_float), ("limit", ctypes.c_float)]
+                ("alpha", ctypes.c_float), ("limit", ctypes.c_float), ("scaling", ctypes.c_float),
+                ("has_shared", C_INT64), ("shared_fc", ExpertWeights), ("shared_proj", ExpertWeights)]
 
 
 def moe_block_weights(router: torch.Tensor, router_bias: torch.Tensor | None, top_k: int, normalize: bool,
-                      fc: ExpertWeights, proj: ExpertWeights, activation: str, alpha: float,
-                      limit: float) -> MoeBlockWeights:
-    """``MoeBlockWeights`` for a contiguous bf16 router (and bias) and ``kernels.expert_weights``."""
-    return MoeBlockWeights(router.data_ptr(), router_bias.data_ptr() if router_bias is not None else None,
-                           router.shape[0], top_k, int(normalize), fc, proj, ACTIVATIONS[activation], alpha, limit)
+                      scaling: float, experts: tuple, shared: tuple | None) -> MoeBlockWeights:
+    """``MoeBlockWeights`` for a contiguous bf16 router (and bias), ``experts`` as
+    ``kiln.layers.moe.MixtureOfExperts.native_experts`` gives them (fc, proj, activation, alpha,
+    limit) and a shared expert's (fc, proj) ``ExpertWeights`` (or None)."""
+    fc, proj, activation, alpha, limit = experts
+    block = MoeBlockWeights(router.data_ptr(), router_bias.data_ptr() if router_bias is not None else None,
+                            router.shape[0], top_k, int(normalize), fc, proj, ACTIVATIONS[activation], alpha, limit,
+                            scaling, int(shared is not None))
+    if shared is not None:
+        block.shared_fc, block.shared_proj = shared
+    return block
+
+
+class LatentAttentionWeights(ctypes.Structure):
+    """A latent attention layer for ``decode_step`` (decode_step.c ``kiln_latent_attention``):
+    ``q_a`` (zeroed without a q LoRA), ``q_b`` (the q projection), ``kv_a`` (``LinearWeights``),
+    the q_a and kv_a norms' weights, the absorbed ``keys`` ``[heads, kv_lora, nope]`` and
+    ``values`` ``[heads, v_head, kv_lora]`` (model dtype), the widths and the norms' epsilon."""
+    _fields_ = [("q_a", LinearWeights), ("q_b", LinearWeights), ("kv_a", LinearWeights), ("q_a_norm", C_PTR),
+                ("kv_norm", C_PTR), ("keys", C_PTR), ("values", C_PTR)] + [
+        (name, C_INT64) for name in ("q_lora", "kv_lora", "nope", "rope", "v_head")] + [("eps", ctypes.c_float)]
 
 
 class DecoderLayerWeights(ctypes.Structure):
     """One layer's tensors for ``decode_step`` (raw pointers), its sliding window (0: none), for
     a quantized cache its float32 ``[2]`` K/V scales (else NULL), its per-head q/k norm weights
     (else NULL) and its experts block (a ``MoeBlockWeights`` pointer replacing fused_fc and
-    proj, else NULL)."""
+    proj, else NULL) or latent attention (a ``LatentAttentionWeights`` pointer replacing qkv, else
+    NULL)."""
     _fields_ = [("input_norm", C_PTR), ("post_norm", C_PTR)] + [
         (name, LinearWeights) for name in ("qkv", "dense", "fused_fc", "proj")] + [
         ("k_cache", C_PTR), ("v_cache", C_PTR), ("window", C_INT64), ("kv_scales", C_PTR),
-        ("q_norm", C_PTR), ("k_norm", C_PTR), ("moe", C_PTR)]
+        ("q_norm", C_PTR), ("k_norm", C_PTR), ("moe", C_PTR), ("mla", C_PTR)]
 
 
 class DecoderDims(ctypes.Structure):

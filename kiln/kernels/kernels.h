@@ -16,6 +16,9 @@ void kiln_rotary_##SUFFIX(T *x, int64_t token_stride, const float *cos, const fl
                          int num_threads);                                                         \
 void kiln_skinny_gemm_##SUFFIX(const T *x, const T *w, const T *bias, T *y, int64_t m, int64_t n,  \
                                int64_t k, int num_threads);                                        \
+void kiln_head_gemm_##SUFFIX(const T *x, int64_t x_row, int64_t x_head, const T *w, T *y,          \
+                             int64_t y_row, int64_t y_head, int64_t heads, int64_t m, int64_t n,   \
+                             int64_t k, int num_threads);                                          \
 int kiln_paged_decode_attention_##SUFFIX(const T *q, int64_t q_stride, const T *k_cache,          \
                                         const T *v_cache, const int64_t *token_index,             \
                                         const int64_t *block_tables, const int64_t *seq_lens,     \

@@ -226,11 +226,21 @@ class MixtureOfExperts(nn.Module):
         return None if None in weights else (*weights, *activation)
 
     def _native_shared(self, x: torch.Tensor) -> tuple | None:
-        """The shared expert's (fc, proj) for ``kernels.moe_experts`` when it joins the routed
+        """``native_shared()`` when ``x`` has at most ``SHARED_MAX_ROWS`` rows, else None."""
+        return self.native_shared() if x.shape[0] <= kernels.SHARED_MAX_ROWS else None
+
+    def routing_scale(self) -> float | None:
+        """The factor this block's routing multiplies ``route``'s plain softmax top-k weights by
+        (1.0 here), or None where a subclass routes otherwise (what the native decode step asks)."""
+        return 1.0
+
+    def native_shared(self) -> tuple | None:
+        """The shared expert's (fc, proj) for ``kernels.moe_experts`` when it can join the routed
         experts' call (bias-free quantized linears in the kernels' layout, SiLU like the routed
-        experts, at most ``SHARED_MAX_ROWS`` tokens); else None."""
+        experts; the call takes it for up to ``SHARED_MAX_ROWS`` tokens); else None."""
         mlp = self.shared_expert
-        if mlp is None or x.shape[0] > kernels.SHARED_MAX_ROWS or not mlp.fused or mlp.act is not F.silu:
+        if (mlp is None or not mlp.fused or mlp.act is not F.silu
+                or mlp.fused_fc.quant_bits is None or mlp.proj.quant_bits is None):
             return None
         key = (mlp.fused_fc.weight.data_ptr(), mlp.proj.weight.data_ptr())
         if getattr(self, "_shared_key", None) != key:
@@ -243,7 +253,7 @@ class MixtureOfExperts(nn.Module):
                 offsets = getattr(linear, "weights_offset", None)
                 weights.append(_expert_weights(linear.weight[None], linear.weights_scaling_factor[None],
                                                None if offsets is None else offsets[None], fmt, None)
-                               if plain and linear.quant_bits is not None else None)
+                               if plain else None)
             self._shared, self._shared_key = (None if None in weights else tuple(weights)), key
         return self._shared
 

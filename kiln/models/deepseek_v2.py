@@ -44,6 +44,9 @@ class DeepseekV2Experts(MixtureOfExperts):
         super().__init__(*args, **kwargs)
         self.routed_scaling_factor, self.groups = routed_scaling_factor, groups
 
+    def routing_scale(self) -> float | None:
+        return self.routed_scaling_factor if self.groups is None else None
+
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.groups is None:  # the plain softmax top-k (natively where it can), scaled
             weights, experts = super().route(router_logits)
@@ -60,6 +63,8 @@ class DeepseekV2Experts(MixtureOfExperts):
 
 class DeepseekV2DecoderLayer(nn.Module):
     """Pre-norm, sequential: ``h += attn(ln1(h)); h += mlp(ln2(h))``, with latent attention."""
+
+    native_decode_shape = True  # kiln.models.native_decode computes it (latent attention included)
 
     def __init__(self, model_cls: type, config: PretrainedConfig, layer_idx: int, rotary: RotaryEmbedding | None,
                  engine_layout: bool):

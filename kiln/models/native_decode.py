@@ -8,8 +8,10 @@ shape that kernel computes: an RMSNorm of its own before attention and before th
 (sequential, pre-norm: not OPT's post-norm nor a parallel layer), a fused qkv projection
 with rotate-half rotary (or none) and per-head q/k RMSNorms (Qwen3) or none, plain causal
 attention or a sliding window (no soft-capping, no ALiBi), a fused SiLU-gated MLP or, in bf16
-engines, a mixture of experts with weight-only quantized experts and no shared expert
-(Qwen3-MoE, Mixtral: the router, routing and experts call of kiln.layers.moe), one rank, fp32 or bf16 weights
+engines, a mixture of experts with weight-only quantized experts and an un-gated shared expert
+or none (Qwen3-MoE, Mixtral, DeepSeek-V2: the router, routing and experts call of
+kiln.layers.moe); or DeepSeek-V2's latent attention in its absorbed form (one latent cache row a
+token); one rank, fp32 or bf16 weights
 (or, in bf16 engines, weight-only int8/4-bit codes with AWQ's input multiply, FP8,
 W4A8_AWQ and SmoothQuant W8A8), a KV cache of the model dtype or a quantized one
 (INT8, FP8: the step writes the codes with the layer's scales, as the attention backend does,
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 from kiln import kernels
 from kiln.layers.attention import Attention
 from kiln.layers.lora import LoraStep
+from kiln.layers.mla import MultiHeadLatentAttention
 from kiln.layers.mlp import GatedMLP
 from kiln.layers.moe import MixtureOfExperts
 from kiln.layers.normalization import RmsNorm
@@ -59,20 +62,14 @@ def supports_native_decode(model) -> bool:
     for layer in t.layers.values():
         attn, mlp = layer.attention, layer.mlp
         experts = _experts_supported(mlp, dtype)
-        # The shared decoder layer declares itself fit (a family's own layer class, a subclass,
-        # computes something else and does not inherit the declaration).
+        # The shared decoder layer (and DeepSeek-V2's) declares itself fit (a family's own layer
+        # class, a subclass, computes something else and does not inherit the declaration).
         if not (type(layer).__dict__.get("native_decode_shape", False) and type(layer.input_layernorm) is RmsNorm
-                and type(layer.post_layernorm) is RmsNorm and type(attn) is Attention
+                and type(layer.post_layernorm) is RmsNorm
                 and (experts or (type(mlp) is GatedMLP and mlp.fused and mlp.act is F.silu))
-                and attn.rotary is t.rotary and _qk_norm_eps(attn) == qk_eps
-                and attn.sinks is None and not layer.parallel_residual and not layer.norm_after_residual
-                and layer.sublayer_norms == "pre" and layer.residual_multiplier is None
-                and getattr(layer, "layer_scalar", None) is None and not getattr(layer, "per_layer_input_size", None)
-                and attn.kv_source is None
-                and attn.v_norm_eps is None):
-            return False
-        # The step passes each layer's sliding window on; soft-capping and ALiBi it does not compute.
-        if attn.softcap is not None or attn.alibi_slopes is not None or attn.scale != scale:
+                and attn.rotary is t.rotary and attn.scale == scale
+                and (_latent_supported(attn) if type(attn) is MultiHeadLatentAttention
+                     else _attention_supported(layer, qk_eps))):
             return False
         if any(p.device.type != "cpu" or not p.is_contiguous() for p in layer.parameters()):
             return False
@@ -82,6 +79,26 @@ def supports_native_decode(model) -> bool:
         if layer.input_layernorm.eps != layer.post_layernorm.eps:
             return False
     return True
+
+
+def _attention_supported(layer, qk_eps: float) -> bool:
+    """Whether the step computes ``layer``'s (ordinary) attention and residual shape: q/k norms
+    like the first layer's, no sinks, pre-norm and sequential, no soft-capping or ALiBi (each
+    layer's sliding window is passed on)."""
+    attn = layer.attention
+    return (type(attn) is Attention and _qk_norm_eps(attn) == qk_eps and attn.sinks is None
+            and not layer.parallel_residual and not layer.norm_after_residual and layer.sublayer_norms == "pre"
+            and layer.residual_multiplier is None and getattr(layer, "layer_scalar", None) is None
+            and not getattr(layer, "per_layer_input_size", None) and attn.kv_source is None
+            and attn.v_norm_eps is None and attn.softcap is None and attn.alibi_slopes is None)
+
+
+def _latent_supported(attn: MultiHeadLatentAttention) -> bool:
+    """Whether the step computes latent attention ``attn``: an engine's absorbed layout, one
+    epsilon for its norms."""
+    norms = [attn.kv_a_layernorm] + ([attn.q_a_layernorm] if attn.q_lora_rank else [])
+    return attn.kv_b_proj.engine_layout and len({norm.eps for norm in norms}) == 1 and all(
+        type(norm) is RmsNorm for norm in norms)
 
 
 def _qk_norm_eps(attn: Attention) -> float | None:
@@ -97,9 +114,13 @@ def _qk_norm_eps(attn: Attention) -> float | None:
 
 def _experts_supported(mlp, dtype: torch.dtype) -> bool:
     """Whether the step's experts block computes ``mlp``: a bf16 model's mixture of experts
-    (kiln.layers.moe's own class, one rank, no shared expert) whose experts the native experts
-    call reads and whose router is a contiguous bf16 weight."""
-    if type(mlp) is not MixtureOfExperts or dtype != torch.bfloat16 or mlp.tp_size != 1 or mlp.shared_expert is not None:
+    (one rank) routed by the plain softmax top-k (times a factor: ``routing_scale``), whose
+    experts and shared expert (un-gated) the native experts call reads and whose router is a
+    contiguous bf16 weight."""
+    if not isinstance(mlp, MixtureOfExperts) or dtype != torch.bfloat16 or mlp.tp_size != 1:
+        return False
+    if mlp.routing_scale() is None or (mlp.shared_expert is not None and (
+            mlp.shared_expert_gate is not None or mlp.native_shared() is None)):
         return False
     router = mlp.router
     return (router.weight.dtype == dtype and router.weight.is_contiguous()
@@ -144,36 +165,22 @@ class NativeDecodeStep:
         k_cache = kv_caches[0][0]
         self.dtype = t.vocab_embedding.weight.dtype  # the model's (the cache may hold codes)
         dense = [layer.mlp for layer in layers if not isinstance(layer.mlp, MixtureOfExperts)]
+        latent = type(first) is MultiHeadLatentAttention
         self.dims = kernels.DecoderDims(
             hidden=model.config.hidden_size, heads=first.num_heads, kv_heads=first.num_kv_heads,
-            head_size=first.head_size, rot_dim=t.rotary.rotary_dim if t.rotary is not None else 0,
+            head_size=first.v_head if latent else first.head_size,
+            rot_dim=t.rotary.rotary_dim if t.rotary is not None else 0,
             inter=max((mlp.proj.in_features for mlp in dense), default=0), block_size=k_cache.shape[2], max_blocks=0,
             eps=layers[0].input_layernorm.eps, scale=first.scale,
             kv_kind=0 if k_cache.dtype == self.dtype else kernels.KV_KINDS[k_cache.dtype],
             qk_eps=_qk_norm_eps(first))
         self.weights = (kernels.DecoderLayerWeights * len(layers))()
-        self._experts: list[kernels.MoeBlockWeights] = []  # what the layers' ``moe`` pointers point at
+        # What the layers' ``moe`` and ``mla`` pointers point at.
+        self._experts: list[kernels.MoeBlockWeights] = []
+        self._latents: list[kernels.LatentAttentionWeights] = []
         packed_everywhere = True
         for entry, layer, (k, v) in zip(self.weights, layers, kv_caches):
-            attn, mlp = layer.attention, layer.mlp
-            entry.input_norm = layer.input_layernorm.weight.data_ptr()
-            entry.post_norm = layer.post_layernorm.weight.data_ptr()
-            entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
-            entry.window = attn.window or 0
-            scales = attn.kv_cache_scaling_factor  # float32 [K, V]: a quantized cache's
-            entry.kv_scales = scales.data_ptr() if self.dims.kv_kind else None
-            if attn.q_norm is not None:
-                entry.q_norm, entry.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
-            linears = [("qkv", attn.qkv), ("dense", attn.dense)]
-            if isinstance(mlp, MixtureOfExperts):  # any rows up to MOE_MAX_ROWS (the router: the skinny GEMM)
-                self._experts.append(kernels.moe_block_weights(
-                    mlp.router.weight, mlp.router.bias, mlp.top_k, mlp.normalize_top_k, *mlp.native_experts()))
-                entry.moe = ctypes.addressof(self._experts[-1])
-            else:
-                linears += [("fused_fc", mlp.fused_fc), ("proj", mlp.proj)]
-            for field, linear in linears:
-                setattr(entry, field, _linear_weights(linear))
-                packed_everywhere &= _packed(linear, getattr(entry, field))
+            packed_everywhere &= self._gather_layer(entry, layer, k, v)
         # The final norm and LM head too, when the step can compute them: the caller then gets
         # logits from the one call (see ``__call__``).
         self.head: kernels.DecoderHead | None = None
@@ -188,8 +195,11 @@ class NativeDecodeStep:
             self.max_tokens = UNLIMITED if packed_everywhere else 1
         else:
             self.max_tokens = kernels.SKINNY_MAX_ROWS
-        if self._experts:
-            self.max_tokens = min(self.max_tokens, kernels.MOE_MAX_ROWS)
+        if self._experts:  # the experts call's rows; with a shared expert, the rows it joins the call for
+            shared = any(block.has_shared for block in self._experts)
+            self.max_tokens = min(self.max_tokens, kernels.SHARED_MAX_ROWS if shared else kernels.MOE_MAX_ROWS)
+        if latent:  # the absorbed products' skinny GEMM (beyond it the Python path multiplies otherwise)
+            self.max_tokens = min(self.max_tokens, kernels.SKINNY_MAX_ROWS)
         self.rotary = t.rotary
         self.scratch = torch.empty(0, dtype=self.dtype)
         # Set to a float64 [3] tensor to accumulate seconds in linears / attention / the rest.
@@ -197,16 +207,47 @@ class NativeDecodeStep:
         # What the gathered pointers depend on: the cache tensors and the weights' storage (all
         # weights are assigned together, at load).
         self._kv_caches, self._cache_ptr = kv_caches, k_cache.data_ptr()
-        self._weight = first.qkv.weight
+        self._weight = first.dense.weight
         self._weight_ptr = self._weight.data_ptr()
         self._no_rotary = torch.zeros(1, dtype=torch.float32)
         # Each layer's four linears as LoRA sees them (None: experts, which hold no LoRA modules).
-        self._linears = [(layer.attention.qkv, layer.attention.dense, *(
+        self._linears = [(getattr(layer.attention, "qkv", None), layer.attention.dense, *(
             (None, None) if isinstance(layer.mlp, MixtureOfExperts) else (layer.mlp.fused_fc, layer.mlp.proj)))
             for layer in layers]
         self._widest_input = max(linear.in_features for linears in self._linears for linear in linears if linear)
         # Each adapter's LoraLinear array (and the tensors it points at), while the adapter lives.
         self._lora_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _gather_layer(self, entry: kernels.DecoderLayerWeights, layer, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Fill ``entry`` with ``layer``'s pointers (and its cache's); whether every linear of the
+        layer takes any number of rows (``_packed``)."""
+        attn, mlp = layer.attention, layer.mlp
+        entry.input_norm = layer.input_layernorm.weight.data_ptr()
+        entry.post_norm = layer.post_layernorm.weight.data_ptr()
+        entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
+        entry.window = getattr(attn, "window", None) or 0
+        scales = getattr(attn, "kv_cache_scaling_factor", None)  # float32 [K, V]: a quantized cache's
+        entry.kv_scales = scales.data_ptr() if self.dims.kv_kind else None
+        if getattr(attn, "q_norm", None) is not None:
+            entry.q_norm, entry.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
+        packed, linears = True, [("dense", attn.dense)]
+        if type(attn) is MultiHeadLatentAttention:
+            self._latents.append(_latent_weights(attn))
+            entry.mla = ctypes.addressof(self._latents[-1])
+            packed = all(_packed(linear, _linear_weights(linear)) for linear in _latent_linears(attn))
+        else:
+            linears.append(("qkv", attn.qkv))
+        if isinstance(mlp, MixtureOfExperts):  # any rows up to MOE_MAX_ROWS (the router: the skinny GEMM)
+            self._experts.append(kernels.moe_block_weights(
+                mlp.router.weight, mlp.router.bias, mlp.top_k, mlp.normalize_top_k, mlp.routing_scale(),
+                mlp.native_experts(), mlp.native_shared() if mlp.shared_expert is not None else None))
+            entry.moe = ctypes.addressof(self._experts[-1])
+        else:
+            linears += [("fused_fc", mlp.fused_fc), ("proj", mlp.proj)]
+        for field, linear in linears:
+            setattr(entry, field, _linear_weights(linear))
+            packed &= _packed(linear, getattr(entry, field))
+        return packed
 
     def is_for(self, kv_caches: list) -> bool:
         """Whether the gathered pointers still hold for these caches (and the model's weights)."""
@@ -276,6 +317,24 @@ class NativeDecodeStep:
                         work = max(work, a.shape[0] + target.stop - target.start)
             self._lora_tables[adapter] = (table, tensors, work)
         return self._lora_tables[adapter]
+
+
+def _latent_linears(attn: MultiHeadLatentAttention) -> list:
+    """A latent attention layer's projections before attention (q's one or two, kv_a)."""
+    q = [attn.q_a_proj, attn.q_b_proj] if attn.q_lora_rank else [attn.q_proj]
+    return [*q, attn.kv_a_proj_with_mqa]
+
+
+def _latent_weights(attn: MultiHeadLatentAttention) -> kernels.LatentAttentionWeights:
+    """A latent attention layer's pointers and widths for ``decode_step``."""
+    q_lora, up = attn.q_lora_rank, attn.kv_b_proj
+    return kernels.LatentAttentionWeights(
+        q_a=_linear_weights(attn.q_a_proj) if q_lora else kernels.LinearWeights(),
+        q_b=_linear_weights(attn.q_b_proj if q_lora else attn.q_proj), kv_a=_linear_weights(attn.kv_a_proj_with_mqa),
+        q_a_norm=attn.q_a_layernorm.weight.data_ptr() if q_lora else None,
+        kv_norm=attn.kv_a_layernorm.weight.data_ptr(), keys=up.keys.data_ptr(), values=up.values.data_ptr(),
+        q_lora=q_lora or 0, kv_lora=attn.kv_lora_rank, nope=attn.nope, rope=attn.rope, v_head=attn.v_head,
+        eps=attn.kv_a_layernorm.eps)
 
 
 def _packed(linear, weights: kernels.LinearWeights) -> bool:

@@ -19,7 +19,7 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from tests.conftest import convert_and_build
 from tests.utils.tiny_models import make_gpt2, make_llama
-from tests.utils.tiny_moe_models import make_qwen3_moe
+from tests.utils.tiny_moe_models import make_deepseek_v2, make_qwen3_moe
 from tests.utils.tiny_tokenizer import CORPUS, VOCAB_SIZE, save_tiny_tokenizer
 
 # name: (make_llama options, or another maker's under "maker"; engine dtype or weight-only quant_algo,
@@ -48,6 +48,9 @@ CASES = {
     # Qwen3-MoE (per-head q/k norms; routed experts, 4-bit with zero points, beside a dense layer):
     # the router, routing and experts call inside the step.
     "qwen3-moe-w4a16": (dict(maker=make_qwen3_moe, moe_intermediate=64, intermediate=128), "W4A16", None),
+    # DeepSeek-V2-Lite's shape: latent attention (absorbed), a dense first layer, then routed experts
+    # with a shared one in the same call and scaled routing weights.
+    "deepseek-v2-w4a16": (dict(maker=make_deepseek_v2, kv_lora_rank=40), "W4A16", None),
 }
 
 
@@ -127,6 +130,8 @@ def test_lora_and_dora_inside_the_native_step(engine_dir, monkeypatch):
     from kiln.layers.lora import LoraAdapter
 
     engine = Engine(engine_dir)
+    if engine.config.architecture == "DeepseekV2ForCausalLM":
+        pytest.skip("DeepSeek-V2 takes no LoRA adapters (multi-head latent attention)")
     modules = ("attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_gate", "mlp_4h_to_h")
     plain = LoraAdapter(random_lora_modules(engine.config, 4, modules, seed=0, scale=0.2))
     dora_rows = random_lora_modules(engine.config, 2, modules, seed=1, scale=0.2)
