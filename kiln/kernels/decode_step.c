@@ -8,7 +8,7 @@
  *
  *   x = rmsnorm(h); qkv = x Wqkv^T (+b); [per-head rmsnorm(q), rmsnorm(k)]; rotary(q, k);
  *   cache[slot] = k, v
- *   h = h + attention(q, cache; the layer's sliding window) Wo^T (+b)
+ *   h = h + attention(q, cache; the layer's sliding window and attention sinks) Wo^T (+b)
  *   x = rmsnorm(h); gu = x Wfc^T (+b); h = h + (silu(gate) * up) Wproj^T (+b)
  *
  * or, in a layer with experts (bf16 models with weight-only quantized experts: Qwen3-MoE,
@@ -100,7 +100,8 @@ typedef struct {
  * of a quantized cache (NULL for a float one); q_norm / k_norm: per-head RMSNorm weights [head_size]
  * applied to q and k before rotary (Qwen3; NULL: none); moe: the layer's experts, which then
  * replace fused_fc and proj (NULL: a dense MLP); mla: the layer's latent attention, which then
- * replaces qkv (dims head_size is its v_head; NULL: ordinary attention). */
+ * replaces qkv (dims head_size is its v_head; NULL: ordinary attention); sinks: gpt-oss's
+ * attention sinks, float32 [heads] (NULL: none). */
 typedef struct {
     const void *input_norm, *post_norm;
     kiln_linear qkv, dense, fused_fc, proj;
@@ -110,6 +111,7 @@ typedef struct {
     const void *q_norm, *k_norm;
     const kiln_moe_block *moe;
     const kiln_latent_attention *mla;
+    const float *sinks;
 } kiln_decoder_layer;
 
 /* kv_kind: the caches' element type (KILN_KV_FLOAT: the model dtype; KILN_KV_INT8, KILN_KV_FP8);
@@ -305,7 +307,7 @@ static int moe_block_f32(const float *x, const kiln_moe_block *B, float *out, in
 /* One layer's decode attention over its cache, through the variant for the cache's type. */
 #define ATTEND(FN, KT) FN(qkv, qkv_width, (const KT *)L->k_cache, (const KT *)L->v_cache, token_index,  \
                           block_tables, seq_lens, attn, m, d->heads, d->kv_heads, D, d->block_size,     \
-                          d->max_blocks, d->scale, L->window, NULL, 0.f, NULL, k_scale, v_scale,   \
+                          d->max_blocks, d->scale, L->window, NULL, 0.f, L->sinks, k_scale, v_scale, \
                           num_threads)
 
 #define DEFINE_DECODE_STEP(SUFFIX, T, LOAD, STORE)                                                 \

@@ -63,12 +63,12 @@ class DecoderLayerWeights(ctypes.Structure):
     """One layer's tensors for ``decode_step`` (raw pointers), its sliding window (0: none), for
     a quantized cache its float32 ``[2]`` K/V scales (else NULL), its per-head q/k norm weights
     (else NULL) and its experts block (a ``MoeBlockWeights`` pointer replacing fused_fc and
-    proj, else NULL) or latent attention (a ``LatentAttentionWeights`` pointer replacing qkv, else
-    NULL)."""
+    proj, else NULL), latent attention (a ``LatentAttentionWeights`` pointer replacing qkv, else
+    NULL) and attention sinks (float32 ``[heads]``, else NULL)."""
     _fields_ = [("input_norm", C_PTR), ("post_norm", C_PTR)] + [
         (name, LinearWeights) for name in ("qkv", "dense", "fused_fc", "proj")] + [
         ("k_cache", C_PTR), ("v_cache", C_PTR), ("window", C_INT64), ("kv_scales", C_PTR),
-        ("q_norm", C_PTR), ("k_norm", C_PTR), ("moe", C_PTR), ("mla", C_PTR)]
+        ("q_norm", C_PTR), ("k_norm", C_PTR), ("moe", C_PTR), ("mla", C_PTR), ("sinks", C_PTR)]
 
 
 class DecoderDims(ctypes.Structure):

@@ -73,7 +73,8 @@ def supports_native_decode(model) -> bool:
             return False
         if any(p.device.type != "cpu" or not p.is_contiguous() for p in layer.parameters()):
             return False
-        modules = [*attn.modules(), layer.input_layernorm, layer.post_layernorm, *([] if experts else mlp.modules())]
+        modules = [module for module in attn.modules() if module is not getattr(attn, "sinks", None)]  # (float32)
+        modules += [layer.input_layernorm, layer.post_layernorm, *([] if experts else mlp.modules())]
         if not all(_module_supported(module, dtype) for module in modules):
             return False
         if layer.input_layernorm.eps != layer.post_layernorm.eps:
@@ -83,10 +84,11 @@ def supports_native_decode(model) -> bool:
 
 def _attention_supported(layer, qk_eps: float) -> bool:
     """Whether the step computes ``layer``'s (ordinary) attention and residual shape: q/k norms
-    like the first layer's, no sinks, pre-norm and sequential, no soft-capping or ALiBi (each
-    layer's sliding window is passed on)."""
+    like the first layer's, pre-norm and sequential, no soft-capping or ALiBi (each layer's
+    sliding window and attention sinks are passed on)."""
     attn = layer.attention
-    return (type(attn) is Attention and _qk_norm_eps(attn) == qk_eps and attn.sinks is None
+    return (type(attn) is Attention and _qk_norm_eps(attn) == qk_eps
+            and (attn.sinks is None or attn.sinks.weight.dtype == torch.float32)
             and not layer.parallel_residual and not layer.norm_after_residual and layer.sublayer_norms == "pre"
             and layer.residual_multiplier is None and getattr(layer, "layer_scalar", None) is None
             and not getattr(layer, "per_layer_input_size", None) and attn.kv_source is None
@@ -230,6 +232,8 @@ class NativeDecodeStep:
         entry.kv_scales = scales.data_ptr() if self.dims.kv_kind else None
         if getattr(attn, "q_norm", None) is not None:
             entry.q_norm, entry.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
+        if getattr(attn, "sinks", None) is not None:
+            entry.sinks = attn.sinks.weight.data_ptr()
         packed, linears = True, [("dense", attn.dense)]
         if type(attn) is MultiHeadLatentAttention:
             self._latents.append(_latent_weights(attn))

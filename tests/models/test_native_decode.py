@@ -19,7 +19,7 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from tests.conftest import convert_and_build
 from tests.utils.tiny_models import make_gpt2, make_llama
-from tests.utils.tiny_moe_models import make_deepseek_v2, make_qwen3_moe
+from tests.utils.tiny_moe_models import make_deepseek_v2, make_gpt_oss, make_qwen3_moe
 from tests.utils.tiny_tokenizer import CORPUS, VOCAB_SIZE, save_tiny_tokenizer
 
 # name: (make_llama options, or another maker's under "maker"; engine dtype or weight-only quant_algo,
@@ -51,6 +51,9 @@ CASES = {
     # DeepSeek-V2-Lite's shape: latent attention (absorbed), a dense first layer, then routed experts
     # with a shared one in the same call and scaled routing weights.
     "deepseek-v2-w4a16": (dict(maker=make_deepseek_v2, kv_lora_rank=40), "W4A16", None),
+    # gpt-oss: attention sinks, biased qkv and experts, alternating 8-token windows, YaRN, the
+    # clamped SwiGLU.
+    "gpt-oss-w4a16": (dict(maker=make_gpt_oss, intermediate=64), "W4A16", None),
 }
 
 
