@@ -186,7 +186,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, relative: torch.T
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    if options.softcap is None and bias is None and _FUSED_WITH_LSE is not None:  # sinks alone
+    if options.sinks is not None and options.softcap is None and bias is None and _FUSED_WITH_LSE is not None:
         return _attend_with_sinks(q, k, v, allowed, scale, options.sinks)
     # Explicit float32 scores for a few query rows at a time: a whole 2K-token prompt's
     # [heads, q_len, kv_len] scores (and their softmax copies) would take gigabytes.

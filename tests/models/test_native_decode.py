@@ -14,6 +14,7 @@ import torch
 import kiln.models.base as base
 from kiln import SamplingParams
 from kiln.config import QuantConfig
+from kiln.errors import ConfigError
 from kiln.models.native_decode import NativeDecodeStep, native_decode_for, supports_native_decode
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
@@ -133,8 +134,10 @@ def test_lora_and_dora_inside_the_native_step(engine_dir, monkeypatch):
     from kiln.layers.lora import LoraAdapter
 
     engine = Engine(engine_dir)
-    if engine.config.architecture == "DeepseekV2ForCausalLM":
-        pytest.skip("DeepSeek-V2 takes no LoRA adapters (multi-head latent attention)")
+    if engine.config.architecture == "DeepseekV2ForCausalLM":  # latent attention: no LoRA adapters
+        with pytest.raises(ConfigError, match="LoRA adapters are not supported"):
+            engine.model.assign_lora_targets()
+        return
     modules = ("attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_gate", "mlp_4h_to_h")
     plain = LoraAdapter(random_lora_modules(engine.config, 4, modules, seed=0, scale=0.2))
     dora_rows = random_lora_modules(engine.config, 2, modules, seed=1, scale=0.2)
