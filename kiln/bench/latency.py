@@ -80,12 +80,16 @@ def run_latency(engine: str | Path | EngineArgs, *, hf_gguf: str | None = None, 
         return round(statistics.median(r[key] for r in runs), 4) if runs else None
 
     weight_bytes = weight_bytes_per_token(llm.core.runner.model)
+    # A hybrid model's recurrent state: one slot read and one written per token (two slots a sequence).
+    state_bytes = llm.core.runner.state_slot_bytes
     kiln = {"engine_load_s": round(load_s, 3), "load_to_first_token_s": round(kiln_load_to_first, 3),
             "prefill_tok_s": round(statistics.median(kiln_prefill), 1), "ttft_s": med(kiln_runs, "ttft_s"),
             "decode_tok_s": med(kiln_runs, "decode_tok_s"), "host_overhead_ms": med(kiln_runs, "host_overhead_ms"),
-            "weight_bytes": weight_bytes, "peak_rss_mb": round(peak_rss_mb())}
+            "weight_bytes": weight_bytes, "state_bytes_per_sequence": 2 * state_bytes,
+            "peak_rss_mb": round(peak_rss_mb())}
     # Three significant figures, not decimals: a tiny model's fraction is far below 0.001.
-    kiln["bandwidth_fraction"] = float(f"{weight_bytes * kiln['decode_tok_s'] / (machine['read_gbs'] * 1e9):.3g}")
+    moved = (weight_bytes + 2 * state_bytes) * kiln["decode_tok_s"]
+    kiln["bandwidth_fraction"] = float(f"{moved / (machine['read_gbs'] * 1e9):.3g}")
     spec = llm.core.stats.spec
     if spec is not None:  # speculative decoding: how much of what was proposed was kept
         kiln["spec_decode"] = {"acceptance_rate": round(spec.acceptance_rate, 3),
@@ -128,6 +132,9 @@ def format_latency(record: dict) -> str:
     if spec:
         lines.append(f"  speculative decoding: {spec['acceptance_rate']:.0%} of proposed tokens kept, "
                      f"{spec['mean_accepted_length']:.2f} tokens per verifying step")
+    if k.get("state_bytes_per_sequence"):
+        lines.append(f"  recurrent state: {k['state_bytes_per_sequence'] / 1e6:.2f} MB a sequence (two slots; one "
+                     "read and one written per token, counted in the bandwidth below)")
     world = record.get("world") or {}
     if world.get("tp_size", 1) * world.get("pp_size", 1) > 1:
         lines.append(f"  tp {world['tp_size']} x pp {world['pp_size']} ranks on this machine; host overhead and "

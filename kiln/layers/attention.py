@@ -73,7 +73,7 @@ class Attention(nn.Module):
                  qk_norm_class: type[nn.Module] = RmsNorm, qk_norm_whole: bool = False,
                  scale: float | None = None, window: int | None = None, softcap: float | None = None,
                  alibi: bool = False, sinks: bool = False, v_norm: bool = False, value_from_key: bool = False,
-                 kv_source: int | None = None):
+                 kv_source: int | None = None, output_gate: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = num_heads // tp_size  # per rank
@@ -94,8 +94,14 @@ class Attention(nn.Module):
                                     tp_rank=tp_rank, source_transposed=source_transposed)
             self.qkv.external_key_map = {"qkv": "q_proj"}
         else:
-            self.qkv = QKVColumnLinear(hidden_size, num_heads, num_kv_heads, head_size, qkv_bias, dtype=dtype,
-                                       tp_size=tp_size, tp_rank=tp_rank, source_transposed=source_transposed)
+            # Qwen3.5's gated attention (``output_gate``): each head's query rows are followed by
+            # its output gate's, so the q part holds twice the heads' rows (split in forward).
+            self.qkv = QKVColumnLinear(hidden_size, num_heads * (2 if output_gate else 1), num_kv_heads, head_size,
+                                       qkv_bias, dtype=dtype, tp_size=tp_size, tp_rank=tp_rank,
+                                       source_transposed=source_transposed)
+        if output_gate and (kv_source is not None or qk_norm_whole):
+            raise ConfigError("an attention output gate is not supported with kv_source or qk_norm_whole")
+        self.output_gate = output_gate
         if value_from_key:
             # Gemma 4's attention_k_eq_v: the values are the key projection's output. The v rows are
             # loaded from k_proj, so the fused projection (and every kernel behind it) is unchanged.
@@ -133,7 +139,12 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         own_kv = self.kv_source is None
-        if own_kv:
+        gate = None
+        if self.output_gate:  # per head: its query rows, then its gate's
+            q, k, v = self.qkv(hidden, metadata.lora).split([2 * q_size, kv_size, kv_size], dim=-1)
+            q, gate = q.view(num_tokens, self.num_heads, 2, self.head_size).unbind(2)
+            q, gate = q.contiguous(), gate.reshape(num_tokens, q_size)
+        elif own_kv:
             q, k, v = self.qkv(hidden, metadata.lora).split([q_size, kv_size, kv_size], dim=-1)
         else:  # a KV-shared layer: its own queries over layer kv_source's keys and values (see _source_kv)
             q, (k, v) = self.qkv(hidden, metadata.lora), self._source_kv(metadata)
@@ -157,7 +168,7 @@ class Attention(nn.Module):
             k = self._rotate(k, cos, sin, native) if own_kv else k
         if self.kv_consumed:  # for the layers reading this one's K/V (their kv_source)
             metadata.shared_kv[self.layer_idx] = (k, v)
-        return self._attend(q, k, v, kv_cache, metadata)
+        return self._attend(q, k, v, kv_cache, metadata, gate)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: bool) -> torch.Tensor:
         # Native: in place on the fresh projection output, one pass instead of ~10 ops.
@@ -172,10 +183,14 @@ class Attention(nn.Module):
                                "which this step has not computed")
         return metadata.shared_kv[self.kv_source]
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, metadata) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, metadata,
+                gate: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over the cache, times ``sigmoid(gate)`` where the layer has an output gate,
+        then the output projection."""
         num_tokens = q.shape[0]
         out = metadata.backend.forward(q, k, v, kv_cache, metadata, self.scale, window=self.window,
                                        alibi_slopes=self.alibi_slopes, softcap=self.softcap,
                                        kv_scales=self.kv_cache_scaling_factor,
                                        sinks=None if self.sinks is None else self.sinks.weight)  # [tokens, heads, head]
-        return self.dense(out.reshape(num_tokens, self.num_heads * self.head_size), metadata.lora)
+        out = out.reshape(num_tokens, self.num_heads * self.head_size)
+        return self.dense(out if gate is None else out * torch.sigmoid(gate), metadata.lora)

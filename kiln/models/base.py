@@ -80,12 +80,13 @@ class DecoderModelForCausalLM(nn.Module):
         self.engine_layout = engine_layout
         mapping = config.mapping
         self.transformer = Transformer(type(self), config, engine_layout)
+        attentions = [layer.attention for layer in self.transformer.layers.values() if hasattr(layer, "attention")]
         if config.quantization.kv_cache_quant_algo is not None:  # static K/V scales per layer
-            for layer in self.transformer.layers.values():
-                layer.attention.use_kv_cache_scales()
+            for attention in attentions:
+                attention.use_kv_cache_scales()
         if config.get("qkv_per_head"):  # the source's fused qkv rows come per head or KV group (GPT-NeoX, BLOOM)
-            for layer in self.transformer.layers.values():
-                layer.attention.qkv.interleaved_heads = True
+            for attention in attentions:
+                attention.qkv.interleaved_heads = True
         self.final_logit_softcap = positive_field(config, "final_logit_softcapping")  # Gemma 2
         self.logits_scaling = positive_field(config, "logits_scaling")  # Granite: logits divided by it
         self.vocab_size_padded = math.ceil(config.vocab_size / mapping.tp_size) * mapping.tp_size
@@ -130,15 +131,16 @@ class DecoderModelForCausalLM(nn.Module):
         both (``mlp_gate_up``), and its down projection (``mlp_4h_to_h``)."""
         # Column ranges are this rank's: its adapters are sharded to match (kiln.runtime.lora_cache).
         for key, layer in self.transformer.layers.items():
-            i, attn, mlp = int(key), layer.attention, layer.mlp
+            i, attn, mlp = int(key), getattr(layer, "attention", None), layer.mlp
 
             def target(name: str, start: int, stop: int) -> LoraTarget:
                 return LoraTarget(i, LORA_MODULE_IDS[name], start, stop)
 
-            q, kv = attn.qkv.q_size // attn.qkv.tp_size, attn.qkv.kv_size // attn.qkv.kv_tp_size  # this rank's
-            attn.qkv.lora_targets = (target("attn_qkv", 0, q + 2 * kv), target("attn_q", 0, q),
-                                     target("attn_k", q, q + kv), target("attn_v", q + kv, q + 2 * kv))
-            attn.dense.lora_targets = (target("attn_dense", 0, attn.dense.out_features),)
+            if attn is not None:  # (a recurrent layer's projections take no adapters)
+                q, kv = attn.qkv.q_size // attn.qkv.tp_size, attn.qkv.kv_size // attn.qkv.kv_tp_size  # this rank's
+                attn.qkv.lora_targets = (target("attn_qkv", 0, q + 2 * kv), target("attn_q", 0, q),
+                                         target("attn_k", q, q + kv), target("attn_v", q + kv, q + 2 * kv))
+                attn.dense.lora_targets = (target("attn_dense", 0, attn.dense.out_features),)
             if isinstance(mlp, (MLP, GatedMLP)):
                 inter = mlp.proj.in_features
                 mlp.proj.lora_targets = (target("mlp_4h_to_h", 0, mlp.proj.out_features),)

@@ -17,7 +17,10 @@ from kiln.layers.normalization import LayerNorm, RmsNorm
 from kiln.layers.rotary import RotaryEmbedding
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Layers keeping a recurrent state instead of K/V (hybrid models; kiln.models.hybrid).
+RECURRENT_LAYER_TYPES = ("conv", "linear_attention", "mamba")
+LAYER_TYPES = ATTENTION_LAYER_TYPES + RECURRENT_LAYER_TYPES
 
 
 def positive_field(config: PretrainedConfig, name: str) -> float | None:
@@ -39,7 +42,7 @@ def layer_window(config: PretrainedConfig, layer_idx: int) -> int | None:
         raise ConfigError(f"config field 'sliding_window' must be a whole number of tokens, got {window!r}")
     types = config.get("layer_types")
     if types is not None:
-        if layer_type(config, layer_idx) == "full_attention":
+        if layer_type(config, layer_idx) != "sliding_attention":  # full attention, or a recurrent layer
             return None
         if window is None:
             raise ConfigError(f"config field 'layer_types' marks layer {layer_idx} sliding_attention but "
@@ -190,6 +193,7 @@ class DecoderLayer(nn.Module):
             qk_layernorm=bool(config.get("qk_layernorm", False)), qk_norm_class=qk_norm_class,
             qk_norm_whole=bool(config.get("qk_norm_whole", False)), v_norm=bool(config.get("v_norm", False)),
             value_from_key=bool(layer_field(config, layer_idx, "value_from_key")), kv_source=kv_source,
+            output_gate=bool(config.get("attn_output_gate", False)),
             **attention_settings(config, layer_idx), **shard)
         self.post_layernorm = None if shared_norm else model_cls.make_norm(config, dtype)
         if self.sublayer_norms != "pre":
@@ -288,7 +292,7 @@ class Transformer(nn.Module):
             str(i): model_cls.decoder_layer(model_cls, config, i, rotaries[i] if rotaries else None, engine_layout)
             for i in self.layer_ids})
         for layer in self.layers.values():  # the layers whose K/V later layers read keep them each step
-            source = getattr(layer.attention, "kv_source", None)
+            source = getattr(getattr(layer, "attention", None), "kv_source", None)
             if source is not None:
                 if config.quantization.kv_cache_quant_algo is not None:
                     # The reading layer writes its source's K/V again, with its own scales.

@@ -55,6 +55,10 @@ def supports_native_decode(model) -> bool:
     if (dtype not in (torch.float32, torch.bfloat16) or model.config.mapping.world_size != 1
             or hasattr(t, "position_embedding") or kernels.native_library() is None):
         return False
+    # The shared decoder layer (and DeepSeek-V2's) declares itself fit (a family's own layer
+    # class, a subclass, computes something else and does not inherit the declaration).
+    if not all(type(layer).__dict__.get("native_decode_shape", False) for layer in t.layers.values()):
+        return False
     first = next(iter(t.layers.values())).attention
     scale, qk_eps = first.scale, _qk_norm_eps(first)
     if qk_eps is None:
@@ -62,9 +66,7 @@ def supports_native_decode(model) -> bool:
     for layer in t.layers.values():
         attn, mlp = layer.attention, layer.mlp
         experts = _experts_supported(mlp, dtype)
-        # The shared decoder layer (and DeepSeek-V2's) declares itself fit (a family's own layer
-        # class, a subclass, computes something else and does not inherit the declaration).
-        if not (type(layer).__dict__.get("native_decode_shape", False) and type(layer.input_layernorm) is RmsNorm
+        if not (type(layer.input_layernorm) is RmsNorm
                 and type(layer.post_layernorm) is RmsNorm
                 and (experts or (type(mlp) is GatedMLP and mlp.fused and mlp.act is F.silu))
                 and attn.rotary is t.rotary and attn.scale == scale

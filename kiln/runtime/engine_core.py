@@ -7,12 +7,14 @@ Every front end (GenerationSession, LLM, the in-flight Executor) drives this::
 A request is a :class:`SequenceGroup`: one sequence, ``best_of`` independent samples, or the
 live beams of a beam search, which move in lockstep and are re-formed after every step
 from the :class:`~kiln.runtime.beam_search.BeamSearch` decision (children share their
-parent's KV blocks; the block a child writes next is copied on write).
+parent's KV blocks; the block a child writes next is copied on write; a hybrid model's child
+takes a copy of its parent's recurrent state).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 import time
 from collections import deque
@@ -27,19 +29,22 @@ from kiln.runtime.beam_search import BeamHypothesis, BeamSearch, BeamSearchParam
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.draft import DraftProposer
 from kiln.runtime.engine import Engine
-from kiln.runtime.kv_blocks import KV_CACHE_MEMORY_FRACTION, agreed_num_blocks, common_window
+from kiln.runtime.kv_blocks import KV_CACHE_MEMORY_FRACTION, agreed_num_blocks, common_window, num_state_slots
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.prompt_tuning import PromptTable, check_prompt_ids, check_table_size
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import RunnerOutput, Scheduler
 from kiln.runtime.sequence import FinishReason, Sequence
 from kiln.runtime.speculative import SpecDecodeStats, Speculator
+from kiln.runtime.state_slots import StateSlots, step_back
 from kiln.runtime.worker import CacheSettings, Leader
 
 # Steps in a row whose every request failed with an internal error: past this, the engine
 # itself is taken to be broken and ``step`` raises (an engine that fails everything must say
 # so, not answer each request with an error forever).
 MAX_FAILED_STEPS = 8
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,17 +98,24 @@ class EngineCore:
                                   "kiln.runtime.worker.follow(engine)")
             leader = Leader(settings)
         num_blocks = agreed_num_blocks(engine, num_blocks, self.max_num_seqs, memory_fraction)
-        self.runner = ModelRunner(engine, num_blocks, attention_backend)
+        self.runner = ModelRunner(engine, num_blocks, attention_backend, self.max_num_seqs)
         self.runner.leader = leader
         # Micro-batches in flight: one per pipeline stage (see ``step``).
         self.pipeline_depth = engine.config.mapping.pp_size
         if speculative_config is not None and self.pipeline_depth > 1:
             raise ConfigError("speculative_config: speculative decoding runs without pipeline stages (pp_size 1)")
+        slots = num_state_slots(engine, self.max_num_seqs)
+        if slots and speculative_config is not None:
+            raise ConfigError("speculative_config: speculative decoding is not available for models with recurrent "
+                              "layers yet (a rejected proposal would have to be taken out of their state)")
+        if slots and enable_prefix_caching:
+            logger.warning("prefix caching is off for %s: its recurrent layers' state at a cached prefix's end is "
+                           "not kept, so every prompt is computed whole", engine.config.architecture)
         speculative_config = SpeculativeConfig.parse(speculative_config)
         self._in_flight: deque = deque()
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching and not slots)
         self.scheduler = Scheduler(self.pool, block, self.max_num_seqs, self.max_num_tokens, capacity_policy,
-                                   window=common_window(engine.model))
+                                   window=common_window(engine.model), states=StateSlots(slots) if slots else None)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._requests: dict[int, SequenceGroup] = {}  # seq_id -> request, for live sequences
@@ -345,8 +357,11 @@ class EngineCore:
             for s in live:
                 if s.seq_id in result.beam_logprobs:
                     s.num_computed_tokens -= 1
+                    if s.state_slots:
+                        step_back(s.state_slots)
             return False
         decision = request.beam.step(torch.stack([result.beam_logprobs[s.seq_id] for s in live]))
+        parent_states = [live[p].state_slots[:1] for p in decision.parents]  # (hybrid models) before any change
         parents = [(list(live[p].token_ids), list(live[p].block_ids), live[p].num_computed_tokens,
                     list(live[p].block_hashes)) for p in decision.parents]
         # Children take references to their parents' blocks before the parents let go of theirs.
@@ -369,6 +384,10 @@ class EngineCore:
             seq.block_ids, seq.block_hashes = blocks, hashes
             seq.num_computed_tokens = computed
             self.runner.release(seq)  # its tokens were rewritten: per-sequence state starts again
+        for seq, parent_state in zip(live, parent_states):  # each child a copy of its parent's state
+            if parent_state:
+                seq.state_slots = self.scheduler.states.adopt(seq.state_slots, parent_state[0],
+                                                              self.scheduler.state_copies)
         if decision.done:
             request.hypotheses = request.beam.finalize()
             for seq in live:

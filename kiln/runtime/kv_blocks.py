@@ -1,11 +1,14 @@
 """How many KV cache blocks an engine gets: enough for every sequence at full length (or its
-sliding window), capped at a share of the memory available, the same on every rank."""
+sliding window), capped at a share of the memory available after a hybrid model's recurrent
+state slots, the same on every rank; and how many state slots that model gets."""
 from __future__ import annotations
 
 from kiln.distributed import world_min
 from kiln.models.decoder import layer_window
+from kiln.models.hybrid import is_recurrent, recurrent_layer_ids
 from kiln.runtime.engine import Engine
 from kiln.step.kv_cache import available_memory_bytes, kv_cache_dtype, layer_cache_bytes_per_token
+from kiln.step.state_cache import state_bytes_per_slot
 
 KV_CACHE_MEMORY_FRACTION = 0.3  # of the memory available at start-up, when no size is given
 
@@ -15,22 +18,44 @@ def common_window(model) -> int | None:
     positions: only then can blocks behind the window be released. (Every layer of the model:
     a pipeline stage holds only some, and all stages share the block tables.)"""
     config = model.config
-    windows = [layer_window(config, i) for i in range(config.num_hidden_layers)]
+    recurrent = set(recurrent_layer_ids(config))  # (they keep no K/V)
+    windows = [layer_window(config, i) for i in range(config.num_hidden_layers) if i not in recurrent]
     return None if not windows or None in windows else max(windows)
+
+
+def num_state_slots(engine: Engine, max_num_seqs: int) -> int:
+    """Recurrent-state slots for a hybrid model: two for each sequence that may run at once (the
+    batch limit, and the beams a beam search adds beside it); 0 for a model without recurrent
+    layers."""
+    if not recurrent_layer_ids(engine.config):
+        return 0
+    return 2 * (max_num_seqs + engine.build_config.max_beam_width - 1)
+
+
+def state_specs(model) -> list:
+    """The state parts of each of this rank's recurrent layers, in layer order."""
+    return [layer.state_spec() for layer in model.transformer.layers.values() if is_recurrent(layer)]
+
+
+def state_cache_bytes(engine: Engine, max_num_seqs: int) -> int:
+    """Bytes the recurrent-state slots of ``num_state_slots`` take on this rank."""
+    return num_state_slots(engine, max_num_seqs) * state_bytes_per_slot(state_specs(engine.model))
 
 
 def default_num_blocks(engine: Engine, max_num_seqs: int, memory_fraction: float = KV_CACHE_MEMORY_FRACTION) -> int:
     """Blocks for every sequence at full length (with a sliding window on every layer, the
-    window and one step), capped at a share of available memory."""
+    window and one step), capped at a share of available memory less the recurrent state slots
+    (hybrid models: at least one block, even when the states take that share)."""
     build, config = engine.build_config, engine.config
     tokens = build.max_seq_len
     window = common_window(engine.model)
     if window is not None:  # as Scheduler.peak_blocks
         tokens = min(tokens, window + build.max_num_tokens + build.tokens_per_block)
     wanted = max_num_seqs * -(-tokens // build.tokens_per_block)
-    attentions = [layer.attention for layer in engine.model.transformer.layers.values()]
-    per_block = build.tokens_per_block * layer_cache_bytes_per_token(attentions, kv_cache_dtype(config))
-    affordable = int(available_memory_bytes() * memory_fraction) // per_block
+    attentions = [layer.attention for layer in engine.model.transformer.layers.values() if not is_recurrent(layer)]
+    per_block = max(1, build.tokens_per_block * layer_cache_bytes_per_token(attentions, kv_cache_dtype(config)))
+    budget = int(available_memory_bytes() * memory_fraction) - state_cache_bytes(engine, max_num_seqs)
+    affordable = max(budget, 0) // per_block
     return max(1, min(wanted, affordable))
 
 

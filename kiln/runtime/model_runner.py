@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,7 @@ from kiln.distributed.comm import recv_tensor, send_tensor
 from kiln.dtypes import torch_dtype
 from kiln.errors import KilnError, WorldError
 from kiln.layers.lora import LoraStep
+from kiln.models.hybrid import is_recurrent
 from kiln.runtime.engine import Engine
 from kiln.runtime.grammar_masks import GrammarMasks
 from kiln.runtime.logits_processors import TokenHistory, process_logits
@@ -32,7 +33,9 @@ from kiln.runtime.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.verification import verify
 from kiln.step.attention import BACKENDS, select_backend
+from kiln.runtime.kv_blocks import num_state_slots, state_specs
 from kiln.step.kv_cache import allocate_layer_caches, indexable, kv_cache_dtype
+from kiln.step.state_cache import allocate_state_caches, copy_state_slots, state_bytes_per_slot
 from kiln.step.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -60,19 +63,32 @@ class StepInputs:
     context_rows: list[tuple[int, int]]
     lora: list[tuple[object, list[int]]]
     prompts: object
+    # Hybrid models: each sequence's recurrent-state slots (read, write), and whole slots to copy
+    # (src, dst) before the step (a beam taking its parent's state); None / [] otherwise.
+    state_slots: list[tuple[int, int]] | None = None
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
     """Owns the KV cache of one engine and executes steps on it."""
 
-    def __init__(self, engine: Engine, num_blocks: int, attention_backend: str = "auto"):
+    def __init__(self, engine: Engine, num_blocks: int, attention_backend: str = "auto", max_num_seqs: int = 1):
         self.engine = engine
         self.model = engine.model
         self.block_size = engine.build_config.tokens_per_block
         self.num_blocks = num_blocks
         config = engine.config
-        attentions = [layer.attention for layer in self.model.transformer.layers.values()]
-        self.kv_caches = allocate_layer_caches(attentions, num_blocks, self.block_size, kv_cache_dtype(config))
+        layers = list(self.model.transformer.layers.values())
+        attentions = [layer.attention for layer in layers if not is_recurrent(layer)]
+        kv_pairs = allocate_layer_caches(attentions, num_blocks, self.block_size, kv_cache_dtype(config))
+        # A hybrid model's recurrent layers keep state slots (kiln.runtime.state_slots) instead.
+        self.num_state_slots = num_state_slots(engine, max_num_seqs)
+        specs = state_specs(self.model)
+        self.state_caches = allocate_state_caches(specs, self.num_state_slots)
+        self.state_slot_bytes = state_bytes_per_slot(specs)  # over this rank's recurrent layers
+        kv, states = iter(kv_pairs), iter(self.state_caches)
+        self.kv_pairs = kv_pairs  # the attention layers' (K, V), which block copies and clears touch
+        self.kv_caches = [next(states) if is_recurrent(layer) else next(kv) for layer in layers]  # each layer's cache
         self.backend = BACKENDS[select_backend(attention_backend, torch_dtype(config.dtype))]()
         self.history = TokenHistory(engine.build_config.max_seq_len, config.vocab_size)
         # A front end (LLM, the server) gives its own tokenizer; a bare Executor or a pipeline's
@@ -100,7 +116,7 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies])
         dst = torch.tensor([d for _, d in copies])
-        for k, v in self.kv_caches:
+        for k, v in self.kv_pairs:
             k[dst] = k[src]
             v[dst] = v[src]
 
@@ -111,7 +127,7 @@ class ModelRunner:
         if not blocks or not self.backend.reads_whole_blocks:
             return
         index = torch.tensor(blocks)
-        for k, v in self.kv_caches:
+        for k, v in self.kv_pairs:
             indexable(k).index_fill_(0, index, 0)  # zero bytes: 0.0 in every cache type
             indexable(v).index_fill_(0, index, 0)
 
@@ -151,8 +167,10 @@ class ModelRunner:
         failures = 0
         for chunks in groups.values():
             blocks = {b for chunk in chunks for b in chunk.seq.block_ids}
+            slots = {slot for chunk in chunks for slot in chunk.seq.state_slots}
             part = SchedulerOutput(chunks=chunks, block_copies=[c for c in out.block_copies if c[1] in blocks],
-                                   new_blocks=[b for b in out.new_blocks if b in blocks])
+                                   new_blocks=[b for b in out.new_blocks if b in blocks],
+                                   state_copies=[c for c in out.state_copies if c[1] in slots])
             try:
                 self._submit(part)
             except WorldError:
@@ -240,19 +258,24 @@ class ModelRunner:
             # A chunk verifying proposals, or a few generated tokens to catch up with (a draft model's
             # sequence after the target kept its proposals), is as many one-token queries, each seeing
             # the positions up to its own, so it runs as a decode step does (native kernel included).
-            split = chunk.completes and 1 < n <= MAX_SPLIT_TOKENS and start >= seq.num_prompt_tokens
+            # (Not with recurrent layers: a sequence's tokens run through its state in one chunk.)
+            split = (chunk.completes and 1 < n <= MAX_SPLIT_TOKENS and start >= seq.num_prompt_tokens
+                     and not self.num_state_slots)
             query_lens.extend([1] * n if split else [n])
             seq_lens.extend(range(start + 1, start + n + 1) if split else [start + n])
             tables.extend([seq.block_ids] * (n if split else 1))
             if chunk.completes:  # one logits row, or one per proposal and one after them
                 last_token.extend(range(len(input_ids) - 1 - len(seq.spec_tokens), len(input_ids)))
                 sampled_seqs.append(seq)
-        if not input_ids and not out.new_blocks and not out.block_copies:
+        if not input_ids and not out.new_blocks and not out.block_copies and not out.state_copies:
             return None, [], []
         lora = self._lora_rows(out)
         step = StepInputs(list(out.new_blocks), list(out.block_copies), input_ids, positions, query_lens, seq_lens,
                           tables, last_token, context_rows, lora,
                           prompt_step(out.chunks, input_ids, self.model.config.vocab_size) if input_ids else None)
+        if self.num_state_slots:
+            step.state_slots = [(c.seq.state_slots[0], c.seq.state_slots[1]) for c in out.chunks]
+            step.state_copies = list(out.state_copies)
         return step, sampled_seqs, context_seqs
 
     @torch.inference_mode()
@@ -262,10 +285,11 @@ class ModelRunner:
         a stage before it, (None, []) once its output is on its way to the next stage."""
         self.clear_blocks(step.new_blocks)
         self.copy_blocks(step.block_copies)
+        copy_state_slots(self.state_caches, step.state_copies)
         if not step.input_ids:
             return None, []
         md = AttentionMetadata.build(self.backend, step.query_lens, step.seq_lens, step.tables, self.block_size,
-                                     self._lora_step(step.lora), step.prompts)
+                                     self._lora_step(step.lora), step.prompts, step.state_slots)
         ids, positions = torch.tensor(step.input_ids), torch.tensor(step.positions)
         m = self.mapping
         hidden = None

@@ -14,6 +14,11 @@ policies decide:
   (highest priority first, then arrival order) while the token budget and ``max_num_seqs``
   allow; long prompts are chunked.
 
+A hybrid model's sequence also owns two recurrent-state slots (``kiln.runtime.state_slots``),
+taken with its first blocks and given back with them: a sequence runs only when both fit, and
+preemption frees both. Its prefix is never taken from cached blocks: the recurrent layers' state
+at a block boundary is not kept, so a reused prefix would have K/V but no state.
+
 With a sliding window (every layer attending to its last ``window`` positions only), a
 block every position of which fell out of the window goes back to the pool after the step
 (its table entry becomes ``RELEASED``), so a sequence holds about ``window + step`` tokens of
@@ -33,6 +38,7 @@ from kiln.errors import CapacityError, ConfigError
 from kiln.runtime.block_pool import RELEASED, BlockPool, chain_hash
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.speculative import SpecDecodeStats
+from kiln.runtime.state_slots import StateSlots, commit
 
 
 @dataclass(slots=True)
@@ -53,6 +59,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy before the step
     new_blocks: list[int] = field(default_factory=list)  # freshly allocated: cleared before the step
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) state slots: copy before
 
     @property
     def num_tokens(self) -> int:
@@ -88,7 +95,8 @@ CAPACITY_POLICIES = ("MAX_UTILIZATION", "GUARANTEED_NO_EVICT")
 
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_tokens: int,
-                 capacity_policy: str = "MAX_UTILIZATION", window: int | None = None):
+                 capacity_policy: str = "MAX_UTILIZATION", window: int | None = None,
+                 states: StateSlots | None = None):
         if capacity_policy not in CAPACITY_POLICIES:
             raise ConfigError(f"capacity_policy {capacity_policy!r} is not one of {CAPACITY_POLICIES}")
         self.capacity_policy = capacity_policy
@@ -97,6 +105,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
         self.window = window  # every layer's sliding window, when all have one: blocks behind it are released
+        self.states = states  # a hybrid model's recurrent-state slots (None: no recurrent layers)
+        self.state_copies: list[tuple[int, int]] = []  # queued for the next step (beams taking their parents')
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.spec_stats = SpecDecodeStats()  # speculative decoding's counters
@@ -132,7 +142,8 @@ class Scheduler:
     def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
         """The next step: at most ``max_seqs`` sequences (a pipeline's micro-batch), none of
         them in flight."""
-        out = SchedulerOutput()
+        out = SchedulerOutput(state_copies=self.state_copies)
+        self.state_copies = []
         budget = self.max_num_tokens
         max_seqs = max_seqs or self.max_num_seqs
         groups: set[int] = set()  # the groups (a request's sequences) in this step
@@ -170,6 +181,8 @@ class Scheduler:
             self.running.append(seq)
             self._add_chunk(out, seq, n)
             budget -= n
+        if not out.chunks:  # no step runs: the state copies wait for one that does
+            self.state_copies, out.state_copies = out.state_copies, []
         return out
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
@@ -207,7 +220,7 @@ class Scheduler:
         At least one token is always left to compute, so the step yields its logits. A sequence
         that returns context logits computes its whole prompt: cached blocks have no logits.
         """
-        if seq.block_ids or seq.num_computed_tokens or seq.return_context_logits:
+        if seq.block_ids or seq.num_computed_tokens or seq.return_context_logits or self.states is not None:
             return
         blocks, hashes = self.pool.take_cached_prefix(seq.token_ids, self.block_size,
                                                       (seq.num_tokens - 1) // self.block_size, seq.cache_salt)
@@ -218,6 +231,12 @@ class Scheduler:
         self.pool.free(seq.block_ids)
         seq.block_ids, seq.block_hashes = [], []
         seq.num_computed_tokens = 0
+        self._release_state(seq)
+
+    def _release_state(self, seq: Sequence) -> None:
+        if seq.state_slots:
+            self.states.free(seq.state_slots)
+            seq.state_slots = []
 
     def _release_out_of_window(self, seq: Sequence) -> None:
         """Give back the blocks no later query of ``seq`` reads: the next token (position
@@ -255,13 +274,18 @@ class Scheduler:
         """Make sure ``seq`` owns writable blocks for ``n`` more tokens; False if the pool lacks them.
 
         The block the step writes into first may be shared with another sequence (beams
-        forked from one parent): it is copied first (copy-on-write).
+        forked from one parent): it is copied first (copy-on-write). A hybrid model's sequence
+        takes its state slots with its first blocks.
         """
         first = seq.num_computed_tokens // self.block_size
         shared = first < len(seq.block_ids) and self.pool.ref_count(seq.block_ids[first]) > 1
         missing = self.blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids)
         if max(missing, 0) + shared > self.pool.num_free:
             return False
+        if self.states is not None and not seq.state_slots:
+            if self.states.num_free_pairs == 0:
+                return False
+            seq.state_slots = self.states.allocate()
         if shared:
             new = self.pool.allocate(1)[0]
             out.block_copies.append((seq.block_ids[first], new))
@@ -306,6 +330,8 @@ class Scheduler:
             return self._advance_verified(seq, chunk, result.verified.get(seq.seq_id))
         completes = chunk.completes
         seq.num_computed_tokens += chunk.num_tokens
+        if seq.state_slots:
+            commit(seq.state_slots)
         self._after_compute(seq)
         if not (completes and seq.seq_id in result.tokens):
             return False
@@ -369,3 +395,4 @@ class Scheduler:
         if seq.block_ids:
             self.pool.free(seq.block_ids)
             seq.block_ids, seq.block_hashes = [], []
+        self._release_state(seq)

@@ -36,6 +36,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained content hash of each full block
+    state_slots: list[int] = field(default_factory=list)  # hybrid models: [current, spare] (runtime.state_slots)
     num_released_blocks: int = 0  # leading block_ids given back out of a sliding window (a hint)
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None

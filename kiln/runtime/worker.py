@@ -174,7 +174,7 @@ def follow(engine: Engine) -> None:
     if kind != "init":
         raise KilnError(f"rank 0 sent {kind!r} before the cache settings")
     num_blocks = agreed_num_blocks(engine, settings.num_blocks, settings.max_num_seqs, settings.memory_fraction)
-    runner = ModelRunner(engine, num_blocks, settings.attention_backend)
+    runner = ModelRunner(engine, num_blocks, settings.attention_backend, settings.max_num_seqs)
     mapping = engine.config.mapping
     sampler = Sampler(runner) if mapping.pp_size > 1 and mapping.rank == sampler_rank(mapping) else None
     adapters: dict = {}

@@ -363,4 +363,6 @@ class ServingEngine:
         stats = self.executor.get_latest_iteration_stats()
         if stats:
             self._last_stats = stats[-1]
-        return engine_gauges(self._last_stats, self.executor.core.pool, idle=self.metrics.in_flight == 0)
+        core = self.executor.core
+        return engine_gauges(self._last_stats, core.pool, idle=self.metrics.in_flight == 0,
+                             states=core.scheduler.states, slot_bytes=core.runner.state_slot_bytes)

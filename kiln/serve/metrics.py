@@ -81,9 +81,10 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-def engine_gauges(last, pool, idle: bool) -> dict[str, tuple[str, float]]:
+def engine_gauges(last, pool, idle: bool, states=None, slot_bytes: int = 0) -> dict[str, tuple[str, float]]:
     """Gauges (name -> help, value) of the executor's latest iteration stats ``last`` (None before
-    the first step) and its KV block ``pool``; ``idle``: no request is being served."""
+    the first step), its KV block ``pool`` and, for a hybrid model, its recurrent-state slots
+    ``states`` of ``slot_bytes`` each; ``idle``: no request is being served."""
     gauges = {
         "kiln_num_requests_running": ("Sequences being generated.",
                                       0 if idle or last is None else last.num_active_requests),
@@ -95,6 +96,14 @@ def engine_gauges(last, pool, idle: bool) -> dict[str, tuple[str, float]]:
                                       (pool.num_blocks - pool.num_free) / pool.num_blocks),
         "kiln_prefix_cache_hit_rate": ("Prefix-cache hit blocks / looked-up blocks since start.", pool.hit_rate),
     }
+    if states is not None:
+        gauges.update({
+            "kiln_state_cache_slots_used": ("Recurrent-state slots in use (two per running sequence).",
+                                            states.num_slots - states.num_free),
+            "kiln_state_cache_slots_total": ("Recurrent-state slots in all.", states.num_slots),
+            "kiln_state_cache_bytes": ("Bytes of all recurrent-state slots (recurrent layers' state per slot "
+                                       "times slots).", states.num_slots * slot_bytes),
+        })
     spec = None if last is None else last.spec_decode
     if spec is not None:
         gauges.update({

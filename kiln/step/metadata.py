@@ -10,6 +10,11 @@ tokens in the KV cache::
 Token ``t`` is written to cache slot ``slot_mapping[t]`` (``block * block_size + offset``).
 Block-table entries a sliding window released (``RELEASED``) are never attended to; they are
 replaced by the sequence's last block so no backend indexes the cache with them.
+
+Recurrent layers (hybrid models) keep a fixed-size state per sequence instead of K/V per token:
+each sequence of the step names two state slots, the one its state is read from and the one the
+layer writes the state after this step's tokens to (``state_slots``; see
+``kiln.runtime.state_slots``), grouped for the layers as ``state_groups``.
 """
 from __future__ import annotations
 
@@ -22,6 +27,41 @@ from kiln.layers.lora import LoraStep
 from kiln.step.kv_cache import SlotIndex, slot_index
 
 RELEASED = -1  # a block-table entry whose block went back to the pool (kiln.runtime.block_pool)
+
+
+@dataclass
+class StateGroup:
+    """Sequences of a step whose tokens a recurrent layer processes together: ``count`` sequences
+    of ``length`` tokens each, in rows ``rows`` of the step (``count * length`` rows, sequence
+    by sequence). Their states are read from slots ``read`` and written to slots ``write``
+    (``[count]`` int64); a ``fresh`` sequence (``[count]`` bool) starts from a zero state."""
+
+    rows: slice
+    count: int
+    length: int
+    read: torch.Tensor
+    write: torch.Tensor
+    fresh: torch.Tensor
+
+
+def state_groups(query_lens: list[int], seq_lens: list[int], query_start_loc: list[int],
+                 state_slots: list[tuple[int, int]]) -> list[StateGroup]:
+    """The step's sequences as recurrent layers process them: each run of consecutive one-token
+    sequences (decode rows) as one group, each longer chunk (a prompt) as a group of its own."""
+    groups: list[StateGroup] = []
+    i, n = 0, len(query_lens)
+    while i < n:
+        j = i + 1
+        if query_lens[i] == 1:
+            while j < n and query_lens[j] == 1:
+                j += 1
+        slots = state_slots[i:j]
+        groups.append(StateGroup(
+            slice(query_start_loc[i], query_start_loc[j]), j - i, query_lens[i],
+            torch.tensor([r for r, _ in slots], dtype=torch.int64), torch.tensor([w for _, w in slots], dtype=torch.int64),
+            torch.tensor([s == q for q, s in zip(query_lens[i:j], seq_lens[i:j])])))
+        i = j
+    return groups
 
 
 @dataclass
@@ -41,6 +81,10 @@ class AttentionMetadata:
     layer_inputs: torch.Tensor | None = None
     # Layer index -> its (K, V) of this step, kept for layers that read another's (kv_source).
     shared_kv: dict = field(default_factory=dict)
+    # Recurrent layers' state slots (read, write) per sequence, and the groups they process; None
+    # for models without recurrent layers.
+    state_slots: list[tuple[int, int]] | None = None
+    state_groups: list[StateGroup] | None = None
     _rotary_cache: dict = field(default_factory=dict)
     _slot_index: SlotIndex | None = None
     backend_state: dict = field(default_factory=dict)  # backend-specific per-step tensors
@@ -69,7 +113,8 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, backend, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int, lora: LoraStep | None = None, prompts: PromptStep | None = None) -> "AttentionMetadata":
+              block_size: int, lora: LoraStep | None = None, prompts: PromptStep | None = None,
+              state_slots: list[tuple[int, int]] | None = None) -> "AttentionMetadata":
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
@@ -83,6 +128,11 @@ class AttentionMetadata:
                  slot_mapping=torch.tensor(slots, dtype=torch.int64), block_tables=block_tables,
                  block_size=block_size, token_seq_lens=torch.tensor(token_seq_lens, dtype=torch.int64),
                  lora=lora, prompts=prompts)
+        if state_slots is not None:
+            if len(state_slots) != len(query_lens):
+                raise ValueError(f"{len(state_slots)} state slot pairs for {len(query_lens)} sequences")
+            md.state_slots = list(state_slots)
+            md.state_groups = state_groups(md.query_lens, md.seq_lens, starts, md.state_slots)
         backend.prepare(md)
         return md
 

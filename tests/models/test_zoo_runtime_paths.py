@@ -9,8 +9,8 @@ import torch
 
 from kiln.config import QuantConfig
 from tests.conftest import convert_and_build
-from tests.models import (test_hf_parity, test_zoo_attention, test_zoo_families, test_zoo_gemma4, test_zoo_key_maps,
-                          test_zoo_layouts, test_zoo_mla, test_zoo_moe)
+from tests.models import (test_hf_parity, test_zoo_attention, test_zoo_families, test_zoo_gemma4, test_zoo_hybrid,
+                          test_zoo_key_maps, test_zoo_layouts, test_zoo_mla, test_zoo_moe)
 from tests.models.zoo import hf_vocab, random_prompt
 from tests.utils.compare import kiln_batch_prompt_logits, kiln_greedy
 
@@ -26,6 +26,7 @@ FAMILIES = {
     "gemma4": test_zoo_gemma4.CASES["gemma4-e2b-like"],
     "gemma4-moe": test_zoo_gemma4.CASES["gemma4-moe"],
     **{name: test_zoo_attention.CASES[name] for name in ("mistral-window8", "gemma2", "bloom-6heads")},
+    **test_zoo_hybrid.CASES,
 }
 PRECISION = {"bfloat16": 0.03, "W8A16": 0.05}  # max |kiln - HF fp32| / max |HF logit|
 SENSITIVE_IN_BF16 = {"gpt-oss", "gemma4", "gemma4-moe"}  # bound by HF's own bf16 error (hf_bf16_error)

@@ -9,7 +9,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ import urllib.request
 import openai
 import pytest
 
-from tests.utils.server import MAX_SEQ_LEN, MODEL, LocalServer, free_port, serve_tiny
+from tests.utils.server import MAX_SEQ_LEN, MODEL, LocalServer, free_port, serve_tiny, streams_with_hang_ups
 
 PROMPT = "the quick brown fox"
 MESSAGES = [{"role": "user", "content": "hello world, how are you?"}]
@@ -256,40 +255,7 @@ def test_64_streams_with_a_quarter_hanging_up_leak_no_block(server, client):
     """64 streaming clients at once (4x the engine's batch: most wait in the queue); every
     fourth reads two events and hangs up. The others get every token; the KV block pool is back
     to its idle size after."""
-    results, errors, hung_up = {}, [], []
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-
-    def streams(i):
-        try:
-            chunks = list(client.completions.create(model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=24,
-                                                    temperature=0, stream=True, extra_body={"ignore_eos": True}))
-            results[i] = (sum(1 for c in chunks if c.choices and c.choices[0].text is not None),
-                          chunks[-1].choices[0].finish_reason)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    def hangs_up(i):
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-            conn.request("POST", "/v1/completions", json.dumps({**body, "prompt": f"{PROMPT} {i}"}),
-                         {"Content-Type": "application/json"})
-            response = conn.getresponse()
-            assert response.status == 200
-            events = 0
-            while events < 2:
-                events += response.readline().startswith(b"data: ")
-            conn.sock.shutdown(socket.SHUT_RDWR)
-            conn.close()
-            hung_up.append(i)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=hangs_up if i % 4 == 3 else streams, args=(i,)) for i in range(64)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    results, errors, hung_up = streams_with_hang_ups(server, client, PROMPT)
     assert not errors, errors
     assert len(hung_up) == 16 and len(results) == 48
     assert all(reason == "length" for _, reason in results.values())

@@ -13,6 +13,13 @@ from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.sequence import Sequence
+from kiln.runtime.state_slots import StateSlots
+
+
+def fresh_state_slots(runner: ModelRunner, num_seqs: int) -> list[tuple[int, int]] | None:
+    """State slots (read, write) for ``num_seqs`` sequences' first step on ``runner`` (a hybrid
+    model's), or None for a model without recurrent layers."""
+    return [(2 * i, 2 * i + 1) for i in range(num_seqs)] if runner.num_state_slots else None
 
 
 @torch.inference_mode()
@@ -21,7 +28,8 @@ def kiln_prompt_logits(engine_dir: str | Path, token_ids: list[int]) -> torch.Te
     engine = Engine(engine_dir)
     n = len(token_ids)
     runner = ModelRunner(engine, num_blocks=math.ceil(n / engine.build_config.tokens_per_block))
-    md = AttentionMetadata.build(runner.backend, [n], [n], [list(range(runner.num_blocks))], runner.block_size)
+    md = AttentionMetadata.build(runner.backend, [n], [n], [list(range(runner.num_blocks))], runner.block_size,
+                                 state_slots=fresh_state_slots(runner, 1))
     hidden = engine.model(torch.tensor(token_ids), torch.arange(n), md, runner.kv_caches)
     return engine.model.compute_logits(hidden)
 
@@ -36,9 +44,10 @@ def kiln_batch_prompt_logits(engine_dir: str | Path, prompts: list[list[int]]) -
         blocks = math.ceil(len(prompt) / block_size)
         tables.append(list(range(next_block, next_block + blocks)))
         next_block += blocks
-    runner = ModelRunner(engine, num_blocks=next_block)
+    runner = ModelRunner(engine, num_blocks=next_block, max_num_seqs=len(prompts))
     lens = [len(p) for p in prompts]
-    md = AttentionMetadata.build(runner.backend, lens, lens, tables, runner.block_size)
+    md = AttentionMetadata.build(runner.backend, lens, lens, tables, runner.block_size,
+                                 state_slots=fresh_state_slots(runner, len(prompts)))
     ids = torch.tensor([t for p in prompts for t in p])
     positions = torch.cat([torch.arange(n) for n in lens])
     logits = engine.model.compute_logits(engine.model(ids, positions, md, runner.kv_caches))
@@ -56,9 +65,10 @@ def kiln_greedy(engine_dir: str | Path, prompts: list[list[int]], max_new_tokens
     bc = engine.build_config
     block_size = bc.tokens_per_block
     num_blocks = sum(math.ceil((len(p) + max_new_tokens) / block_size) for p in prompts)
-    runner = ModelRunner(engine, num_blocks)
+    runner = ModelRunner(engine, num_blocks, max_num_seqs=len(prompts))
     scheduler = Scheduler(BlockPool(num_blocks), block_size, max_num_seqs=len(prompts),
-                          max_num_tokens=max_num_tokens or bc.max_num_tokens)
+                          max_num_tokens=max_num_tokens or bc.max_num_tokens,
+                          states=StateSlots(runner.num_state_slots) if runner.num_state_slots else None)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0, ignore_eos=True)
     seqs = [Sequence(i, list(p), params, end_id=None, max_seq_len=bc.max_seq_len) for i, p in enumerate(prompts)]
     for seq in seqs:
@@ -125,7 +135,8 @@ def llm_next_logprobs(llm, token_ids: list[int]) -> torch.Tensor:
 
     runner = llm.core.runner
     blocks = list(range(-(-len(token_ids) // runner.block_size)))
-    md = AttentionMetadata.build(runner.backend, [len(token_ids)], [len(token_ids)], [blocks], runner.block_size)
+    md = AttentionMetadata.build(runner.backend, [len(token_ids)], [len(token_ids)], [blocks], runner.block_size,
+                                 state_slots=fresh_state_slots(runner, 1))
     hidden = llm.engine.model(torch.tensor(token_ids), torch.arange(len(token_ids)), md, runner.kv_caches)
     return llm.engine.model.compute_logits(hidden[-1:])[0].float().log_softmax(-1)
 

@@ -1,0 +1,41 @@
+"""LFM2's short-convolution block: a gated depthwise causal convolution in place of attention.
+
+    b, c, x = in_proj(h)            three slices of the hidden width
+    y = conv(b * x)                 causal, kernel K (3): its state is the last K - 1 inputs
+    out = out_proj(c * y)
+
+Per sequence it keeps ``(K - 1) x hidden`` values (in the model's dtype), whatever its length.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.layers.linear import Linear
+from kiln.layers.recurrent import CausalConv1d, read_state, require_state_groups, write_state
+
+
+class ShortConv(nn.Module):
+    def __init__(self, layer_idx: int, hidden_size: int, kernel_size: int, bias: bool, *, dtype: torch.dtype):
+        super().__init__()
+        self.layer_idx, self.hidden_size, self.dtype = layer_idx, hidden_size, dtype
+        self.in_proj = Linear(hidden_size, 3 * hidden_size, bias, dtype=dtype)
+        self.conv = CausalConv1d(hidden_size, kernel_size, bias, dtype=dtype)
+        self.out_proj = Linear(hidden_size, hidden_size, bias, dtype=dtype)
+
+    def state_spec(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Its state parts per sequence: the convolution's last inputs."""
+        return [self.conv.state_part(self.dtype)]
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, state: tuple[torch.Tensor, ...]
+                ) -> torch.Tensor:
+        b, c, x = self.in_proj(hidden, metadata.lora).chunk(3, dim=-1)
+        gated = b * x
+        out = torch.empty_like(gated)
+        (conv_state,) = state
+        for group in require_state_groups(metadata, self.layer_idx):
+            inputs = gated[group.rows].view(group.count, group.length, -1)
+            y, after = self.conv(inputs, read_state(conv_state, group))
+            write_state(conv_state, group, after)
+            out[group.rows] = y.reshape(-1, self.hidden_size)
+        return self.out_proj(c * out, metadata.lora)

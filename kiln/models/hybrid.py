@@ -1,0 +1,79 @@
+"""Hybrid models: recurrent layers beside attention layers (LFM2, Qwen3.5, Granite 4, ...).
+
+``layer_types`` names each layer's kind: an attention kind (``full_attention``,
+``sliding_attention``: a ``DecoderLayer``) or a recurrent one (``conv``: LFM2's short convolution;
+``linear_attention``: Gated DeltaNet; ``mamba``: Mamba2), built by ``RecurrentDecoderLayer`` around
+the mixer the family makes (``make_mixer``). A recurrent layer's cache is its state tensors
+(``kiln.step.state_cache``), not K/V blocks.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.config import PretrainedConfig
+from kiln.dtypes import torch_dtype
+from kiln.errors import ConfigError
+from kiln.layers.rotary import RotaryEmbedding
+from kiln.models.decoder import RECURRENT_LAYER_TYPES, DecoderLayer, layer_type
+
+
+def is_recurrent(layer: nn.Module) -> bool:
+    """Whether a decoder layer keeps a recurrent state (its cache) instead of K/V."""
+    return isinstance(layer, RecurrentDecoderLayer)
+
+
+def recurrent_layer_ids(config: PretrainedConfig) -> list[int]:
+    """The indices of the config's recurrent layers (none for a pure transformer)."""
+    if config.get("layer_types") is None:
+        return []
+    return [i for i in range(config.num_hidden_layers) if layer_type(config, i) in RECURRENT_LAYER_TYPES]
+
+
+class RecurrentDecoderLayer(nn.Module):
+    """A pre-norm layer around a recurrent mixer: ``h += mixer(ln1(h)); h += mlp(ln2(h))``.
+
+    ``mixer`` is what ``model_cls.make_mixer(config, layer_idx, kind)`` returns: a module with
+    ``state_spec()`` (its state parts per sequence) and ``forward(hidden, positions, metadata,
+    state)``."""
+
+    native_decode_shape = False  # the native decode step has no recurrent kernels yet
+
+    def __init__(self, model_cls: type, config: PretrainedConfig, layer_idx: int,
+                 rotary: RotaryEmbedding | None, engine_layout: bool):
+        super().__init__()
+        dtype = torch_dtype(config.dtype)
+        self.layer_idx = layer_idx
+        self.kind = layer_type(config, layer_idx)
+        self.input_layernorm = model_cls.make_norm(config, dtype)
+        self.mixer = model_cls.make_mixer(config, layer_idx, self.kind)
+        self.post_layernorm = model_cls.make_norm(config, dtype)
+        self.mlp = model_cls.make_mlp(config, layer_idx, engine_layout)
+
+    def state_spec(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return self.mixer.state_spec()
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, state) -> torch.Tensor:
+        hidden = hidden + self.mixer(self.input_layernorm(hidden), positions, metadata, state)
+        return hidden + self.mlp(self.post_layernorm(hidden), metadata.lora)
+
+
+def hybrid_layer(model_cls: type, config: PretrainedConfig, layer_idx: int, rotary: RotaryEmbedding | None,
+                 engine_layout: bool) -> nn.Module:
+    """Layer ``layer_idx`` of a hybrid model: a ``RecurrentDecoderLayer`` for a recurrent kind,
+    else the family's attention layer (``model_cls.attention_layer``)."""
+    if layer_type(config, layer_idx) in RECURRENT_LAYER_TYPES:
+        return RecurrentDecoderLayer(model_cls, config, layer_idx, rotary, engine_layout)
+    return model_cls.attention_layer(model_cls, config, layer_idx, rotary, engine_layout)
+
+
+class HybridModel:
+    """Mixin (listed before ``DecoderModelForCausalLM``) for a family with recurrent layers: its
+    layers are made by ``hybrid_layer``; the family defines ``make_mixer``."""
+
+    decoder_layer = staticmethod(hybrid_layer)
+    attention_layer = DecoderLayer
+
+    @classmethod
+    def make_mixer(cls, config: PretrainedConfig, layer_idx: int, kind: str) -> nn.Module:
+        raise ConfigError(f"{cls.__name__} has no {kind!r} layers (config field 'layer_types')")

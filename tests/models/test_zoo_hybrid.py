@@ -1,0 +1,151 @@
+"""Hybrid models (recurrent layers beside attention) against Hugging Face on tiny random models,
+and the runtime around their state slots: chunked prefill at any chunk size, preemption and
+resume, independent samples, beam search (a child takes its parent's state), and no slot or
+block left behind by cancelled requests."""
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+
+from kiln.layers.delta_rule import delta_rule_chunked, delta_rule_step
+from kiln.runtime.engine import Engine
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sequence import FinishReason
+from tests.models.zoo import built_fixture, check_prompt_logits, hf_reference_fixture, parity_tests
+from tests.utils import tiny_hybrid_models as tiny
+from tests.utils.compare import kiln_greedy
+
+# name -> (maker, maker kwargs, build options)
+CASES: dict[str, tuple[Callable, dict, dict]] = {
+    "lfm2": (tiny.make_lfm2, {}, {"max_beam_width": 2}),
+    "qwen3.5": (tiny.make_qwen3_5, {}, {"max_beam_width": 2}),
+    "qwen3.5-moe": (tiny.make_qwen3_5_moe, {}, {"max_beam_width": 2}),
+}
+
+built = built_fixture(CASES)
+hf_reference = hf_reference_fixture()
+
+test_prompt_logits_match_hf, test_batched_greedy_matches_hf = parity_tests(CASES)
+
+
+def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> list:
+    """Every request's outputs: its samples' tokens, or its beams' (token ids, per-token log-probs)."""
+    requests = [core.add_request(p, params, end_id=None) for p in prompts]
+    while core.has_unfinished:
+        core.step()
+    return [[(h.token_ids, h.log_probs) for h in r.hypotheses] if r.hypotheses is not None
+            else [s.output_token_ids for s in r.seqs] for r in requests]
+
+
+def assert_all_returned(core: EngineCore) -> None:
+    """No request holds a KV block or a state slot once all are done."""
+    assert core.pool.num_free == core.pool.num_blocks
+    states = core.scheduler.states
+    assert states.num_free_pairs * 2 == states.num_slots
+
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+
+def test_chunked_delta_rule_equals_token_by_token() -> None:
+    """The chunked (WY) form of the gated delta rule gives the token-by-token outputs and final
+    state, from a non-zero state, over 150 tokens (two whole chunks and a padded one)."""
+    gen = torch.Generator().manual_seed(0)
+    length, heads, dk, dv = 150, 3, 8, 5
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k = (torch.nn.functional.normalize(rand(length, heads, dk), dim=-1) for _ in range(2))
+    v, g, beta = rand(length, heads, dv), -torch.rand(length, heads, generator=gen), torch.rand(length, heads, generator=gen)
+    state = rand(heads, dk, dv)
+    out, end = delta_rule_chunked(q, k, v, g, beta, state)
+    step_state, steps = state[None], []
+    for t in range(length):
+        o, step_state = delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], step_state)
+        steps.append(o[0])
+    torch.testing.assert_close(out, torch.stack(steps), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(end, step_state[0], atol=1e-4, rtol=1e-4)
+
+
+def test_long_prompt_logits_match_hf(built) -> None:
+    """A 150-token prompt (Gated DeltaNet's prefill over several of its chunks) beside two short
+    ones in one step: HF's logits."""
+    check_prompt_logits(built("qwen3.5"), prompt_lens=(150, 7, 70))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("chunk", [1, 5, 16])
+def test_chunked_prefill_gives_the_same_tokens(built, hf_reference, name: str, chunk: int) -> None:
+    """Prompts prefilled ``chunk`` tokens a step (the state carried across chunk boundaries) give
+    HF's greedy tokens."""
+    prompts, expected = hf_reference(name)
+    assert kiln_greedy(built(name).engine_dir, prompts, len(expected[0]), max_num_tokens=chunk) == expected
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_preempted_sequences_resume_from_a_fresh_state(built, hf_reference, name: str) -> None:
+    """A KV cache too small for all four sequences preempts some (their slots freed with their
+    blocks) and recomputes them later: HF's greedy tokens still, nothing left held."""
+    prompts, expected = hf_reference(name)
+    core = EngineCore(Engine(built(name).engine_dir), max_num_seqs=4, max_num_tokens=16, num_blocks=10)
+    preempted = 0
+    requests = [core.add_request(p, GREEDY, end_id=None) for p in prompts]
+    while core.has_unfinished:
+        core.step()
+        preempted = max(preempted, len(core.scheduler.waiting))
+    assert [r.seqs[0].output_token_ids for r in requests] == expected
+    assert preempted > 0
+    assert_all_returned(core)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_samples_of_one_request_keep_their_own_states(built, name: str) -> None:
+    """``n`` seeded samples decoded together equal the same seeds decoded one request at a time."""
+    core = EngineCore(Engine(built(name).engine_dir), max_num_seqs=4, num_blocks=64)
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=5, n=3, ignore_eos=True)
+    together = run(core, [[3, 4, 5, 6, 7]], params)[0]
+    alone = [run(core, [[3, 4, 5, 6, 7]], SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True,
+                                                         seed=params.seed_for(i)))[0][0] for i in range(3)]
+    assert together == alone and len(set(map(tuple, together))) > 1
+    assert_all_returned(core)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_beams_carry_their_parents_states(built, name: str) -> None:
+    """Beam search over a hybrid model: every hypothesis's tokens have the log-probs HF's model
+    gives them (a beam reading another beam's state would score them differently)."""
+    case = built(name)
+    core = EngineCore(Engine(case.engine_dir), max_num_seqs=4, num_blocks=64)
+    prompt = [9, 8, 7, 6, 5, 4]
+    params = SamplingParams(max_tokens=10, use_beam_search=True, n=2, ignore_eos=True)
+    hypotheses = run(core, [prompt], params)[0]
+    assert len(hypotheses) == 2 and hypotheses[0][0] != hypotheses[1][0]
+    for tokens, logprobs in hypotheses:
+        with torch.no_grad():
+            reference = case.hf(torch.tensor([prompt + tokens])).logits[0].float().log_softmax(-1)
+        expected = [reference[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
+        assert logprobs == pytest.approx(expected, abs=1e-4)
+    assert_all_returned(core)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_cancelled_requests_leave_no_slot_or_block(built, name: str) -> None:
+    """64 requests on 8 sequences at a time, a quarter cancelled part-way (some while running,
+    some while waiting): every state slot and KV block comes back."""
+    core = EngineCore(Engine(built(name).engine_dir), max_num_seqs=8, max_num_tokens=32, num_blocks=48)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    requests = [core.add_request([1 + i % 50, 2, 3 + i % 7], params, end_id=None) for i in range(64)]
+    steps = 0
+    while core.has_unfinished:
+        core.step()
+        steps += 1
+        if steps in (2, 5):  # cancels land on running and on waiting requests
+            for request in requests[steps::8]:
+                core.abort(request)
+    cancelled = [r for r in requests if r.seqs[0].finish_reason == FinishReason.CANCELLED]
+    assert len(cancelled) >= 12
+    assert_all_returned(core)
