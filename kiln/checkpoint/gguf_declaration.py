@@ -112,6 +112,7 @@ class GGUFArchitecture:
     layers: str = "model.layers"
     permuted_qk: bool = False  # llama.cpp's converter interleaved each head's rotary halves
     norm_offset: float = 0.0  # stored norm weights are the HF weights plus this (Gemma 3: 1)
+    plain_norms: tuple[str, ...] = ()  # block stems of norms stored as they are all the same (Qwen3.5's ssm_norm)
     transposed: tuple[str, ...] = ()  # HF name suffixes stored [out, in] in GGUF, [in, out] in HF
     unsuffixed: tuple[str, ...] = ()  # HF names under <layers>.N without ".weight" (gpt-oss's sinks)
     # blk.N.<gguf stem>.<suffix> -> <layers>.N.<whole HF name>: tensors whose GGUF suffix is not
@@ -119,16 +120,21 @@ class GGUFArchitecture:
     whole: Mapping[str, str] = field(default_factory=dict)
     extra_tensors: tuple[str, ...] = ()  # tensors the config function reads, not weights
     joined: Mapping[str, Joined] = field(default_factory=dict)  # HF block weight name -> its GGUF parts
+    # HF name suffix -> the function giving the HF values from the stored ones (Qwen3.5's A_log,
+    # stored as -exp(A_log))
+    converted: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
 
     def hf_name(self, name: str) -> str | None:
         """The HF name of GGUF tensor ``name``; None when it has no HF counterpart."""
+        if name.startswith("blk.") and name.count(".") >= 2:
+            _, layer, rest = name.split(".", 2)
+            if (whole := self.whole.get(rest)) is not None:  # (names without a suffix too: ssm_a)
+                return f"{self.layers}.{layer}.{whole}"
         stem, dot, suffix = name.rpartition(".")
         if not dot:
             return None
         if stem.startswith("blk.") and stem.count(".") >= 2:
             _, layer, part = stem.split(".", 2)
-            if (whole := self.whole.get(f"{part}.{suffix}")) is not None:
-                return f"{self.layers}.{layer}.{whole}"
             hf = self.block.get(part) if suffix in ("weight", "bias") else None
             if hf in self.unsuffixed:
                 return f"{self.layers}.{layer}.{hf}" if suffix == "weight" else None
@@ -147,7 +153,13 @@ class GGUFArchitecture:
         return None
 
     def offset_of(self, gguf_name: str) -> float:
-        return self.norm_offset if gguf_name.rpartition(".")[0].endswith("norm") else 0.0
+        stem = gguf_name.rpartition(".")[0]
+        plain = bool(self.plain_norms) and stem.endswith(self.plain_norms)
+        return self.norm_offset if stem.endswith("norm") and not plain else 0.0
+
+    def conversion_of(self, hf_name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The function turning HF tensor ``hf_name``'s stored values into its values, if any."""
+        return next((f for suffix, f in self.converted.items() if hf_name.endswith(suffix)), None)
 
 
 # ----------------------------------------------------------------------------- tensor names

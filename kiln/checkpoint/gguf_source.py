@@ -174,7 +174,10 @@ class GGUFSource:
             return tuple(joined.join(*(torch.empty(_dims(t), device="meta") for t in parts)).shape)
         t = self._tensor(key)
         shape = _dims(t)
-        return shape[::-1] if self._transposed(key, t) else shape
+        shape = shape[::-1] if self._transposed(key, t) else shape
+        if (convert := self.spec.conversion_of(key)) is not None:  # on the meta device: the shape only
+            shape = tuple(convert(torch.empty(shape, device="meta")).shape)
+        return shape
 
     def read(self, key: str, index: Index | None = None) -> torch.Tensor:
         """The tensor ``key`` in HF layout, or the part of it that ``index`` selects (a copy)."""
@@ -197,7 +200,8 @@ class GGUFSource:
             weight = self._blocks[key]
             return self._rows(weight, torch.from_numpy(np.array(self._tensor(weight).data))).contiguous()
         t = self._tensors.get(key)
-        plain = t is not None and self._row_heads(key) is None and not self._transposed(key, t)
+        plain = (t is not None and self._row_heads(key) is None and not self._transposed(key, t)
+                 and self.spec.conversion_of(key) is None)
         if plain and not self._offset(key) and t.tensor_type in FLOAT_TYPES:
             # No reordering needed: copy just the selected part out of the memory map.
             data = self._unquantized(t)
@@ -245,6 +249,8 @@ class GGUFSource:
             w = w.t()
         if offset := self._offset(key):
             w = w.float() - offset
+        if (convert := self.spec.conversion_of(key)) is not None:
+            w = convert(w.float())
         return w.contiguous()
 
     def _rows(self, key: str, w: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ rule updates (``kiln.layers.delta_rule``), after a short causal convolution.
 
     qkv = silu(conv(in_proj_qkv(h)))       conv over the q, k and v channels together
     q, k = l2norm(q), l2norm(k)             key heads; each serves heads_v / heads_k value heads
+                                            (grouped, or tiled in llama.cpp's files)
     beta = sigmoid(in_proj_b(h));  g = -exp(A_log) * softplus(in_proj_a(h) + dt_bias)
     o = delta_rule(q * key_dim ** -0.5, k, v, g, beta)
     out = out_proj(rmsnorm(o) * w * silu(in_proj_z(h)))      per value head
@@ -42,13 +43,17 @@ class GatedRmsNorm(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, layer_idx: int, hidden_size: int, *, num_key_heads: int, num_value_heads: int,
-                 key_dim: int, value_dim: int, kernel_size: int, eps: float, dtype: torch.dtype):
+                 key_dim: int, value_dim: int, kernel_size: int, eps: float, dtype: torch.dtype,
+                 value_heads_tiled: bool = False):
         super().__init__()
         if num_value_heads % num_key_heads:
             raise ValueError(f"{num_value_heads} value heads do not divide among {num_key_heads} key heads")
         self.layer_idx, self.dtype = layer_idx, dtype
         self.num_key_heads, self.num_value_heads = num_key_heads, num_value_heads
         self.key_dim, self.value_dim = key_dim, value_dim
+        # Which key head a value head reads: grouped (Hugging Face: value heads 0..r-1 read key
+        # head 0) or tiled (llama.cpp's GGUF files: value head j reads key head j % key heads).
+        self.value_heads_tiled = value_heads_tiled
         keys, values = num_key_heads * key_dim, num_value_heads * value_dim
         self.in_proj_qkv = Linear(hidden_size, 2 * keys + values, bias=False, dtype=dtype)
         self.in_proj_z = Linear(hidden_size, values, bias=False, dtype=dtype)
@@ -97,6 +102,7 @@ class GatedDeltaNet(nn.Module):
         keys = self.num_key_heads * self.key_dim
         q, k, v = qkv.float().split([keys, keys, self.num_value_heads * self.value_dim], dim=-1)
         repeat = self.num_value_heads // self.num_key_heads
-        q, k = (_l2_normalize(x.view(-1, self.num_key_heads, self.key_dim)).repeat_interleave(repeat, dim=1)
+        q, k = (_l2_normalize(x.view(-1, self.num_key_heads, self.key_dim)) for x in (q, k))
+        q, k = ((x.repeat(1, repeat, 1) if self.value_heads_tiled else x.repeat_interleave(repeat, dim=1))
                 for x in (q, k))
         return q * self.key_dim ** -0.5, k, v.view(-1, self.num_value_heads, self.value_dim)

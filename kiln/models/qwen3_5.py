@@ -44,7 +44,9 @@ def qwen3_5_config(hf: dict, dtype: str | None, mapping: Mapping, architecture: 
         "linear_num_value_heads": hf_get(hf, "linear_num_value_heads"),
         "linear_key_head_dim": hf_get(hf, "linear_key_head_dim"),
         "linear_value_head_dim": hf_get(hf, "linear_value_head_dim"),
-        "linear_conv_kernel_dim": hf_get(hf, "linear_conv_kernel_dim"), **extra})
+        "linear_conv_kernel_dim": hf_get(hf, "linear_conv_kernel_dim"),
+        # llama.cpp's files order the value heads tiled, not grouped by key head (kiln.checkpoint.gguf_hybrid)
+        "linear_value_heads_tiled": bool(hf.get("linear_value_heads_tiled", False)), **extra})
 
 
 class Qwen3_5Layers(HybridModel):
@@ -61,7 +63,8 @@ class Qwen3_5Layers(HybridModel):
             layer_idx, config.hidden_size, num_key_heads=config.linear_num_key_heads,
             num_value_heads=config.linear_num_value_heads, key_dim=config.linear_key_head_dim,
             value_dim=config.linear_value_head_dim, kernel_size=config.linear_conv_kernel_dim,
-            eps=config.norm_epsilon, dtype=torch_dtype(config.dtype))
+            eps=config.norm_epsilon, dtype=torch_dtype(config.dtype),
+            value_heads_tiled=bool(config.get("linear_value_heads_tiled", False)))
 
 
 @register_model("Qwen3_5ForCausalLM")

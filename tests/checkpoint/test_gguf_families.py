@@ -24,6 +24,10 @@ says GPT2Tokenizer; GLM-4 adds ``<|user|>``), a small Llama-2 style BPE for the 
 sentencepiece model for ERNIE 4.5 (built without biases: llama.cpp's ernie4_5 loads no MLP biases);
 Gemma 4's writes the tokenizer's tokens only and keeps only their embedding rows, so its models
 have exactly the Llama-2 style tokenizer's 400 tokens.
+
+Hybrid models: LFM2 (short convolutions), Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet, converted with
+``--no-mtp``: the tiny models have no MTP layers), whose value heads the converter stores tiled
+(read back against the HF tensors put in that order); a Qwen3.5 file as q8_0 keeps its blocks.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from kiln.errors import CheckpointError
 from tests.conftest import convert_and_build
 from tests.models.zoo import random_prompt
 from tests.utils import tiny_family_models as tiny
+from tests.utils import tiny_hybrid_models as hybrid
 from tests.utils.compare import assert_logits_close, hf_greedy, kiln_batch_prompt_logits, kiln_greedy
 from tests.utils.llama_cpp_gguf import (GPT2_VOCAB, convert_many_with_llama_cpp, save_converter_tokenizer,
                                         save_sentencepiece_tokenizer)
@@ -95,6 +100,16 @@ def _llama_exact(hf_dir: Path, gpt2: Path) -> None:
     assert save_converter_tokenizer(hf_dir, vocab) == vocab
 
 
+def _gpt2_for_qwen3_5_moe(hf_dir: Path, gpt2: Path) -> None:
+    """GPT-2's tokenizer under a config whose model_type the converter's AutoTokenizer maps to no
+    tokenizer class: transformers maps qwen3_5_moe_text to Qwen3_5Tokenizer, which splits digits
+    and so gives GPT-2's vocabulary a pre-tokenizer hash the converter does not know. (The
+    converter picks its class by ``architectures`` and reads the MoE fields all the same.)"""
+    _gpt2(hf_dir, gpt2)
+    config = hf_dir / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "qwen3_5_text"}))
+
+
 def _sentencepiece(hf_dir: Path, gpt2: Path) -> None:
     """ERNIE 4.5's converter reads only a sentencepiece tokenizer.model."""
     save_sentencepiece_tokenizer(hf_dir, 256)
@@ -124,7 +139,11 @@ CASES: dict[str, tuple[Callable, dict, Callable]] = {
     "gemma4-moe": (tiny.make_gemma4, dict(vocab=GEMMA4_VOCAB, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
                                           use_double_wide_mlp=False, enable_moe_block=True, num_experts=4,
                                           top_k_experts=2, moe_intermediate_size=32), _llama_exact),
+    "lfm2": (hybrid.make_lfm2, dict(vocab=V), _gpt2),
+    "qwen3.5": (hybrid.make_qwen3_5, dict(vocab=V), _gpt2),  # 2 key heads, 4 value heads: stored tiled
+    "qwen3.5-moe": (hybrid.make_qwen3_5_moe, dict(vocab=V), _gpt2_for_qwen3_5_moe),
 }
+CONVERTER_OPTIONS = {"qwen3.5": ["--no-mtp"], "qwen3.5-moe": ["--no-mtp"]}  # (the tiny models have no MTP layers)
 WITH_TOKENIZER = "smollm3"  # kiln saves its tokenizer (transformers reads no smollm3 config); the others skip it
 
 
@@ -167,10 +186,12 @@ def files(tmp_path_factory) -> dict[str, tuple[object, Path, Path]]:
         hf = make(root / "hf", **kwargs)
         tokenizer(root / "hf", gpt2)
         made[name] = (hf, root / "hf", root / f"{name}-f32.gguf")
-        jobs.append((root / "hf", root / f"{name}-f32.gguf", "f32"))
+        jobs.append((root / "hf", root / f"{name}-f32.gguf", "f32", *CONVERTER_OPTIONS.get(name, [])))
     q8 = made["olmo2"][2].with_name("olmo2-q8_0.gguf")
-    convert_many_with_llama_cpp([*jobs, (made["olmo2"][1], q8, "q8_0")])
-    return {**made, "olmo2-q8_0": (None, None, q8)}
+    qwen3_5_q8 = made["qwen3.5"][2].with_name("qwen3.5-q8_0.gguf")
+    convert_many_with_llama_cpp([*jobs, (made["olmo2"][1], q8, "q8_0"),
+                                 (made["qwen3.5"][1], qwen3_5_q8, "q8_0", *CONVERTER_OPTIONS["qwen3.5"])])
+    return {**made, "olmo2-q8_0": (None, None, q8), "qwen3.5-q8_0": (None, None, qwen3_5_q8)}
 
 
 @pytest.fixture(scope="module")
@@ -197,10 +218,37 @@ def test_gguf_reads_back_as_the_hf_checkpoint(converted, name: str) -> None:
     state = _per_projection_experts(case.hf.state_dict())
     if case.hf.config.tie_word_embeddings:
         del state["lm_head.weight"]  # llama.cpp writes no output tensor for a tied head
+    if name.startswith("qwen3.5"):
+        state = _tiled_value_heads(state, case.hf.config)
     assert sorted(source.keys()) == sorted(state)
-    atol = 1e-6 if name == "gemma3" else 0.0  # stored as 1 + w in float32
+    # Stored as 1 + w (and Qwen3.5's A_log as -exp(A_log)) in float32
+    atol = 1e-6 if name in ("gemma3", "qwen3.5", "qwen3.5-moe") else 0.0
     for key, want in state.items():
         torch.testing.assert_close(source.read(key), want, rtol=0, atol=atol, msg=key)
+
+
+def _tiled_value_heads(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Qwen3.5's Gated DeltaNet tensors with their value heads in llama.cpp's order: tiled (v0 of
+    every key head, then v1, ...) rather than grouped by key head."""
+    keys, values = config.linear_num_key_heads, config.linear_num_value_heads
+    qk = 2 * keys * config.linear_key_head_dim
+
+    def tiled(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
+        return t.unflatten(dim, (keys, values // keys, width)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+    out = {}
+    for key, t in state.items():
+        width = config.linear_value_head_dim
+        if key.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            t = torch.cat([t[:qk], tiled(t[qk:], 0, width)])
+        elif key.endswith("in_proj_z.weight"):
+            t = tiled(t, 0, width)
+        elif key.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+            t = tiled(t, 0, 1)
+        elif key.endswith("linear_attn.out_proj.weight"):
+            t = tiled(t, 1, width)
+        out[key] = t
+    return out
 
 
 def _per_projection_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -263,6 +311,23 @@ def test_q8_0_linears_keep_their_precision(files, no_tokenizer, tmp_path: Path) 
     linears = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
     assert set(quant["quantized_layers"]) == {f"transformer.layers.{i}.{n}" for i in range(2) for n in linears}
     assert {(q["quant_algo"], q["group_size"]) for q in quant["quantized_layers"].values()} == {("W8A16", 32)}
+    prompts = [random_prompt(24, V, seed=1), random_prompt(9, V, seed=2)]
+    for ours, ref in zip(kiln_batch_prompt_logits(native, prompts), kiln_batch_prompt_logits(dequantized, prompts)):
+        assert (ours.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+def test_qwen3_5_q8_0_keeps_its_blocks(files, no_tokenizer, tmp_path: Path) -> None:
+    """Qwen3.5 as llama.cpp's q8_0: the Gated DeltaNet projections (in_proj_qkv, in_proj_z,
+    out_proj), attention and MLP linears import their blocks (in_proj_a / in_proj_b, 4 rows: no
+    whole tile, dequantized); logits within 5% of the same file dequantized."""
+    q8 = files["qwen3.5-q8_0"][2]
+    native = convert_and_build(q8, tmp_path / "native", {}, dtype=None)
+    dequantized = convert_and_build(q8, tmp_path / "float", {}, dtype="float32")
+    quant = json.loads((tmp_path / "native" / "checkpoint" / "config.json").read_text())["quantization"]
+    mlp = ("mlp.fc", "mlp.gate", "mlp.proj")
+    recurrent = ("mixer.in_proj_qkv", "mixer.in_proj_z", "mixer.out_proj", *mlp)
+    assert set(quant["quantized_layers"]) == {f"transformer.layers.{i}.{n}" for i in range(4) for n in
+                                              (("attention.qkv", "attention.dense", *mlp) if i == 3 else recurrent)}
     prompts = [random_prompt(24, V, seed=1), random_prompt(9, V, seed=2)]
     for ours, ref in zip(kiln_batch_prompt_logits(native, prompts), kiln_batch_prompt_logits(dequantized, prompts)):
         assert (ours.float() - ref).abs().max() <= 0.05 * ref.abs().max()
@@ -491,6 +556,18 @@ def test_gemma4_reads_llama_cpps_per_layer_metadata(files) -> None:
     ("gemma4-moe", {"expert_gating_func": 2}, "gemma4.expert_gating_func"),  # read by no Gemma 4 graph
 ])
 def test_gemma4_metadata_kiln_cannot_represent_is_refused(files, tmp_path: Path, name: str, changes: dict,
+                                                          match: str) -> None:
+    path = _rewritten(files[name][2], tmp_path / "x.gguf", changes)
+    with pytest.raises(CheckpointError, match=match.replace(".", r"\.")):
+        GGUFSource(path).hf_config()
+
+
+@pytest.mark.parametrize(("name", "changes", "match"), [
+    ("qwen3.5", {"nextn_predict_layers": 1}, "qwen35.nextn_predict_layers"),  # MTP layers kept: not run yet
+    ("qwen3.5", {"attention.recurrent_layers": [True, True, True]}, "qwen35.attention.recurrent_layers"),
+    ("lfm2", {"attention.head_count_kv": [0, 2, 1, 0]}, "lfm2.attention.head_count_kv"),
+])
+def test_hybrid_metadata_kiln_cannot_represent_is_refused(files, tmp_path: Path, name: str, changes: dict,
                                                           match: str) -> None:
     path = _rewritten(files[name][2], tmp_path / "x.gguf", changes)
     with pytest.raises(CheckpointError, match=match.replace(".", r"\.")):

@@ -74,27 +74,28 @@ _BATCH = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import convert_hf_to_gguf
-for hf_dir, out_file, outtype in json.loads(sys.argv[2]):
+for hf_dir, out_file, outtype, *options in json.loads(sys.argv[2]):
     print(f"converting {hf_dir}", file=sys.stderr)
-    sys.argv = ["convert_hf_to_gguf.py", hf_dir, "--outfile", out_file, "--outtype", outtype]
+    sys.argv = ["convert_hf_to_gguf.py", hf_dir, "--outfile", out_file, "--outtype", outtype, *options]
     convert_hf_to_gguf.main()
 """
 
 
-def convert_many_with_llama_cpp(jobs: list[tuple[Path, Path, str]]) -> list[Path]:
-    """``convert_with_llama_cpp`` for each (hf_dir, out_file, outtype) of ``jobs``, in one
-    converter process; returns the out files."""
+def convert_many_with_llama_cpp(jobs: list[tuple]) -> list[Path]:
+    """``convert_with_llama_cpp`` for each (hf_dir, out_file, outtype, *converter options) of
+    ``jobs`` (Qwen3.5 without MTP layers: ``"--no-mtp"``), in one converter process; returns the
+    out files."""
     conv = converter_dir()
-    for _, out_file, _ in jobs:
+    for _, out_file, *_ in jobs:
         Path(out_file).parent.mkdir(parents=True, exist_ok=True)
-    spec = json.dumps([[str(d), str(o), t] for d, o, t in jobs])
+    spec = json.dumps([[str(d), str(o), t, *options] for d, o, t, *options in jobs])
     proc = subprocess.run([sys.executable, "-c", _BATCH, str(conv), spec], capture_output=True, text=True,
                           env=converter_env(conv))
-    missing = [str(o) for _, o, _ in jobs if not Path(o).is_file()]
+    missing = [str(o) for _, o, *_ in jobs if not Path(o).is_file()]
     if proc.returncode or missing:
         tail = "\n".join(proc.stderr.strip().splitlines()[-25:])
         raise RuntimeError(f"llama.cpp's convert_hf_to_gguf.py failed ({proc.returncode}; missing {missing}):\n{tail}")
-    return [Path(o) for _, o, _ in jobs]
+    return [Path(o) for _, o, *_ in jobs]
 
 
 def save_converter_tokenizer(hf_dir: Path, vocab_size: int) -> int:

@@ -1,0 +1,103 @@
+"""The hybrid GGUF architectures kiln reads (recurrent layers beside attention), as declarations
+(``gguf_declaration``): lfm2 (LFM2's short convolutions) and qwen35 / qwen35moe (Qwen3.5's Gated
+DeltaNet, dense and MoE).
+
+Metadata means what llama.cpp reads it to mean. lfm2: a layer with no KV heads
+(``attention.head_count_kv`` 0) is a convolution layer; ``feed_forward_length`` is the width the
+weights have. qwen35: ``attention.recurrent_layers`` marks the Gated DeltaNet layers, ``ssm.*``
+their widths (``group_count`` key heads of ``state_size``, ``time_step_rank`` value heads sharing
+``inner_size``), ``rope.dimension_count`` the rotary part of a head (its M-RoPE sections are plain
+rotary for text). llama.cpp's converter stores convolution weights squeezed, Qwen3.5's norms as
+``1 + w`` (not the delta-rule output norm), ``A_log`` as ``-exp(A_log)`` and, where value heads outnumber key heads, the value
+heads tiled (``v0 of every key head, then v1 ...``) instead of grouped; kiln reads that order as
+it is (``linear_value_heads_tiled``). The multi-token-prediction layers a file may keep
+(``nextn_predict_layers``) are refused until kiln runs them.
+"""
+from __future__ import annotations
+
+import torch
+
+from kiln.checkpoint.gguf_declaration import (ATTENTION, EXPERTS, MLP, QK_NORM, GGUFArchitecture, Meta, decoder)
+from kiln.checkpoint.gguf_rope import global_rope
+
+
+def _lfm2(m: Meta) -> dict:
+    layers, heads, hidden = m.int("block_count"), m.int("attention.head_count"), m.int("embedding_length")
+    kv_heads = m.per_layer("attention.head_count_kv", layers)
+    attention_kv = set(kv_heads) - {0}
+    if len(attention_kv) != 1:
+        raise m.error(f"metadata key '{m.arch}.attention.head_count_kv' ({kv_heads}) must give the attention layers "
+                      "one KV head count")
+    return {"vocab_size": m.vocab(), "hidden_size": hidden, "block_ff_dim": m.int("feed_forward_length"),
+            "block_auto_adjust_ff_dim": False, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": attention_kv.pop(), "norm_eps": m.float("attention.layer_norm_rms_epsilon"),
+            "max_position_embeddings": m.int("context_length"), "tie_embedding": not m.has("output.weight"),
+            "conv_L_cache": m.int("shortconv.l_cache"), "conv_bias": m.any_tensor(".shortconv.in_proj.bias"),
+            "layer_types": ["full_attention" if kv else "conv" for kv in kv_heads], **global_rope(m)}
+
+
+def _qwen35(m: Meta) -> dict:
+    if m.int("nextn_predict_layers", 0):
+        raise m.error(f"metadata key '{m.arch}.nextn_predict_layers': the file keeps multi-token-prediction layers, "
+                      "which kiln does not run yet (convert with llama.cpp's --no-mtp)")
+    config = {**decoder(m, partial_rotary=True), **global_rope(m)}
+    layers = config["num_hidden_layers"]
+    recurrent = m.get("attention.recurrent_layers")
+    if not isinstance(recurrent, list) or len(recurrent) != layers:
+        raise m.error(f"metadata key '{m.arch}.attention.recurrent_layers' must flag each of the {layers} layers")
+    m.int("full_attention_interval", 4)  # recurrent_layers says which layers; the interval only made them
+    m.get("rope.dimension_sections", None)  # M-RoPE's sections: text positions are equal in all of them
+    value_heads = m.int("ssm.time_step_rank")
+    return {**config, "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent],
+            "linear_conv_kernel_dim": m.int("ssm.conv_kernel"), "linear_key_head_dim": m.int("ssm.state_size"),
+            "linear_num_key_heads": m.int("ssm.group_count"), "linear_num_value_heads": value_heads,
+            "linear_value_head_dim": m.int("ssm.inner_size") // value_heads, "linear_value_heads_tiled": True}
+
+
+def _qwen35moe(m: Meta) -> dict:
+    experts = m.int("expert_feed_forward_length")
+    return {**_qwen35(m), "num_experts": m.int("expert_count"), "num_experts_per_tok": m.int("expert_used_count"),
+            "moe_intermediate_size": experts,
+            "shared_expert_intermediate_size": m.int("expert_shared_feed_forward_length")}
+
+
+def _a_log(stored: torch.Tensor) -> torch.Tensor:
+    """``A_log`` from the converter's ``-exp(A_log)``."""
+    return torch.log(-stored)
+
+
+def _conv_weight(stored: torch.Tensor) -> torch.Tensor:
+    """A depthwise ``Conv1d`` weight ``[channels, 1, kernel]`` from the converter's squeezed one."""
+    return stored.unsqueeze(1)
+
+
+_LFM2_BLOCK = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.out_proj", "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm",
+    "attn_norm": "operator_norm", "ffn_norm": "ffn_norm", "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3",
+    "ffn_down": "feed_forward.w2", "shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj",
+    "shortconv.out_proj": "conv.out_proj"}
+_QWEN35_BLOCK = {
+    **ATTENTION, **QK_NORM, "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z", "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a", "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj"}
+_QWEN35_WHOLE = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+_QWEN35_CONVERTED = {"linear_attn.A_log": _a_log, "linear_attn.conv1d.weight": _conv_weight}
+_QWEN35_MOE_BLOCK = {
+    **_QWEN35_BLOCK, **EXPERTS, "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+
+HYBRID_ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    "lfm2": GGUFArchitecture(
+        "Lfm2ForCausalLM", "lfm2", _lfm2, _LFM2_BLOCK,
+        top={"token_embd": "model.embed_tokens", "token_embd_norm": "model.embedding_norm", "output": "lm_head"},
+        converted={"conv.conv.weight": _conv_weight}),
+    "qwen35": GGUFArchitecture(
+        "Qwen3_5ForCausalLM", "qwen3_5_text", _qwen35, {**_QWEN35_BLOCK, **MLP}, norm_offset=1.0,
+        plain_norms=("ssm_norm",), whole=_QWEN35_WHOLE, converted=_QWEN35_CONVERTED),
+    "qwen35moe": GGUFArchitecture(
+        "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", _qwen35moe, _QWEN35_MOE_BLOCK, norm_offset=1.0,
+        plain_norms=("ssm_norm",), whole=_QWEN35_WHOLE, converted=_QWEN35_CONVERTED),
+}
