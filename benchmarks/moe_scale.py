@@ -1,9 +1,11 @@
-"""kiln beside llama.cpp on mixture-of-experts models at their real size: Qwen3-30B-A3B's,
-gpt-oss-20b's and DeepSeek-V2-Lite's shapes.
+"""kiln beside llama.cpp on mixture-of-experts and hybrid models at their real size: Qwen3-30B-A3B's,
+gpt-oss-20b's and DeepSeek-V2-Lite's shapes, and Qwen3.5's (9B dense and 35B-A3B, Gated DeltaNet
+beside attention: ``hybrid_shapes.py``).
 
     python benchmarks/moe_scale.py --shape qwen3-30b-a3b --quant q4_0 [--work_dir /tmp/kiln-moe] [--rounds 3]
     python benchmarks/moe_scale.py --shape gpt-oss-20b --quant mxfp4
     python benchmarks/moe_scale.py --shape deepseek-v2-lite --quant q4_0
+    python benchmarks/moe_scale.py --shape qwen3.5-9b --quant q4_0 --contexts 8192 32768
 
 The models have the real shapes (Qwen3-30B-A3B: 48 layers, hidden 2048, 128 experts of width 768,
 8 per token, 32 query and 4 KV heads of 128; gpt-oss-20b: 24 layers, hidden 2880, 32 experts of
@@ -48,6 +50,7 @@ import numpy as np
 import torch
 
 import scale  # benchmarks/ is on the path: scripts run from it
+from hybrid_shapes import HYBRID_SHAPES, hybrid_float_values, hybrid_layer, hybrid_metadata
 from kiln.bench.common import append_record, new_record
 from kiln.bench.machine import machine_facts
 from kiln.examples import smollm2_gguf_path
@@ -83,7 +86,9 @@ SHAPES = {
     "deepseek-v2-lite": Shape("deepseek2", 2048, 27, 16, 16, 192, 64, 6, 1408, 10000.0, shared_width=2816,
                               dense_layers=1, dense_width=10944, kv_lora=512, nope=128, rope=64, value=128),
 }
-QUANTS = {"qwen3moe": ("q4_0", "q4_k_m"), "gpt-oss": ("mxfp4",), "deepseek2": ("q4_0",)}
+QUANTS = {"qwen3moe": ("q4_0", "q4_k_m"), "gpt-oss": ("mxfp4",), "deepseek2": ("q4_0",), "qwen35": ("q4_0", "q4_k_m"),
+          "qwen35moe": ("q4_0", "q4_k_m")}
+ALL_SHAPES = {**SHAPES, **HYBRID_SHAPES}  # (hybrid_shapes.py: Qwen3.5's Gated DeltaNet beside attention)
 VOCAB = scale.VOCAB  # SmolLM2's tokenizer
 BATCHES = scale.BATCHES
 
@@ -103,7 +108,7 @@ def tensor_types(quant: str, name: str, layer: int, layers: int):
         return Q.Q6_K
     if quant == "q4_0":
         return Q.Q4_0
-    if name in ("attn_v", "ffn_down_exps") and _more_bits(layer, layers):
+    if name in ("attn_v", "ffn_down_exps", "ffn_down") and _more_bits(layer, layers):
         return Q.Q6_K
     return Q.Q4_K
 
@@ -132,12 +137,15 @@ def gguf_tensors(shape: str, quant: str) -> dict[str, tuple[tuple[int, ...], obj
     """GGUF name -> (shape in HF order ``[..., out, in]``, type) of the model."""
     from gguf import GGMLQuantizationType as Q
 
-    m = SHAPES[shape]
+    m = ALL_SHAPES[shape]
     out = {"token_embd.weight": ((VOCAB, m.hidden), tensor_types(quant, "token_embd", 0, m.layers)),
            "output_norm.weight": ((m.hidden,), Q.F32),
            "output.weight": ((VOCAB, m.hidden), tensor_types(quant, "output", 0, m.layers))}
     gpt_oss = m.arch == "gpt-oss"
     for i in range(m.layers):
+        if shape in HYBRID_SHAPES:
+            out.update(hybrid_layer(m, i, lambda stem, i=i: tensor_types(quant, stem, i, m.layers), Q.F32))
+            continue
         if m.arch == "deepseek2":
             out.update(_deepseek2_layer(m, i, quant))
             continue
@@ -210,6 +218,9 @@ def _metadata(writer, m: Shape) -> None:
     if a == "deepseek2":
         _deepseek2_metadata(writer, m)
         return
+    if a in ("qwen35", "qwen35moe"):
+        hybrid_metadata(writer, m, VOCAB)
+        return
     for key, value in (("block_count", m.layers), ("context_length", 131072 if a == "gpt-oss" else 32768),
                        ("embedding_length", m.hidden), ("feed_forward_length", m.width if a == "gpt-oss" else 6144),
                        ("attention.head_count", m.heads), ("attention.head_count_kv", m.kv_heads),
@@ -230,7 +241,7 @@ def write_gguf(shape: str, quant: str, out: Path) -> None:
     """The model as a GGUF, tensor by tensor (never more than one in memory)."""
     import gguf
 
-    m = SHAPES[shape]
+    m = ALL_SHAPES[shape]
     writer = gguf.GGUFWriter(str(out), m.arch)
     writer.add_name(f"random {shape} {quant}")
     _metadata(writer, m)
@@ -261,7 +272,10 @@ def write_gguf(shape: str, quant: str, out: Path) -> None:
 
 
 def _float_values(name: str, dims: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """Norm weights 1; router weights spread so routing varies; biases small; sinks ~N(0, 1)."""
+    """Norm weights 1; router weights spread so routing varies; biases small; sinks ~N(0, 1);
+    Gated DeltaNet's as ``hybrid_float_values``."""
+    if (hybrid := hybrid_float_values(name, dims, rng)) is not None:
+        return hybrid
     if "ffn_gate_inp.weight" in name:
         values = rng.standard_normal(dims) * 0.5
     elif name.endswith(".bias"):
@@ -302,7 +316,8 @@ def llama_batched_bench(binary: str, gguf_path: Path, batches: tuple[int, ...], 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=list(SHAPES), default="qwen3-30b-a3b", help="model shape (default qwen3-30b-a3b)")
+    p.add_argument("--shape", choices=list(ALL_SHAPES), default="qwen3-30b-a3b",
+                   help="model shape (default qwen3-30b-a3b; qwen3.5-*: hybrid, see hybrid_shapes.py)")
     p.add_argument("--quant", choices=sorted({q for qs in QUANTS.values() for q in qs}), default=None,
                    help="the GGUF's types: q4_0 or q4_k_m (Qwen3 shape; default q4_0), mxfp4 (gpt-oss; its default)")
     p.add_argument("--work_dir", default="/tmp/kiln-moe", help="where the file and engine go (reused)")
@@ -315,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output_json", default=str(Path(__file__).parent / "results.jsonl"),
                    help="append the record here (default benchmarks/results.jsonl)")
     args = p.parse_args(argv)
-    allowed = QUANTS[SHAPES[args.shape].arch]
+    allowed = QUANTS[ALL_SHAPES[args.shape].arch]
     args.quant = args.quant or allowed[0]
     if args.quant not in allowed:
         p.error(f"--quant {args.quant} does not apply to {args.shape} (choose from {', '.join(allowed)})")
@@ -341,8 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         record["convert"] = scale.timed_child([*kiln, "convert", "--model_dir", str(gguf_path), "--output_dir",
                                                str(ckpt)])
         record["build"] = scale.timed_child([*kiln, "build", "--checkpoint_dir", str(ckpt), "--output_dir",
-                                             str(engine), "--max_batch_size", "32", "--max_seq_len", "8448",
-                                             "--max_input_len", "8192"])
+                                             str(engine), "--max_batch_size", "32", "--max_seq_len",
+                                             str(max([8192, *args.contexts]) + 256), "--max_input_len",
+                                             str(max([8192, *args.contexts]))])
         subprocess.run(["rm", "-rf", str(ckpt)], check=True)
         steps.write_text(json.dumps({"convert": record["convert"], "build": record["build"]}))
     record["engine_bytes"] = sum(f.stat().st_size for f in engine.glob("*.safetensors"))

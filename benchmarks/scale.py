@@ -188,6 +188,8 @@ def run_kiln(engine: str, new_tokens: int, contexts: tuple[int, ...] = ()) -> di
     _, decode = stream_round(llm, prompt, new_tokens)
     figures = {"load_to_first_token_s": load, "prefill_tok_s": prefill, "decode_tok_s": decode,
                "weight_bytes": weight_bytes_per_token(llm.engine.model)}
+    if llm.core.runner.state_slot_bytes:  # a hybrid model: its recurrent state (two slots) per sequence
+        figures["state_bytes_per_sequence"] = 2 * llm.core.runner.state_slot_bytes
     timer = ForwardTimer(llm.core.runner.model)
     for batch in BATCHES:  # batched decode (llama-cpp-python has no batched generate to set beside it)
         # each sequence its own prompt: a mixture of experts then routes the batch's tokens apart

@@ -36,11 +36,13 @@ def _lfm2(m: Meta) -> dict:
             "layer_types": ["full_attention" if kv else "conv" for kv in kv_heads], **global_rope(m)}
 
 
-def _qwen35(m: Meta) -> dict:
+def _qwen35(m: Meta, ffn: object = None) -> dict:
+    """(``ffn``: the MoE files' default feed-forward width, which they need not write.)"""
     if m.int("nextn_predict_layers", 0):
         raise m.error(f"metadata key '{m.arch}.nextn_predict_layers': the file keeps multi-token-prediction layers, "
                       "which kiln does not run yet (convert with llama.cpp's --no-mtp)")
-    config = {**decoder(m, partial_rotary=True), **global_rope(m)}
+    config = {**(decoder(m, partial_rotary=True) if ffn is None else decoder(m, partial_rotary=True, ffn=ffn)),
+              **global_rope(m)}
     layers = config["num_hidden_layers"]
     recurrent = m.get("attention.recurrent_layers")
     if not isinstance(recurrent, list) or len(recurrent) != layers:
@@ -56,7 +58,7 @@ def _qwen35(m: Meta) -> dict:
 
 def _qwen35moe(m: Meta) -> dict:
     experts = m.int("expert_feed_forward_length")
-    return {**_qwen35(m), "num_experts": m.int("expert_count"), "num_experts_per_tok": m.int("expert_used_count"),
+    return {**_qwen35(m, ffn=experts), "num_experts": m.int("expert_count"), "num_experts_per_tok": m.int("expert_used_count"),
             "moe_intermediate_size": experts,
             "shared_expert_intermediate_size": m.int("expert_shared_feed_forward_length")}
 
