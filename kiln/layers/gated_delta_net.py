@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln import kernels
 from kiln.layers.delta_rule import delta_rule_chunked, delta_rule_step
 from kiln.layers.linear import Linear
 from kiln.layers.recurrent import CausalConv1d, read_state, require_state_groups, write_state
@@ -73,28 +74,35 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, state: tuple[torch.Tensor, ...]
                 ) -> torch.Tensor:
         lora = metadata.lora
-        mixed = self.in_proj_qkv(hidden, lora)
-        gate = self.in_proj_z(hidden, lora)
-        beta = torch.sigmoid(self.in_proj_b(hidden, lora)).float()  # [tokens, value heads]
-        decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden, lora).float() + self.dt_bias.float())
+        mixed, gate = self.in_proj_qkv(hidden, lora), self.in_proj_z(hidden, lora)
+        b, a = self.in_proj_b(hidden, lora), self.in_proj_a(hidden, lora)
         conv_state, delta_state = state
-        out = torch.empty(hidden.shape[0], self.num_value_heads, self.value_dim, dtype=torch.float32)
+        out = torch.empty(hidden.shape[0], self.num_value_heads * self.value_dim, dtype=hidden.dtype)
+        native = kernels.recurrent_decode_supported(mixed, conv_state)
         for group in require_state_groups(metadata, self.layer_idx):
             rows = group.rows
+            if group.length == 1 and native:  # decode rows: conv, delta rule and gated norm in one pass
+                kernels.gated_delta_decode(
+                    mixed[rows], gate[rows], b[rows], a[rows], self.conv1d.weight, conv_state, delta_state, self.A_log,
+                    self.dt_bias, self.norm.weight, self.norm.eps, group, out[rows], key_heads=self.num_key_heads,
+                    key_dim=self.key_dim, value_dim=self.value_dim, tiled=self.value_heads_tiled)
+                continue
             inputs = mixed[rows].view(group.count, group.length, -1)
             qkv, after = self.conv1d(inputs, read_state(conv_state, group))
             write_state(conv_state, group, after)
             q, k, v = self._heads(qkv.reshape(-1, qkv.shape[-1]))
+            beta = torch.sigmoid(b[rows]).float()  # [tokens, value heads]
+            decay = -self.A_log.float().exp() * F.softplus(a[rows].float() + self.dt_bias.float())
             start = read_state(delta_state, group)
             if group.length == 1:  # decode rows: one token for each sequence
-                o, end = delta_rule_step(q, k, v, decay[rows], beta[rows], start)
+                o, end = delta_rule_step(q, k, v, decay, beta, start)
             else:  # a prompt chunk of one sequence
-                o, end = delta_rule_chunked(q, k, v, decay[rows], beta[rows], start[0])
+                o, end = delta_rule_chunked(q, k, v, decay, beta, start[0])
                 end = end[None]
             write_state(delta_state, group, end)
-            out[rows] = o
-        normed = self.norm(out.to(hidden.dtype).view(-1, self.value_dim), gate.view(-1, self.value_dim))
-        return self.out_proj(normed.view(hidden.shape[0], -1), lora)
+            out[rows] = self.norm(o.to(hidden.dtype).reshape(-1, self.value_dim),
+                                  gate[rows].reshape(-1, self.value_dim)).view(o.shape[0], -1)
+        return self.out_proj(out, lora)
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolved channels ``[tokens, ...]`` as float32 heads: L2-normalised queries (times

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kiln import kernels
 from kiln.layers.linear import Linear
 from kiln.layers.recurrent import CausalConv1d, read_state, require_state_groups, write_state
 
@@ -29,13 +30,17 @@ class ShortConv(nn.Module):
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata, state: tuple[torch.Tensor, ...]
                 ) -> torch.Tensor:
-        b, c, x = self.in_proj(hidden, metadata.lora).chunk(3, dim=-1)
-        gated = b * x
-        out = torch.empty_like(gated)
+        bcx = self.in_proj(hidden, metadata.lora)
+        out = torch.empty(hidden.shape[0], self.hidden_size, dtype=bcx.dtype)
         (conv_state,) = state
+        native = kernels.recurrent_decode_supported(bcx, conv_state)
         for group in require_state_groups(metadata, self.layer_idx):
-            inputs = gated[group.rows].view(group.count, group.length, -1)
-            y, after = self.conv(inputs, read_state(conv_state, group))
+            rows = group.rows
+            if group.length == 1 and native:  # decode rows: gate, convolution and state in one pass
+                kernels.short_conv_decode(bcx[rows], self.conv.weight, self.conv.bias, conv_state, group, out[rows])
+                continue
+            b, c, x = bcx[rows].chunk(3, dim=-1)
+            y, after = self.conv((b * x).view(group.count, group.length, -1), read_state(conv_state, group))
             write_state(conv_state, group, after)
-            out[group.rows] = y.reshape(-1, self.hidden_size)
-        return self.out_proj(c * out, metadata.lora)
+            out[rows] = c * y.reshape(-1, self.hidden_size)
+        return self.out_proj(out, metadata.lora)

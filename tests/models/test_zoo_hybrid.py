@@ -149,3 +149,68 @@ def test_cancelled_requests_leave_no_slot_or_block(built, name: str) -> None:
     cancelled = [r for r in requests if r.seqs[0].finish_reason == FinishReason.CANCELLED]
     assert len(cancelled) >= 12
     assert_all_returned(core)
+
+
+def _decode_group(read: list[int], write: list[int], fresh: list[bool]):
+    from kiln.step.metadata import StateGroup
+
+    return StateGroup(slice(0, len(read)), len(read), 1, torch.tensor(read), torch.tensor(write), torch.tensor(fresh))
+
+
+def _native_then_pytorch(monkeypatch, module, layer, hidden: torch.Tensor, start: list[torch.Tensor]) -> list:
+    """``layer``'s (output, states) for three decode rows (slots 0, 2, 4 -> 1, 3, 5; the second
+    row a sequence's first token) through the native kernel, then with ``module``'s kernels off."""
+    from types import SimpleNamespace
+
+    from kiln import kernels
+
+    assert kernels.native_library() is not None
+    metadata = SimpleNamespace(lora=None, state_groups=[_decode_group([0, 2, 4], [1, 3, 5], [False, True, False])])
+    results = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(module.kernels, "recurrent_decode_supported", lambda *a: False)
+        state = tuple(s.clone() for s in start)
+        results.append((layer(hidden, None, metadata, state), state))
+    return results
+
+
+def _random_layer(layer, dtype) -> None:
+    for p in layer.parameters():
+        p.data.copy_(torch.randn_like(p, dtype=torch.float32).to(dtype) * 0.3)
+
+
+def _assert_same(results: list, dtype) -> None:
+    (ours, ours_state), (ref, ref_state) = results
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.02, rtol=0.02)
+    torch.testing.assert_close(ours.float(), ref.float(), **tol)
+    for mine, theirs in zip(ours_state, ref_state):
+        torch.testing.assert_close(mine[[1, 3, 5]].float(), theirs[[1, 3, 5]].float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_gated_delta_decode_kernel_equals_the_pytorch_path(monkeypatch, dtype, tiled: bool) -> None:
+    """Gated DeltaNet's decode rows through the native kernel and through the PyTorch path: the
+    same outputs and the same states in the write slots (float rounding)."""
+    from kiln.layers import gated_delta_net
+
+    torch.manual_seed(0)
+    layer = gated_delta_net.GatedDeltaNet(0, 48, num_key_heads=2, num_value_heads=4, key_dim=16, value_dim=8,
+                                          kernel_size=4, eps=1e-6, dtype=dtype, value_heads_tiled=tiled)
+    _random_layer(layer, dtype)
+    layer.A_log.data.uniform_(0.0, 2.0)
+    start = [torch.randn(6, *shape).to(dt) for shape, dt in layer.state_spec()]
+    _assert_same(_native_then_pytorch(monkeypatch, gated_delta_net, layer, torch.randn(3, 48).to(dtype), start), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_conv_decode_kernel_equals_the_pytorch_path(monkeypatch, dtype) -> None:
+    """LFM2's block on decode rows, native and PyTorch: the same outputs and states."""
+    from kiln.layers import short_conv
+
+    torch.manual_seed(1)
+    layer = short_conv.ShortConv(0, 40, 3, bias=True, dtype=dtype)
+    _random_layer(layer, dtype)
+    start = [torch.randn(6, 2, 40).to(dtype)]
+    _assert_same(_native_then_pytorch(monkeypatch, short_conv, layer, torch.randn(3, 40).to(dtype), start), dtype)
