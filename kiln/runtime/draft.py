@@ -10,6 +10,7 @@ its argmax, a one-token proposal, so verification's rule keeps the target distri
 from __future__ import annotations
 
 from kiln.errors import ConfigError, KilnError
+from kiln.models.hybrid import recurrent_layer_ids
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import FinishReason, Sequence
@@ -23,6 +24,9 @@ class DraftProposer:
         if draft.config.vocab_size != target.config.vocab_size:
             raise ConfigError(f"speculative_config.model {draft_dir}: its vocabulary ({draft.config.vocab_size}) "
                               f"is not the target's ({target.config.vocab_size}); a draft model shares the tokenizer")
+        if recurrent_layer_ids(draft.config):  # its mirrors rewind to the agreed tokens, which a state cannot
+            raise ConfigError(f"speculative_config.model {draft_dir}: a draft model with recurrent layers "
+                              f"({draft.config.architecture}) is not supported yet")
         block = draft.build_config.tokens_per_block
         # As many tokens of KV cache as the target's, so every sequence the target holds has its mirror.
         self.core = core_class(draft, max_num_seqs=max_num_seqs, num_blocks=-(-target_tokens // block))

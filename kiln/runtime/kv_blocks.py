@@ -25,11 +25,11 @@ def common_window(model) -> int | None:
 
 def num_state_slots(engine: Engine, max_num_seqs: int) -> int:
     """Recurrent-state slots for a hybrid model: two for each sequence that may run at once (the
-    batch limit, and the beams a beam search adds beside it); 0 for a model without recurrent
-    layers."""
+    batch limit's sequences, each of which a beam search may turn into ``max_beam_width`` beams);
+    0 for a model without recurrent layers. (Slots are committed as they are first written.)"""
     if not recurrent_layer_ids(engine.config):
         return 0
-    return 2 * (max_num_seqs + engine.build_config.max_beam_width - 1)
+    return 2 * max_num_seqs * max(1, engine.build_config.max_beam_width)
 
 
 def state_specs(model) -> list:

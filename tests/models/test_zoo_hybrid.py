@@ -214,3 +214,17 @@ def test_short_conv_decode_kernel_equals_the_pytorch_path(monkeypatch, dtype) ->
     _random_layer(layer, dtype)
     start = [torch.randn(6, 2, 40).to(dtype)]
     _assert_same(_native_then_pytorch(monkeypatch, short_conv, layer, torch.randn(3, 40).to(dtype), start), dtype)
+
+
+def test_speculative_decoding_is_refused_for_hybrid_targets_and_drafts(built) -> None:
+    """A rejected proposal would have to be taken back out of the recurrent state: speculative
+    decoding refuses a hybrid target, and a hybrid draft for another target."""
+    from kiln.errors import ConfigError
+
+    hybrid = Engine(built("lfm2").engine_dir)
+    with pytest.raises(ConfigError, match="recurrent layers"):
+        EngineCore(hybrid, num_blocks=16, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    from kiln.runtime.draft import DraftProposer
+
+    with pytest.raises(ConfigError, match="recurrent layers"):
+        DraftProposer(hybrid, str(built("lfm2").engine_dir), 64, 2, EngineCore)
