@@ -146,7 +146,7 @@ def _moe_scale(records: list[dict]) -> list[str]:
         if r.get("kind") == "moe_scale" and len(r.get("engines", {})) == 2:
             latest[(r["shape"], r["quant"], _cpu(r))] = r
     rows = ["| date | CPU | shape, GGUF | decode tok/s kiln / llama.cpp | ratio | % of read bandwidth | "
-            "after 2048 tokens | batch 8 | batch 32 | prefill 512 tok/s | load s | peak RSS MB | GGUF / engine GB | "
+            "after N tokens (N) | batch 8 | batch 32 | prefill 512 tok/s | load s | peak RSS MB | GGUF / engine GB | "
             "kiln convert, build s (peak RSS MB) | command |",
             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for (shape, quant, cpu), r in sorted(latest.items(), key=lambda kv: kv[1]["date"], reverse=True)[:ROWS]:
@@ -157,19 +157,22 @@ def _moe_scale(records: list[dict]) -> list[str]:
 
         share = (f"{100 * k['bandwidth_share']:.0f}% / {100 * ll['bandwidth_share']:.0f}%"
                  if "bandwidth_share" in k and "bandwidth_share" in ll else "-")
+        contexts = sorted(int(key.rpartition("context")[2]) for key in k if key.startswith("decode_tok_s_context"))
+        after = (f"{both(f'decode_tok_s_context{contexts[0]}', '.2f')} ({contexts[0]})" if contexts else "-")
         rows.append(f"| {r['date'][:10]} | {cpu} | {shape} {quant} | {both('decode_tok_s', '.2f')} | "
-                    f"{k['decode_tok_s'] / ll['decode_tok_s']:.2f}x | {share} | {both('decode_tok_s_context2048', '.2f')} | "
+                    f"{k['decode_tok_s'] / ll['decode_tok_s']:.2f}x | {share} | {after} | "
                     f"{both('decode_tok_s_batch8', '.1f')} | {both('decode_tok_s_batch32', '.1f')} | "
                     f"{both('prefill_tok_s', '.1f')} | {both('load_to_first_token_s', '.1f')} | "
                     f"{both('peak_rss_mb', '.0f')} | {r['gguf_bytes'] / 1e9:.2f} / {r['engine_bytes'] / 1e9:.2f} | "
                     f"{r['convert']['seconds']:.0f} ({r['convert']['peak_rss_mb']:.0f}), {r['build']['seconds']:.0f} "
                     f"({r['build']['peak_rss_mb']:.0f}) | `{_short(r['command'])}` |")
-    return ["## Mixture of experts at real size: kiln beside llama.cpp on one GGUF (random weights, SmolLM2's "
+    return ["## Mixture of experts and hybrid models at real size: kiln beside llama.cpp on one GGUF (random weights, SmolLM2's "
             "vocabulary)", "",
             "`python benchmarks/moe_scale.py --shape qwen3-30b-a3b --quant q4_0|q4_k_m` (or `--shape gpt-oss-20b "
-            "--quant mxfp4`, `--shape deepseek-v2-lite --quant q4_0`) `--batched_bench PATH/llama-batched-bench`: the GGUF's quantized blocks written directly; "
+            "--quant mxfp4`, `--shape deepseek-v2-lite --quant q4_0`, the hybrid `--shape qwen3.5-9b|qwen3.5-35b-a3b "
+            "--quant q4_0`) `--batched_bench PATH/llama-batched-bench`: the GGUF's quantized blocks written directly; "
             "kiln converts it keeping each block's precision (experts expert-major). Batch-1 greedy decode after a "
-            "32-token prompt and after 2048 tokens, each engine in a fresh process per round with its files read into "
+            "32-token prompt and after N tokens (`--contexts`), each engine in a fresh process per round with its files read into "
             "the page cache first, rounds alternating; batched decode: kiln's scheduler (a random prompt per sequence) "
             "beside llama.cpp's `llama-batched-bench` (S_TG, random tokens). Bandwidth share: bytes a token reads "
             "(attention, routers, head, top-k of each layer's experts) x tok/s over the machine's measured read "
