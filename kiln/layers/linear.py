@@ -235,9 +235,13 @@ class Linear(nn.Module):
     # fused external tensor (Phi-3's gate_up_proj holds both gated-MLP inputs).
     fused_part: tuple[int, int] | None = None
 
+    # This layer's rows, picked from one external tensor that interleaves several layers' rows
+    # (Qwen3-Next's in_proj_qkvz: q, k, v and z per key head); read whole, tp 1 only.
+    source_rows: torch.Tensor | None = None
+
     def load_spec(self, param_name: str, num_external: int) -> list[ShardSpec]:
-        if self.weight_postprocess is not None and param_name == "weight":
-            return [ShardSpec()] * num_external  # pre-quantized tensors are read whole (tp 1 only)
+        if (self.weight_postprocess is not None or self.source_rows is not None) and param_name == "weight":
+            return [ShardSpec()] * num_external  # read whole (tp 1 only)
         if self.fused_part is not None and param_name in ("weight", "bias"):
             index, count = self.fused_part
             rows = self.out_features * (self.tp_size if self.tp_dim == 0 else 1)
@@ -257,6 +261,8 @@ class Linear(nn.Module):
             return self.weight_postprocess(key, weights)
         if self.source_transposed and key.endswith("weight"):
             weights = [w.t() for w in weights]
+        if self.source_rows is not None and key.endswith(".weight"):
+            weights = [weights[0].index_select(0, self.source_rows)]
         # Several external tensors (q, k, v) are concatenated along the output features.
         tensor = weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)
         return {key: tensor.contiguous()}

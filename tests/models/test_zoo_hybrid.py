@@ -23,6 +23,7 @@ CASES: dict[str, tuple[Callable, dict, dict]] = {
     "lfm2": (tiny.make_lfm2, {}, {"max_beam_width": 2}),
     "qwen3.5": (tiny.make_qwen3_5, {}, {"max_beam_width": 2}),
     "qwen3.5-moe": (tiny.make_qwen3_5_moe, {}, {"max_beam_width": 2}),
+    "qwen3-next": (tiny.make_qwen3_next, {}, {"max_beam_width": 2}),
 }
 
 built = built_fixture(CASES)

@@ -29,7 +29,8 @@ FAMILIES = {
     **test_zoo_hybrid.CASES,
 }
 PRECISION = {"bfloat16": 0.03, "W8A16": 0.05}  # max |kiln - HF fp32| / max |HF logit|
-SENSITIVE_IN_BF16 = {"gpt-oss", "gemma4", "gemma4-moe"}  # bound by HF's own bf16 error (hf_bf16_error)
+# bound by HF's own bf16 error (hf_bf16_error); Qwen3-Next's tiny model has logits of ~0.5
+SENSITIVE_IN_BF16 = {"gpt-oss", "gemma4", "gemma4-moe", "qwen3-next"}
 
 
 @pytest.fixture(scope="module")

@@ -36,3 +36,11 @@ def make_qwen3_5_moe(path: Path, *, seed: int = 0, vocab: int = 256, **config):
     fields = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
     return _save_random(path, "Qwen3_5Moe", seed, config_class="Qwen3_5MoeTextConfig",
                         **{**QWEN3_5, **fields, "vocab_size": vocab, **config})
+
+
+def make_qwen3_next(path: Path, *, seed: int = 0, vocab: int = 256, **config):
+    """Qwen3-Next: Qwen3.5-MoE's layers with fused in_proj_qkvz / in_proj_ba, a dense layer among
+    the sparse ones (mlp_only_layers)."""
+    fields = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                  mlp_only_layers=[1])
+    return _save_random(path, "Qwen3Next", seed, **{**QWEN3_5, **fields, "vocab_size": vocab, **config})
