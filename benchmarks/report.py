@@ -166,13 +166,14 @@ def _moe_scale(records: list[dict]) -> list[str]:
                     f"{both('peak_rss_mb', '.0f')} | {r['gguf_bytes'] / 1e9:.2f} / {r['engine_bytes'] / 1e9:.2f} | "
                     f"{r['convert']['seconds']:.0f} ({r['convert']['peak_rss_mb']:.0f}), {r['build']['seconds']:.0f} "
                     f"({r['build']['peak_rss_mb']:.0f}) | `{_short(r['command'])}` |")
-    return ["## Mixture of experts and hybrid models at real size: kiln beside llama.cpp on one GGUF (random weights, SmolLM2's "
-            "vocabulary)", "",
+    return ["## Mixture of experts and hybrid models at real size: kiln beside llama.cpp on one GGUF (random "
+            "weights, SmolLM2's vocabulary)", "",
             "`python benchmarks/moe_scale.py --shape qwen3-30b-a3b --quant q4_0|q4_k_m` (or `--shape gpt-oss-20b "
             "--quant mxfp4`, `--shape deepseek-v2-lite --quant q4_0`, the hybrid `--shape qwen3.5-9b|qwen3.5-35b-a3b "
             "--quant q4_0`) `--batched_bench PATH/llama-batched-bench`: the GGUF's quantized blocks written directly; "
             "kiln converts it keeping each block's precision (experts expert-major). Batch-1 greedy decode after a "
-            "32-token prompt and after N tokens (`--contexts`), each engine in a fresh process per round with its files read into "
+            "32-token prompt and after N tokens (`--contexts`), each engine in a fresh process per round with its "
+            "files read into "
             "the page cache first, rounds alternating; batched decode: kiln's scheduler (a random prompt per sequence) "
             "beside llama.cpp's `llama-batched-bench` (S_TG, random tokens). Bandwidth share: bytes a token reads "
             "(attention, routers, head, top-k of each layer's experts) x tok/s over the machine's measured read "

@@ -8,10 +8,10 @@ weights have. qwen35: ``attention.recurrent_layers`` marks the Gated DeltaNet la
 their widths (``group_count`` key heads of ``state_size``, ``time_step_rank`` value heads sharing
 ``inner_size``), ``rope.dimension_count`` the rotary part of a head (its M-RoPE sections are plain
 rotary for text). llama.cpp's converter stores convolution weights squeezed, Qwen3.5's norms as
-``1 + w`` (not the delta-rule output norm), ``A_log`` as ``-exp(A_log)`` and, where value heads outnumber key heads, the value
-heads tiled (``v0 of every key head, then v1 ...``) instead of grouped; kiln reads that order as
-it is (``linear_value_heads_tiled``). The multi-token-prediction layers a file may keep
-(``nextn_predict_layers``) are refused until kiln runs them.
+``1 + w`` (not the delta-rule output norm), ``A_log`` as ``-exp(A_log)`` and, where value heads
+outnumber key heads, the value heads tiled (``v0 of every key head, then v1 ...``) instead of
+grouped; kiln reads that order as it is (``linear_value_heads_tiled``). The multi-token-prediction
+layers a file may keep (``nextn_predict_layers``) are refused until kiln runs them.
 """
 from __future__ import annotations
 
@@ -36,13 +36,12 @@ def _lfm2(m: Meta) -> dict:
             "layer_types": ["full_attention" if kv else "conv" for kv in kv_heads], **global_rope(m)}
 
 
-def _qwen35(m: Meta, ffn: object = None) -> dict:
+def _qwen35(m: Meta, **ffn: int) -> dict:
     """(``ffn``: the MoE files' default feed-forward width, which they need not write.)"""
     if m.int("nextn_predict_layers", 0):
         raise m.error(f"metadata key '{m.arch}.nextn_predict_layers': the file keeps multi-token-prediction layers, "
                       "which kiln does not run yet (convert with llama.cpp's --no-mtp)")
-    config = {**(decoder(m, partial_rotary=True) if ffn is None else decoder(m, partial_rotary=True, ffn=ffn)),
-              **global_rope(m)}
+    config = {**decoder(m, partial_rotary=True, **ffn), **global_rope(m)}
     layers = config["num_hidden_layers"]
     recurrent = m.get("attention.recurrent_layers")
     if not isinstance(recurrent, list) or len(recurrent) != layers:
@@ -58,8 +57,8 @@ def _qwen35(m: Meta, ffn: object = None) -> dict:
 
 def _qwen35moe(m: Meta) -> dict:
     experts = m.int("expert_feed_forward_length")
-    return {**_qwen35(m, ffn=experts), "num_experts": m.int("expert_count"), "num_experts_per_tok": m.int("expert_used_count"),
-            "moe_intermediate_size": experts,
+    return {**_qwen35(m, ffn=experts), "num_experts": m.int("expert_count"),
+            "num_experts_per_tok": m.int("expert_used_count"), "moe_intermediate_size": experts,
             "shared_expert_intermediate_size": m.int("expert_shared_feed_forward_length")}
 
 

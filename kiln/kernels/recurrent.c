@@ -24,7 +24,6 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "dtypes.h"
 
@@ -127,17 +126,9 @@ int kiln_gated_delta_decode_##SUFFIX(                                           
             for (int64_t i = 0; i < key_dim; ++i) {                                                \
                 const float ki = k[i], qi = q[i];                                                  \
                 float *n = N + i * value_dim;                                                      \
-                if (S) {                                                                           \
-                    const float *s = S + i * value_dim;                                            \
-                    for (int64_t j = 0; j < value_dim; ++j) {                                      \
-                        n[j] = decay * s[j] + ki * pred[j];                                        \
-                        o[j] += qi * n[j];                                                         \
-                    }                                                                              \
-                } else {                                                                           \
-                    for (int64_t j = 0; j < value_dim; ++j) {                                      \
-                        n[j] = ki * pred[j];                                                       \
-                        o[j] += qi * n[j];                                                         \
-                    }                                                                              \
+                for (int64_t j = 0; j < value_dim; ++j) {                                          \
+                    n[j] = (S ? decay * S[i * value_dim + j] : 0.f) + ki * pred[j];                \
+                    o[j] += qi * n[j];                                                             \
                 }                                                                                  \
             }                                                                                      \
             /* The gated RMSNorm over the head, as kiln.layers.gated_delta_net.GatedRmsNorm. */    \

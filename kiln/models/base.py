@@ -33,6 +33,7 @@ from kiln.layers.mlp import MLP, GatedMLP
 from kiln.layers.normalization import RmsNorm
 from kiln.models import loading
 from kiln.models.decoder import DecoderLayer, Transformer, layer_field, positive_field
+from kiln.models.hybrid import attention_modules
 from kiln.models.native_decode import native_decode_for
 from kiln.models.registry import get_model_class
 
@@ -80,7 +81,7 @@ class DecoderModelForCausalLM(nn.Module):
         self.engine_layout = engine_layout
         mapping = config.mapping
         self.transformer = Transformer(type(self), config, engine_layout)
-        attentions = [layer.attention for layer in self.transformer.layers.values() if hasattr(layer, "attention")]
+        attentions = attention_modules(self.transformer.layers.values())
         if config.quantization.kv_cache_quant_algo is not None:  # static K/V scales per layer
             for attention in attentions:
                 attention.use_kv_cache_scales()

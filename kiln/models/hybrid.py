@@ -23,6 +23,12 @@ def is_recurrent(layer: nn.Module) -> bool:
     return isinstance(layer, RecurrentDecoderLayer)
 
 
+def attention_modules(layers) -> list[nn.Module]:
+    """The attention modules of ``layers`` (decoder layers, in order), recurrent layers skipped:
+    the layers that keep K/V."""
+    return [layer.attention for layer in layers if not is_recurrent(layer)]
+
+
 def recurrent_layer_ids(config: PretrainedConfig) -> list[int]:
     """The indices of the config's recurrent layers (none for a pure transformer)."""
     if config.get("layer_types") is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kiln.distributed import world_min
 from kiln.models.decoder import layer_window
-from kiln.models.hybrid import is_recurrent, recurrent_layer_ids
+from kiln.models.hybrid import attention_modules, is_recurrent, recurrent_layer_ids
 from kiln.runtime.engine import Engine
 from kiln.step.kv_cache import available_memory_bytes, kv_cache_dtype, layer_cache_bytes_per_token
 from kiln.step.state_cache import state_bytes_per_slot
@@ -52,7 +52,7 @@ def default_num_blocks(engine: Engine, max_num_seqs: int, memory_fraction: float
     if window is not None:  # as Scheduler.peak_blocks
         tokens = min(tokens, window + build.max_num_tokens + build.tokens_per_block)
     wanted = max_num_seqs * -(-tokens // build.tokens_per_block)
-    attentions = [layer.attention for layer in engine.model.transformer.layers.values() if not is_recurrent(layer)]
+    attentions = attention_modules(engine.model.transformer.layers.values())
     per_block = max(1, build.tokens_per_block * layer_cache_bytes_per_token(attentions, kv_cache_dtype(config)))
     budget = int(available_memory_bytes() * memory_fraction) - state_cache_bytes(engine, max_num_seqs)
     affordable = max(budget, 0) // per_block

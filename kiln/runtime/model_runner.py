@@ -22,7 +22,7 @@ from kiln.distributed.comm import recv_tensor, send_tensor
 from kiln.dtypes import torch_dtype
 from kiln.errors import KilnError, WorldError
 from kiln.layers.lora import LoraStep
-from kiln.models.hybrid import is_recurrent
+from kiln.models.hybrid import attention_modules, is_recurrent
 from kiln.runtime.engine import Engine
 from kiln.runtime.grammar_masks import GrammarMasks
 from kiln.runtime.logits_processors import TokenHistory, process_logits
@@ -79,8 +79,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         config = engine.config
         layers = list(self.model.transformer.layers.values())
-        attentions = [layer.attention for layer in layers if not is_recurrent(layer)]
-        kv_pairs = allocate_layer_caches(attentions, num_blocks, self.block_size, kv_cache_dtype(config))
+        kv_pairs = allocate_layer_caches(attention_modules(layers), num_blocks, self.block_size, kv_cache_dtype(config))
         # A hybrid model's recurrent layers keep state slots (kiln.runtime.state_slots) instead.
         self.num_state_slots = num_state_slots(engine, max_num_seqs)
         specs = state_specs(self.model)

@@ -15,9 +15,8 @@ policies decide:
   allow; long prompts are chunked.
 
 A hybrid model's sequence also owns two recurrent-state slots (``kiln.runtime.state_slots``),
-taken with its first blocks and given back with them: a sequence runs only when both fit, and
-preemption frees both. Its prefix is never taken from cached blocks: the recurrent layers' state
-at a block boundary is not kept, so a reused prefix would have K/V but no state.
+taken and given back with its blocks (it runs only when both fit); its pool keeps no prefix
+cache (no state is kept at block boundaries: a reused prefix would have K/V but no state).
 
 With a sliding window (every layer attending to its last ``window`` positions only), a
 block every position of which fell out of the window goes back to the pool after the step
@@ -105,6 +104,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
         self.window = window  # every layer's sliding window, when all have one: blocks behind it are released
+        if states is not None and pool.enable_caching:
+            raise ConfigError("prefix caching is not available with recurrent-state slots (no state is kept at "
+                              "a cached prefix's end)")
         self.states = states  # a hybrid model's recurrent-state slots (None: no recurrent layers)
         self.state_copies: list[tuple[int, int]] = []  # queued for the next step (beams taking their parents')
         self.waiting: deque[Sequence] = deque()
@@ -220,7 +222,7 @@ class Scheduler:
         At least one token is always left to compute, so the step yields its logits. A sequence
         that returns context logits computes its whole prompt: cached blocks have no logits.
         """
-        if seq.block_ids or seq.num_computed_tokens or seq.return_context_logits or self.states is not None:
+        if seq.block_ids or seq.num_computed_tokens or seq.return_context_logits:
             return
         blocks, hashes = self.pool.take_cached_prefix(seq.token_ids, self.block_size,
                                                       (seq.num_tokens - 1) // self.block_size, seq.cache_salt)

@@ -13,8 +13,8 @@ replaced by the sequence's last block so no backend indexes the cache with them.
 
 Recurrent layers (hybrid models) keep a fixed-size state per sequence instead of K/V per token:
 each sequence of the step names two state slots, the one its state is read from and the one the
-layer writes the state after this step's tokens to (``state_slots``; see
-``kiln.runtime.state_slots``), grouped for the layers as ``state_groups``.
+layer writes the state after this step's tokens to (see ``kiln.runtime.state_slots``), grouped
+for the layers as ``state_groups``.
 """
 from __future__ import annotations
 
@@ -81,9 +81,8 @@ class AttentionMetadata:
     layer_inputs: torch.Tensor | None = None
     # Layer index -> its (K, V) of this step, kept for layers that read another's (kv_source).
     shared_kv: dict = field(default_factory=dict)
-    # Recurrent layers' state slots (read, write) per sequence, and the groups they process; None
-    # for models without recurrent layers.
-    state_slots: list[tuple[int, int]] | None = None
+    # The groups of sequences recurrent layers process, with their state slots; None for models
+    # without recurrent layers.
     state_groups: list[StateGroup] | None = None
     _rotary_cache: dict = field(default_factory=dict)
     _slot_index: SlotIndex | None = None
@@ -131,8 +130,7 @@ class AttentionMetadata:
         if state_slots is not None:
             if len(state_slots) != len(query_lens):
                 raise ValueError(f"{len(state_slots)} state slot pairs for {len(query_lens)} sequences")
-            md.state_slots = list(state_slots)
-            md.state_groups = state_groups(md.query_lens, md.seq_lens, starts, md.state_slots)
+            md.state_groups = state_groups(md.query_lens, md.seq_lens, starts, state_slots)
         backend.prepare(md)
         return md
 
