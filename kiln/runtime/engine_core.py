@@ -105,9 +105,6 @@ class EngineCore:
         if speculative_config is not None and self.pipeline_depth > 1:
             raise ConfigError("speculative_config: speculative decoding runs without pipeline stages (pp_size 1)")
         slots = num_state_slots(engine, self.max_num_seqs)
-        if slots and speculative_config is not None:
-            raise ConfigError("speculative_config: speculative decoding is not available for models with recurrent "
-                              "layers yet (a rejected proposal would have to be taken out of their state)")
         if slots and enable_prefix_caching:
             logger.warning("prefix caching is off for %s: its recurrent layers' state at a cached prefix's end is "
                            "not kept, so every prompt is computed whole", engine.config.architecture)

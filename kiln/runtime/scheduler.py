@@ -15,8 +15,7 @@ policies decide:
   allow; long prompts are chunked.
 
 A hybrid model's sequence also owns two recurrent-state slots (``kiln.runtime.state_slots``),
-taken and given back with its blocks (it runs only when both fit); its pool keeps no prefix
-cache (no state is kept at block boundaries: a reused prefix would have K/V but no state).
+taken and given back with its blocks; no prefix cache (a reused prefix would have no state).
 
 With a sliding window (every layer attending to its last ``window`` positions only), a
 block every position of which fell out of the window goes back to the pool after the step
@@ -36,7 +35,7 @@ from dataclasses import dataclass, field
 from kiln.errors import CapacityError, ConfigError
 from kiln.runtime.block_pool import RELEASED, BlockPool, chain_hash
 from kiln.runtime.sequence import Sequence
-from kiln.runtime.speculative import SpecDecodeStats
+from kiln.runtime.speculative import SpecDecodeStats, pace_proposals
 from kiln.runtime.state_slots import StateSlots, commit
 
 
@@ -347,25 +346,21 @@ class Scheduler:
     def _advance_verified(self, seq: Sequence, chunk: ScheduledChunk, verified: list[TokenResult] | None) -> bool:
         """Apply a step that verified proposed tokens: the K/V of the proposals kept stay, those
         of the rest are dropped (their slots are written again later; blocks past the sequence's
-        tokens go back to the pool)."""
+        tokens go back to the pool). A recurrent state cannot drop tokens: unless every proposal
+        was kept, the state before the step stays and the kept tokens run again next step."""
         proposals, seq.spec_tokens = seq.spec_tokens, []
         if not verified:
             raise RuntimeError(f"sequence {seq.seq_id}: its proposed tokens were not verified")
         kept = next((i for i, (r, p) in enumerate(zip(verified, proposals)) if r.token != p),
                     min(len(verified), len(proposals)))
-        # Propose a little more than was kept: a rejected token's row costs the step compute for
-        # nothing, but rows are nearly free while a step is bound by reading the weights; when
-        # all were kept, four more (bundled model, bf16, k 10: 2.05x plain against 1.89x with
-        # "kept + 1 / all + 2" on input-grounded prompts; docs/benchmark-log.md).
-        seq.spec_limit = len(proposals) + 4 if kept == len(proposals) else kept + 2
-        # A draft model's proposals that keep missing (it does not know this text) cost k draft
-        # steps each time: decode plainly for 2, 4, ... up to 32 steps, then try again. (n-gram
-        # proposals cost nothing to make and ignore the pause: pausing them lost more than it saved.)
-        seq.spec_misses = seq.spec_misses + 1 if kept == 0 else 0
-        seq.spec_pause = min(2 ** seq.spec_misses, 32) if kept == 0 else 0
+        pace_proposals(seq, len(proposals), kept)
         self.spec_stats.record(len(proposals), kept)
         before = seq.num_tokens
         computed = seq.num_computed_tokens + chunk.num_tokens - len(proposals) + kept
+        if seq.state_slots and kept == len(proposals):
+            commit(seq.state_slots)
+        elif seq.state_slots:
+            computed = seq.num_computed_tokens
         for r in verified:
             seq.append_token(r.token, r.logprob, r.top_logprobs)
             if seq.is_finished:

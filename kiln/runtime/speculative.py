@@ -53,6 +53,32 @@ def can_speculate(seq: Sequence) -> bool:
     return not p.use_beam_search and not seq.return_generation_logits and p.top_p_decay == 1
 
 
+def pace_proposals(seq: Sequence, proposed: int, kept: int) -> None:
+    """After a step verified ``proposed`` tokens of ``seq`` and kept ``kept``: how many to propose
+    next (``spec_limit``), and whether to pause proposing (``spec_pause``)."""
+    # Propose a little more than was kept: a rejected token's row costs the step compute for
+    # nothing, but rows are nearly free while a step is bound by reading the weights; when
+    # all were kept, four more (bundled model, bf16, k 10: 2.05x plain against 1.89x with
+    # "kept + 1 / all + 2" on input-grounded prompts; docs/benchmark-log.md).
+    seq.spec_limit = proposed + 4 if kept == proposed else kept + 2
+    # A draft model's proposals that keep missing (it does not know this text) cost k draft
+    # steps each time: decode plainly for 2, 4, ... up to 32 steps, then try again. (n-gram
+    # proposals cost nothing to make and ignore the pause: pausing them lost more than it saved.)
+    seq.spec_misses = seq.spec_misses + 1 if kept == 0 else 0
+    seq.spec_pause = min(2 ** seq.spec_misses, 32) if kept == 0 else 0
+
+
+def ready_to_propose(seq: Sequence, k: int) -> bool:
+    """Whether ``seq`` is decoding, so a step may verify proposals after its tokens: one token
+    behind. A hybrid model's sequence may be a few generated tokens behind instead: a step that
+    rejected some proposals keeps the state from before it (a state cannot drop tokens), and the
+    tokens it did keep run again in front of the next step's proposals (nearly free while a step
+    reads the weights once). Past ``k + 1`` behind (a second rejection in a row) it catches up
+    plainly, so recomputation stays bounded."""
+    behind = seq.num_tokens - seq.num_computed_tokens
+    return behind == 1 or (bool(seq.state_slots) and behind <= min(k + 1, seq.num_output_tokens))
+
+
 def propose_ngram(token_ids: list[int], config: SpeculativeConfig, limit: int) -> list[int]:
     """Up to ``min(num_speculative_tokens, limit)`` tokens following the latest earlier
     occurrence of the sequence's last n tokens (the longest n that occurs); [] if none does."""
@@ -97,10 +123,11 @@ class Speculator:
         wanted = []
         for seq in running:
             seq.spec_tokens = []
-            if self.drafter is not None and seq.spec_pause and seq.num_computed_tokens == seq.num_tokens - 1:
+            ready = ready_to_propose(seq, k)
+            if self.drafter is not None and seq.spec_pause and ready:
                 seq.spec_pause -= 1  # the draft's proposals kept missing, at k draft steps each: pause
                 continue
-            if enabled and can_speculate(seq) and seq.num_computed_tokens == seq.num_tokens - 1:
+            if enabled and can_speculate(seq) and ready:
                 room = seq.max_total_tokens - seq.num_tokens - 1  # the step adds up to k + 1 tokens
                 if seq.spec_limit is not None:
                     room = min(room, seq.spec_limit)

@@ -217,15 +217,58 @@ def test_short_conv_decode_kernel_equals_the_pytorch_path(monkeypatch, dtype) ->
     _assert_same(_native_then_pytorch(monkeypatch, short_conv, layer, torch.randn(3, 40).to(dtype), start), dtype)
 
 
-def test_speculative_decoding_is_refused_for_hybrid_targets_and_drafts(built) -> None:
-    """A rejected proposal would have to be taken back out of the recurrent state: speculative
-    decoding refuses a hybrid target, and a hybrid draft for another target."""
+SPECULATIVE_PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [20, 21, 22, 23, 20, 21], [7, 7, 7, 7]]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_speculative_greedy_is_plain_greedy(built, name, monkeypatch) -> None:
+    """Proposals on a hybrid target: plain greedy's tokens, whether the proposals are kept whole
+    (the state after the chunk is kept) or rejected part-way (the state before the step is kept
+    and the kept tokens run again in front of the next proposals), every slot back at the end.
+    The proposer is an oracle that knows plain greedy's continuation and spoils one of its
+    proposals on two steps out of three, so both cases occur whatever the tiny model says."""
+    from kiln.runtime import speculative
+
+    engine = Engine(built(name).engine_dir)
+    expected = run(EngineCore(engine, num_blocks=64), SPECULATIVE_PROMPTS, GREEDY)
+    continuations = [p + out[0] for p, out in zip(SPECULATIVE_PROMPTS, expected)]
+
+    def oracle(token_ids: list[int], config, limit: int) -> list[int]:
+        full = next(c for c in continuations if c[:len(token_ids)] == token_ids)
+        proposals = full[len(token_ids):len(token_ids) + min(limit, config.num_speculative_tokens)]
+        spoil = len(token_ids) % 3 - 1  # -1: none; else that proposal
+        if 0 <= spoil < len(proposals):
+            proposals[spoil] = (proposals[spoil] + 1) % 256
+        return proposals
+
+    monkeypatch.setattr(speculative, "propose_ngram", oracle)
+    spec = EngineCore(engine, num_blocks=64, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    behind = []
+    submit = spec.runner.submit
+    spec.runner.submit = lambda out: (behind.extend(
+        c.num_tokens - len(c.seq.spec_tokens) for c in out.chunks if c.seq.spec_tokens), submit(out))[1]
+    assert run(spec, SPECULATIVE_PROMPTS, GREEDY) == expected
+    stats = spec.stats.spec
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert max(behind) > 1  # some verifying chunks ran kept tokens again
+    assert_all_returned(spec)
+
+
+def test_a_draft_model_for_a_hybrid_target_gives_plain_greedy(built, tmp_path, build_from_hf) -> None:
+    """A dense draft of the same vocabulary proposing for a Qwen3.5 target: plain greedy's
+    tokens. A hybrid draft is refused (its mirror could not rewind to the tokens the target kept)."""
     from kiln.errors import ConfigError
-
-    hybrid = Engine(built("lfm2").engine_dir)
-    with pytest.raises(ConfigError, match="recurrent layers"):
-        EngineCore(hybrid, num_blocks=16, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     from kiln.runtime.draft import DraftProposer
+    from tests.utils.tiny_models import make_llama
 
+    make_llama(tmp_path / "hf", layers=1)
+    draft = build_from_hf(tmp_path / "hf", tmp_path / "kiln", {})
+    engine = Engine(built("qwen3.5").engine_dir)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    spec = EngineCore(engine, num_blocks=64, speculative_config={"method": "draft_model", "model": str(draft),
+                                                                 "num_speculative_tokens": 3})
+    assert run(spec, SPECULATIVE_PROMPTS, params) == run(EngineCore(engine, num_blocks=64), SPECULATIVE_PROMPTS, params)
+    assert spec.stats.spec.num_drafts > 0
+    assert_all_returned(spec)
     with pytest.raises(ConfigError, match="recurrent layers"):
-        DraftProposer(hybrid, str(built("lfm2").engine_dir), 64, 2, EngineCore)
+        DraftProposer(engine, str(built("lfm2").engine_dir), 64, 2, EngineCore)
