@@ -123,6 +123,23 @@ class GGUFArchitecture:
     # HF name suffix -> the function giving the HF values from the stored ones (Qwen3.5's A_log,
     # stored as -exp(A_log))
     converted: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    # blk.N.<stem> -> mtp.<HF name> for the multi-token-prediction blocks a file keeps after the
+    # model's own (``nextn_predict_layers``); their other tensors are an MTP decoder layer's
+    nextn: Mapping[str, str] = field(default_factory=dict)
+
+    def mtp_name(self, name: str, first_mtp_block: int) -> str | None:
+        """The HF name of a tensor of an MTP block (``blk.N`` with N >= ``first_mtp_block``): one of
+        the ``nextn`` stems, or the block's decoder layer as ``mtp.layers.{N - first}``; None for
+        tensors of the model's own blocks."""
+        if not name.startswith("blk.") or name.count(".") < 2 or int(name.split(".")[1]) < first_mtp_block:
+            return None
+        _, layer, rest = name.split(".", 2)
+        stem, _, suffix = rest.rpartition(".")
+        if stem in self.nextn:
+            return f"mtp.{self.nextn[stem]}.{suffix}"
+        hf = self.hf_name(name)
+        prefix = f"{self.layers}.{layer}."
+        return None if hf is None else f"mtp.layers.{int(layer) - first_mtp_block}.{hf[len(prefix):]}"
 
     def hf_name(self, name: str) -> str | None:
         """The HF name of GGUF tensor ``name``; None when it has no HF counterpart."""

@@ -10,8 +10,9 @@ their widths (``group_count`` key heads of ``state_size``, ``time_step_rank`` va
 rotary for text). llama.cpp's converter stores convolution weights squeezed, Qwen3.5's norms as
 ``1 + w`` (not the delta-rule output norm), ``A_log`` as ``-exp(A_log)`` and, where value heads
 outnumber key heads, the value heads tiled (``v0 of every key head, then v1 ...``) instead of
-grouped; kiln reads that order as it is (``linear_value_heads_tiled``). The multi-token-prediction
-layers a file may keep (``nextn_predict_layers``) are refused until kiln runs them.
+grouped; kiln reads that order as it is (``linear_value_heads_tiled``). A file may keep the
+multi-token-prediction layer after the model's own (``nextn_predict_layers``, counted in
+``block_count``): its block reads as the checkpoint's ``mtp.*`` (``kiln.models.mtp``).
 """
 from __future__ import annotations
 
@@ -38,14 +39,18 @@ def _lfm2(m: Meta) -> dict:
 
 def _qwen35(m: Meta, **ffn: int) -> dict:
     """(``ffn``: the MoE files' default feed-forward width, which they need not write.)"""
-    if m.int("nextn_predict_layers", 0):
-        raise m.error(f"metadata key '{m.arch}.nextn_predict_layers': the file keeps multi-token-prediction layers, "
-                      "which kiln does not run yet (convert with llama.cpp's --no-mtp)")
     config = {**decoder(m, partial_rotary=True, **ffn), **global_rope(m)}
-    layers = config["num_hidden_layers"]
+    nextn = m.int("nextn_predict_layers", 0)
+    if nextn > 1:
+        raise m.error(f"metadata key '{m.arch}.nextn_predict_layers' is {nextn}: kiln runs one multi-token-prediction "
+                      "layer (as Qwen3.5 has)")
+    blocks = config["num_hidden_layers"]
+    layers = config["num_hidden_layers"] = blocks - nextn
     recurrent = m.get("attention.recurrent_layers")
-    if not isinstance(recurrent, list) or len(recurrent) != layers:
-        raise m.error(f"metadata key '{m.arch}.attention.recurrent_layers' must flag each of the {layers} layers")
+    if not isinstance(recurrent, list) or len(recurrent) != blocks or any(recurrent[layers:]):
+        raise m.error(f"metadata key '{m.arch}.attention.recurrent_layers' must flag each of the {layers} layers "
+                      f"(and no multi-token-prediction block)")
+    recurrent = recurrent[:layers]
     m.int("full_attention_interval", 4)  # recurrent_layers says which layers; the interval only made them
     m.get("rope.dimension_sections", None)  # M-RoPE's sections: text positions are equal in all of them
     value_heads = m.int("ssm.time_step_rank")
@@ -90,6 +95,10 @@ _QWEN35_MOE_BLOCK = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 
+# The MTP block's own tensors (the rest of it is a decoder layer's): Hugging Face's mtp.* names.
+_QWEN35_NEXTN = {"nextn.eh_proj": "fc", "nextn.enorm": "pre_fc_norm_embedding", "nextn.hnorm": "pre_fc_norm_hidden",
+                 "nextn.shared_head_norm": "norm"}
+
 HYBRID_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "lfm2": GGUFArchitecture(
         "Lfm2ForCausalLM", "lfm2", _lfm2, _LFM2_BLOCK,
@@ -97,8 +106,8 @@ HYBRID_ARCHITECTURES: dict[str, GGUFArchitecture] = {
         converted={"conv.conv.weight": _conv_weight}),
     "qwen35": GGUFArchitecture(
         "Qwen3_5ForCausalLM", "qwen3_5_text", _qwen35, {**_QWEN35_BLOCK, **MLP}, norm_offset=1.0,
-        plain_norms=("ssm_norm",), whole=_QWEN35_WHOLE, converted=_QWEN35_CONVERTED),
+        plain_norms=("ssm_norm",), whole=_QWEN35_WHOLE, converted=_QWEN35_CONVERTED, nextn=_QWEN35_NEXTN),
     "qwen35moe": GGUFArchitecture(
         "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", _qwen35moe, _QWEN35_MOE_BLOCK, norm_offset=1.0,
-        plain_norms=("ssm_norm",), whole=_QWEN35_WHOLE, converted=_QWEN35_CONVERTED),
+        plain_norms=("ssm_norm",), whole=_QWEN35_WHOLE, converted=_QWEN35_CONVERTED, nextn=_QWEN35_NEXTN),
 }

@@ -88,6 +88,9 @@ class GGUFSource:
             raise CheckpointError(f"{self.path}: GGUF architecture {self.arch!r} is not supported "
                                   f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         self.spec = ARCHITECTURES[self.arch]
+        # Blocks from here on are multi-token-prediction layers (Qwen3.5 files that keep them).
+        nextn = int(self._meta(f"{self.arch}.nextn_predict_layers", 0) or 0) if self.spec.nextn else 0
+        first_mtp = int(self._meta(f"{self.arch}.block_count", 0)) - nextn if nextn else None
         self._gguf: dict[str, ReaderTensor] = {}
         self._tensors: dict[str, ReaderTensor] = {}  # HF name -> its GGUF tensor
         self._joined: dict[str, tuple[Joined, list[ReaderTensor | None]]] = {}  # HF name -> its GGUF parts
@@ -100,7 +103,7 @@ class GGUFSource:
                 hf, joined, i = part
                 self._joined.setdefault(hf, (joined, [None] * len(joined.parts)))[1][i] = t
                 continue
-            hf = self.spec.hf_name(t.name)
+            hf = (first_mtp is not None and self.spec.mtp_name(t.name, first_mtp)) or self.spec.hf_name(t.name)
             if hf is None:
                 raise CheckpointError(f"{self.path}: tensor {t.name!r} has no Hugging Face counterpart "
                                       f"for architecture {self.arch!r}")

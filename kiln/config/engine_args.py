@@ -102,7 +102,9 @@ class EngineArgs:
         "n tokens' latest earlier occurrence in the prompt and output, and the model keeps those it agrees "
         "with (the same greedy output, the same sampling distribution); '{\"method\": \"draft_model\", "
         "\"model\": \"SOURCE\", \"num_speculative_tokens\": 4}' proposes with a draft model of the same "
-        "vocabulary (\"quantization\": \"W4A16\" builds a quantized copy; default: off)")
+        "vocabulary (\"quantization\": \"W4A16\" builds a quantized copy); '{\"method\": \"mtp\", "
+        "\"num_speculative_tokens\": 2}' proposes with the model's own multi-token-prediction layer "
+        "(Qwen3.5 / Qwen3-Next checkpoints that keep it; default: off)")
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -9,16 +9,17 @@ from typing import Any
 
 from kiln.errors import ConfigError
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's ``speculative_config``: ``method`` "ngram" or "draft_model"; ``num_speculative_tokens``
-    proposed per step; for n-gram, the longest and shortest suffix looked up
-    (``prompt_lookup_max`` / ``prompt_lookup_min``); for a draft model, ``model``: any engine or
-    source with the target's vocabulary (a smaller model of its family, or a W4A16/W8A16 build of
-    the target itself), resolved to an engine by the front end."""
+    """vLLM's ``speculative_config``: ``method`` "ngram", "draft_model" or "mtp" (the target's own
+    multi-token-prediction layer: Qwen3.5, Qwen3-Next); ``num_speculative_tokens`` proposed per
+    step; for n-gram, the longest and shortest suffix looked up (``prompt_lookup_max`` /
+    ``prompt_lookup_min``); for a draft model, ``model``: any engine or source with the target's
+    vocabulary (a smaller model of its family, or a W4A16/W8A16 build of the target itself),
+    resolved to an engine by the front end."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4

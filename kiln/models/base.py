@@ -59,6 +59,12 @@ class DecoderModelForCausalLM(nn.Module):
         return cls.hf_key_map
 
     @classmethod
+    def config_for_keys(cls, config: PretrainedConfig, external_keys: set[str]) -> PretrainedConfig:
+        """``config`` adjusted to the tensors a checkpoint holds (a family whose checkpoints may
+        carry optional parts, such as Qwen3.5's multi-token-prediction layer, says so here)."""
+        return config
+
+    @classmethod
     def make_mlp(cls, config: PretrainedConfig, layer_idx: int, engine_layout: bool) -> nn.Module:
         """Layer ``layer_idx``'s feed-forward block (a family with experts overrides this)."""
         tp = config.mapping

@@ -24,6 +24,10 @@ class NestedLanguageModel:
 
     @classmethod
     def key_map_for(cls, external_keys: set[str]) -> dict:
+        """The family's own key map (the first class after this mixin that declares one) under
+        whichever nested layout the checkpoint holds."""
+        after = cls.__mro__[cls.__mro__.index(NestedLanguageModel) + 1:]
+        family = next((c.__dict__["hf_key_map"] for c in after if "hf_key_map" in c.__dict__), {})
         if any(k.startswith("model.language_model.") for k in external_keys):
-            return NESTED_LANGUAGE_MODEL_LATER
-        return NESTED_LANGUAGE_MODEL
+            return {**family, **NESTED_LANGUAGE_MODEL_LATER}
+        return {**family, **NESTED_LANGUAGE_MODEL}

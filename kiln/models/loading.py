@@ -50,10 +50,10 @@ def prepare_hugging_face(model_cls: type, source, dtype: str | None = None, mapp
     hf = source.hf_config()
     if hf is None:
         raise ConfigError(f"{source.path}: no Hugging Face config.json found next to the weights")
-    config = model_cls.config_from_hf(hf, dtype, mapping or Mapping())
+    external = set(source.keys())
+    config = model_cls.config_for_keys(model_cls.config_from_hf(hf, dtype, mapping or Mapping()), external)
     if config_overrides:
         config = dataclasses.replace(config, **config_overrides)
-    external = set(source.keys())
     loader = ModelWeightsLoader(source, {**model_cls.key_map_for(external), **(customized_key_dict or {})})
     embedding = translate_key("transformer.vocab_embedding.weight", loader.key_map)[0]
     if embedding not in external and embedding.partition(".")[2] in external:

@@ -11,15 +11,19 @@ before every full-attention layer (``layer_types``, or ``full_attention_interval
   ``num_experts_per_tok`` renormalised, and a shared expert scaled by ``sigmoid(shared_expert_gate)``.
 
 ``Qwen3_5ForConditionalGeneration`` checkpoints (the released models) hold the same language model
-under ``model.language_model`` beside a vision tower, which is not read; their multi-token
-prediction layers (``mtp.*``) are not read either.
+under ``model.language_model`` beside a vision tower, which is not read. A checkpoint's
+multi-token-prediction layer (``mtp.*``: ``kiln.models.mtp``) is loaded when it has one, for
+speculative decoding's ``mtp`` method.
 """
 from __future__ import annotations
+
+import dataclasses
 
 from torch import nn
 
 from kiln.config import PretrainedConfig
 from kiln.dtypes import torch_dtype
+from kiln.errors import ConfigError
 from kiln.layers.gated_delta_net import GatedDeltaNet
 from kiln.mapping import Mapping
 from kiln.models.base import DecoderModelForCausalLM
@@ -27,6 +31,7 @@ from kiln.models.gemma import GemmaRmsNorm
 from kiln.models.hf_config import hf_get, hf_partial_rotary, nested_text_config, rope_decoder_config
 from kiln.models.hybrid import HybridModel
 from kiln.models.key_maps import NestedLanguageModel
+from kiln.models.mtp import MTP_KEY_MAP, MultiTokenPredictor, mtp_layer_count
 from kiln.models.qwen2_moe import Qwen2MoeForCausalLM, qwen_moe_fields
 from kiln.models.registry import register_model
 
@@ -53,7 +58,21 @@ class Qwen3_5Layers(HybridModel):
     """What the dense and MoE families share: the norms, the key map, the Gated DeltaNet layers."""
 
     norm_class = GemmaRmsNorm
-    hf_key_map = {"mixer": "linear_attn"}  # LLaMA's names elsewhere
+    hf_key_map = {"mixer": "linear_attn", **MTP_KEY_MAP}  # LLaMA's names elsewhere
+
+    def __init__(self, config: PretrainedConfig, engine_layout: bool = False):
+        super().__init__(config, engine_layout)
+        if config.get("mtp_num_layers") and config.mapping.is_last_pp_rank:  # beside the LM head it feeds
+            self.mtp = MultiTokenPredictor(type(self), config, self.transformer.rotary, engine_layout)
+
+    @classmethod
+    def config_for_keys(cls, config: PretrainedConfig, external_keys: set[str]) -> PretrainedConfig:
+        """With the checkpoint's MTP layer (``mtp_num_layers``; the released models have one)."""
+        count = mtp_layer_count(external_keys)
+        if count > 1:
+            raise ConfigError(f"{config.architecture}: the checkpoint has {count} multi-token-prediction layers; "
+                              "kiln runs one (as Qwen3.5 and Qwen3-Next have)")
+        return dataclasses.replace(config, extra={**config.extra, "mtp_num_layers": count}) if count else config
 
     @classmethod
     def make_mixer(cls, config: PretrainedConfig, layer_idx: int, kind: str) -> nn.Module:

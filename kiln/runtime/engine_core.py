@@ -98,7 +98,9 @@ class EngineCore:
                                   "kiln.runtime.worker.follow(engine)")
             leader = Leader(settings)
         num_blocks = agreed_num_blocks(engine, num_blocks, self.max_num_seqs, memory_fraction)
-        self.runner = ModelRunner(engine, num_blocks, attention_backend, self.max_num_seqs)
+        speculative_config = SpeculativeConfig.parse(speculative_config)
+        mtp = speculative_config.num_speculative_tokens if getattr(speculative_config, "method", "") == "mtp" else 0
+        self.runner = ModelRunner(engine, num_blocks, attention_backend, self.max_num_seqs, mtp_tokens=mtp)
         self.runner.leader = leader
         # Micro-batches in flight: one per pipeline stage (see ``step``).
         self.pipeline_depth = engine.config.mapping.pp_size
@@ -108,11 +110,11 @@ class EngineCore:
         if slots and enable_prefix_caching:
             logger.warning("prefix caching is off for %s: its recurrent layers' state at a cached prefix's end is "
                            "not kept, so every prompt is computed whole", engine.config.architecture)
-        speculative_config = SpeculativeConfig.parse(speculative_config)
         self._in_flight: deque = deque()
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching and not slots)
         self.scheduler = Scheduler(self.pool, block, self.max_num_seqs, self.max_num_tokens, capacity_policy,
-                                   window=common_window(engine.model), states=StateSlots(slots) if slots else None)
+                                   window=common_window(engine.model), states=StateSlots(slots) if slots else None,
+                                   lookahead_tokens=max(mtp - 1, 0))
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._requests: dict[int, SequenceGroup] = {}  # seq_id -> request, for live sequences
@@ -121,7 +123,7 @@ class EngineCore:
         self.stats = StepStats(spec=self.scheduler.spec_stats if speculative_config is not None else None)
         self.speculator = None  # proposes tokens before each step, when speculative decoding is on
         if speculative_config is not None:
-            drafter = None
+            drafter = self.runner.mtp
             if speculative_config.method == "draft_model":
                 drafter = DraftProposer(engine, speculative_config.model, num_blocks * block, self.max_num_seqs,
                                         EngineCore)

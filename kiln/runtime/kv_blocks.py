@@ -52,7 +52,10 @@ def default_num_blocks(engine: Engine, max_num_seqs: int, memory_fraction: float
     if window is not None:  # as Scheduler.peak_blocks
         tokens = min(tokens, window + build.max_num_tokens + build.tokens_per_block)
     wanted = max_num_seqs * -(-tokens // build.tokens_per_block)
+    # (and a multi-token-prediction layer's, which speculative decoding's mtp method keeps)
     attentions = attention_modules(engine.model.transformer.layers.values())
+    if getattr(engine.model, "mtp", None) is not None:
+        attentions.append(engine.model.mtp.attention)
     per_block = max(1, build.tokens_per_block * layer_cache_bytes_per_token(attentions, kv_cache_dtype(config)))
     budget = int(available_memory_bytes() * memory_fraction) - state_cache_bytes(engine, max_num_seqs)
     affordable = max(budget, 0) // per_block

@@ -26,6 +26,7 @@ from kiln.models.hybrid import attention_modules, is_recurrent
 from kiln.runtime.engine import Engine
 from kiln.runtime.grammar_masks import GrammarMasks
 from kiln.runtime.logits_processors import TokenHistory, process_logits
+from kiln.runtime.mtp import MtpProposer, mtp_attention
 from kiln.runtime.prompt_tuning import prompt_step
 from kiln.runtime.request_processor import RequestProcessor
 from kiln.runtime.sampling import sample
@@ -72,14 +73,16 @@ class StepInputs:
 class ModelRunner:
     """Owns the KV cache of one engine and executes steps on it."""
 
-    def __init__(self, engine: Engine, num_blocks: int, attention_backend: str = "auto", max_num_seqs: int = 1):
+    def __init__(self, engine: Engine, num_blocks: int, attention_backend: str = "auto", max_num_seqs: int = 1,
+                 mtp_tokens: int = 0):
         self.engine = engine
         self.model = engine.model
         self.block_size = engine.build_config.tokens_per_block
         self.num_blocks = num_blocks
         config = engine.config
         layers = list(self.model.transformer.layers.values())
-        kv_pairs = allocate_layer_caches(attention_modules(layers), num_blocks, self.block_size, kv_cache_dtype(config))
+        attentions = attention_modules(layers) + ([mtp_attention(self.model)] if mtp_tokens else [])
+        kv_pairs = allocate_layer_caches(attentions, num_blocks, self.block_size, kv_cache_dtype(config))
         # A hybrid model's recurrent layers keep state slots (kiln.runtime.state_slots) instead.
         self.num_state_slots = num_state_slots(engine, max_num_seqs)
         specs = state_specs(self.model)
@@ -89,6 +92,9 @@ class ModelRunner:
         self.kv_pairs = kv_pairs  # the attention layers' (K, V), which block copies and clears touch
         self.kv_caches = [next(states) if is_recurrent(layer) else next(kv) for layer in layers]  # each layer's cache
         self.backend = BACKENDS[select_backend(attention_backend, torch_dtype(config.dtype))]()
+        # Speculative decoding's MTP method: the model's MTP layer guesses after each step (its K/V the last pair).
+        self.mtp = MtpProposer(self.model, kv_pairs[-1], self.backend, self.block_size, mtp_tokens) if mtp_tokens else None
+        self._hidden: torch.Tensor | None = None  # the last step's final hidden states, for the MTP
         self.history = TokenHistory(engine.build_config.max_seq_len, config.vocab_size)
         # A front end (LLM, the server) gives its own tokenizer; a bare Executor or a pipeline's
         # sampling rank reads the engine's stored one when the first constrained request comes.
@@ -194,7 +200,10 @@ class ModelRunner:
             self.leader.send_step(step, sampled_seqs, context_seqs)
         logits, context_logits = self.run_step(step)
         if self.mapping.is_last_pp_rank:
-            self._submitted.append(self.finish_step(logits, context_logits, sampled_seqs, context_seqs))
+            result = self.finish_step(logits, context_logits, sampled_seqs, context_seqs)
+            if self.mtp is not None:
+                self.mtp.after_step(out.chunks, step.input_ids, self._hidden, result)
+            self._submitted.append(result)
         else:
             self._submitted.append(None)  # the last stage samples it
 
@@ -301,12 +310,12 @@ class ModelRunner:
             send_tensor(self.model(ids, positions, md, self.kv_caches, hidden), m.rank + m.tp_size,
                         ACTIVATIONS_TAG)
             return None, []
-        if hidden is None and not step.context_rows and len(step.query_lens) == len(step.input_ids):
+        if hidden is None and not step.context_rows and len(step.query_lens) == len(step.input_ids) and not self.mtp:
             logits = self.model.decode_logits(ids, positions, md, self.kv_caches)  # one-token queries
             if logits is not None and len(step.last_token) < len(step.input_ids):
                 logits = logits[torch.tensor(step.last_token, dtype=torch.long)]
         if logits is None:
-            hidden = self.model(ids, positions, md, self.kv_caches, hidden)
+            hidden = self._hidden = self.model(ids, positions, md, self.kv_caches, hidden)
             context = [self.model.compute_logits(hidden[offset:offset + count])
                        for offset, count in step.context_rows]
             if step.last_token:

@@ -94,7 +94,7 @@ CAPACITY_POLICIES = ("MAX_UTILIZATION", "GUARANTEED_NO_EVICT")
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_tokens: int,
                  capacity_policy: str = "MAX_UTILIZATION", window: int | None = None,
-                 states: StateSlots | None = None):
+                 states: StateSlots | None = None, lookahead_tokens: int = 0):
         if capacity_policy not in CAPACITY_POLICIES:
             raise ConfigError(f"capacity_policy {capacity_policy!r} is not one of {CAPACITY_POLICIES}")
         self.capacity_policy = capacity_policy
@@ -107,6 +107,7 @@ class Scheduler:
             raise ConfigError("prefix caching is not available with recurrent-state slots (no state is kept at "
                               "a cached prefix's end)")
         self.states = states  # a hybrid model's recurrent-state slots (None: no recurrent layers)
+        self.lookahead_tokens = lookahead_tokens  # slots past a step's tokens it may write (an MTP's guesses)
         self.state_copies: list[tuple[int, int]] = []  # queued for the next step (beams taking their parents')
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -119,7 +120,7 @@ class Scheduler:
     def peak_blocks(self, seq: Sequence) -> int:
         """The most blocks ``seq`` holds at once: all its tokens', or with a sliding window,
         those of a window and one step (plus the block the window starts inside)."""
-        blocks = self.blocks_for(seq.max_total_tokens)
+        blocks = self.blocks_for(seq.max_total_tokens + self.lookahead_tokens)
         if self.window is None:
             return blocks
         return min(blocks, self.blocks_for(self.window + self.max_num_tokens) + 1)
@@ -157,7 +158,7 @@ class Scheduler:
             if seq.group is not None:
                 groups.add(id(seq.group))
             n = self._chunk_size(seq, budget)
-            if not self._reserve(seq, n, out):
+            if not self._reserve(seq, n + self.lookahead_tokens, out):
                 # Free room by preempting from the back (not from a step in flight); maybe this very sequence.
                 victim = next(s for s in reversed(self.running) if not s.in_flight)
                 self.running.remove(victim)
@@ -175,7 +176,7 @@ class Scheduler:
                 break
             self._take_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._reserve(seq, n, out):
+            if not self._reserve(seq, n + self.lookahead_tokens, out):
                 self._release_blocks(seq)
                 break
             self.waiting.popleft()

@@ -26,8 +26,9 @@ Gemma 4's writes the tokenizer's tokens only and keeps only their embedding rows
 have exactly the Llama-2 style tokenizer's 400 tokens.
 
 Hybrid models: LFM2 (short convolutions), Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet, converted with
-``--no-mtp``: the tiny models have no MTP layers), whose value heads the converter stores tiled
-(read back against the HF tensors put in that order); a Qwen3.5 file as q8_0 keeps its blocks.
+``--no-mtp``), whose value heads the converter stores tiled (read back against the HF tensors put
+in that order); a Qwen3.5 file as q8_0 keeps its blocks; a Qwen3.5 file keeping the MTP layer
+added to its directory runs it as speculative decoding's draft.
 """
 from __future__ import annotations
 
@@ -189,9 +190,14 @@ def files(tmp_path_factory) -> dict[str, tuple[object, Path, Path]]:
         jobs.append((root / "hf", root / f"{name}-f32.gguf", "f32", *CONVERTER_OPTIONS.get(name, [])))
     q8 = made["olmo2"][2].with_name("olmo2-q8_0.gguf")
     qwen3_5_q8 = made["qwen3.5"][2].with_name("qwen3.5-q8_0.gguf")
-    convert_many_with_llama_cpp([*jobs, (made["olmo2"][1], q8, "q8_0"),
+    # Qwen3.5 with a multi-token-prediction layer, kept in the file (the converter's default).
+    qwen3_5_mtp = made["qwen3.5"][2].with_name("qwen3.5-mtp-f32.gguf")
+    mtp_modules = hybrid.add_mtp_layer(made["qwen3.5"][1], made["qwen3.5"][0])
+    # (first: the converter's --no-mtp stays set on its model class for the later jobs of the process)
+    convert_many_with_llama_cpp([(made["qwen3.5"][1], qwen3_5_mtp, "f32"), *jobs, (made["olmo2"][1], q8, "q8_0"),
                                  (made["qwen3.5"][1], qwen3_5_q8, "q8_0", *CONVERTER_OPTIONS["qwen3.5"])])
-    return {**made, "olmo2-q8_0": (None, None, q8), "qwen3.5-q8_0": (None, None, qwen3_5_q8)}
+    return {**made, "olmo2-q8_0": (None, None, q8), "qwen3.5-q8_0": (None, None, qwen3_5_q8),
+            "qwen3.5-mtp": (mtp_modules, made["qwen3.5"][1], qwen3_5_mtp)}
 
 
 @pytest.fixture(scope="module")
@@ -562,8 +568,27 @@ def test_gemma4_metadata_kiln_cannot_represent_is_refused(files, tmp_path: Path,
         GGUFSource(path).hf_config()
 
 
+def test_qwen3_5_mtp_layer_from_the_converters_file(files, no_tokenizer, tmp_path: Path) -> None:
+    """A Qwen3.5 GGUF keeping its MTP layer (llama.cpp's converter without --no-mtp: one more block
+    with nextn tensors): the model's own layers as without it, and speculative decoding's MTP
+    guesses equal the reference built from Hugging Face's modules."""
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.engine_core import EngineCore
+    from tests.models.test_mtp import GREEDY, MTP, PROMPTS, reference_guesses
+
+    modules, _, gguf = files["qwen3.5-mtp"]
+    hf = files["qwen3.5"][0]
+    assert GGUFSource(gguf).hf_config()["num_hidden_layers"] == hf.config.num_hidden_layers
+    core = EngineCore(Engine(convert_and_build(gguf, tmp_path, {}, dtype="float32")), num_blocks=64,
+                      speculative_config=MTP)
+    (seq,) = core.add_request(PROMPTS[0], GREEDY, end_id=None).seqs
+    core.step()
+    count, guesses = core.runner.mtp.drafts[seq.seq_id]
+    assert guesses == reference_guesses(hf, modules, seq.token_ids[:count], 2)
+
+
 @pytest.mark.parametrize(("name", "changes", "match"), [
-    ("qwen3.5", {"nextn_predict_layers": 1}, "qwen35.nextn_predict_layers"),  # MTP layers kept: not run yet
+    ("qwen3.5-mtp", {"nextn_predict_layers": 2}, "qwen35.nextn_predict_layers"),  # kiln runs one MTP layer
     ("qwen3.5", {"attention.recurrent_layers": [True, True, True]}, "qwen35.attention.recurrent_layers"),
     ("lfm2", {"attention.head_count_kv": [0, 2, 1, 0]}, "lfm2.attention.head_count_kv"),
 ])

@@ -44,3 +44,45 @@ def make_qwen3_next(path: Path, *, seed: int = 0, vocab: int = 256, **config):
     fields = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                   mlp_only_layers=[1])
     return _save_random(path, "Qwen3Next", seed, **{**QWEN3_5, **fields, "vocab_size": vocab, **config})
+
+
+def add_mtp_layer(path: Path, hf_model, *, seed: int = 1) -> dict:
+    """Give the Qwen3.5 directory at ``path`` (``hf_model`` its model) a random multi-token-prediction
+    layer as the released checkpoints carry (``mtp.*``: the norms, ``fc``, one full-attention
+    decoder layer), in a safetensors file of its own listed in a new index. Returns the HF modules
+    (``layer``, ``fc``, ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``norm``) holding them."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from kiln.checkpoint.safetensors_io import SafetensorsReader
+
+    config = hf_model.config
+    decoder = type(hf_model.model.layers[config.layer_types.index("full_attention")])
+    norm_class = type(hf_model.model.norm)
+    torch.manual_seed(seed)
+    modules = {"layer": decoder(config, config.layer_types.index("full_attention")),
+               "fc": torch.nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False),
+               **{name: norm_class(config.hidden_size, eps=config.rms_norm_eps)
+                  for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}}
+    tensors = {}
+    for name, module in modules.items():
+        for key, tensor in module.state_dict().items():
+            tensor.copy_(torch.randn_like(tensor) * (0.3 if "norm" in key else 0.08))
+            tensors[f"mtp.{'layers.0' if name == 'layer' else name}.{key}"] = tensor.contiguous()
+    for key in [k for k in tensors if k.endswith("experts.gate_up_proj")]:  # per expert, as checkpoints hold them
+        base, fused, down = key[:-len("gate_up_proj")], tensors.pop(key), tensors.pop(key[:-12] + "down_proj")
+        for e, (gate, up) in enumerate(t.chunk(2, dim=0) for t in fused):
+            tensors.update({f"{base}{e}.gate_proj.weight": gate.contiguous(), f"{base}{e}.up_proj.weight": up.contiguous(),
+                            f"{base}{e}.down_proj.weight": down[e].contiguous()})
+    save_file(tensors, str(path / "mtp.safetensors"))
+    with SafetensorsReader(path / "model.safetensors") as reader:
+        weight_map = {key: "model.safetensors" for key in reader.keys()}
+    weight_map.update({key: "mtp.safetensors" for key in tensors})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config_file = path / "config.json"  # the released configs count it (llama.cpp's converter reads this)
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "mtp_num_hidden_layers": 1}))
+    for module in modules.values():
+        module.eval()
+    return modules
