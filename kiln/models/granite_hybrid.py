@@ -56,7 +56,7 @@ def time_step_limit(hf: dict, *names: str) -> list:
     value = hf_get(hf, *names, default=None) or (0.0, math.inf)
 
     def number(v) -> float:
-        return float(v["__float__"]) if isinstance(v, dict) else float(v)
+        return math.inf if v is None else float(v["__float__"]) if isinstance(v, dict) else float(v)
 
     low, high = (number(v) for v in value)
     return [low, None if math.isinf(high) else high]
