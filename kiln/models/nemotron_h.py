@@ -101,9 +101,7 @@ class NemotronHForCausalLM(DecoderModelForCausalLM):
 
     @classmethod
     def config_from_hf(cls, hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
-        kinds = nemotron_h_layer_types(hf)
-        if hf.get("residual_in_fp32"):
-            raise ConfigError("residual_in_fp32 true is not supported (the residual stream stays in the model dtype)")
+        kinds = nemotron_h_layer_types(hf)  # (residual_in_fp32: Hugging Face's blocks do not read it either)
         heads = hf_get(hf, "mamba_num_heads")
         head_dim = hf_get(hf, "head_dim", "attention_head_dim", default=hf["hidden_size"] // hf["num_attention_heads"])
         bias = bool(hf.get("attention_bias", False))
@@ -114,9 +112,10 @@ class NemotronHForCausalLM(DecoderModelForCausalLM):
                 "attn_bias": bias, "dense_bias": bias, "mlp_bias": bool(hf.get("mlp_bias", False)),
                 "layer_types": kinds, "nope_layers": list(range(len(kinds))),
                 "mamba_num_heads": heads, "mamba_head_dim": hf_get(hf, "mamba_head_dim"),
-                "mamba_state_size": hf_get(hf, "ssm_state_size"), "mamba_groups": hf_get(hf, "n_groups", default=1),
-                "mamba_conv_kernel": hf_get(hf, "conv_kernel", default=4),
-                "mamba_conv_bias": bool(hf.get("use_conv_bias", True)),
+                "mamba_state_size": hf_get(hf, "ssm_state_size"),
+                "mamba_groups": hf_get(hf, "n_groups", "mamba_n_groups", default=1),
+                "mamba_conv_kernel": hf_get(hf, "conv_kernel", "mamba_d_conv", default=4),
+                "mamba_conv_bias": bool(hf_get(hf, "use_conv_bias", "mamba_conv_bias", default=True)),
                 "mamba_proj_bias": bool(hf.get("use_bias", False)),
                 # Hugging Face's mixer: the lower limit is time_step_min, whatever time_step_limit says
-                "mamba_time_step_limit": [float(hf.get("time_step_min", 0.001)), None]})
+                "mamba_time_step_limit": [float(hf_get(hf, "time_step_min", "mamba_dt_min", default=0.001)), None]})

@@ -260,6 +260,23 @@ def test_mamba2_decode_kernel_equals_the_pytorch_path(monkeypatch, dtype) -> Non
     _assert_same(_native_then_pytorch(monkeypatch, mamba2, layer, torch.randn(3, 48).to(dtype), start), dtype)
 
 
+def test_nemotron_h_reads_older_config_names_and_refuses_experts() -> None:
+    """Nemotron-H configs as NVIDIA's remote code wrote them (``hybrid_override_pattern``,
+    ``mamba_*`` field names) read as transformers' do; expert layers are refused, not misread."""
+    from kiln.errors import ConfigError
+    from kiln.mapping import Mapping
+    from kiln.models.nemotron_h import NemotronHForCausalLM
+
+    hf = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, attention_head_dim=16,
+              intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, mamba_n_groups=2,
+              mamba_d_conv=3, mamba_dt_min=0.01, hybrid_override_pattern="M-*")
+    config = NemotronHForCausalLM.config_from_hf(hf, "float32", Mapping())
+    assert config.layer_types == ["mamba", "mlp", "full_attention"] and config.head_size == 16
+    assert (config.mamba_groups, config.mamba_conv_kernel, config.mamba_time_step_limit) == (2, 3, [0.01, None])
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        NemotronHForCausalLM.config_from_hf({**hf, "hybrid_override_pattern": "ME*"}, "float32", Mapping())
+
+
 def test_speculative_decoding_is_refused_for_hybrid_targets_and_drafts(built) -> None:
     """A rejected proposal would have to be taken back out of the recurrent state: speculative
     decoding refuses a hybrid target, and a hybrid draft for another target."""
