@@ -3,7 +3,7 @@ Face class and model_type it becomes, its GGUF block tensors' Hugging Face names
 llama.cpp's converter changed (q/k rows permuted for its rotary kernel, Gemma 3's norms stored as
 1 + w), and a function turning its metadata into a Hugging Face ``config.json`` dict; with the
 mixture-of-experts and latent-attention ones (``gguf_moe``), Gemma 4 (``gguf_gemma4``) and the
-hybrid ones (``gguf_hybrid``), ``ARCHITECTURES``.
+hybrid ones (``gguf_hybrid``, ``gguf_mamba``), ``ARCHITECTURES``.
 
 Metadata means what llama.cpp reads it to mean, with llama.cpp's defaults where a key is absent:
 Gemma 3's every sixth layer global and ``1/sqrt(key_length)`` attention scale, SmolLM3's every
@@ -15,6 +15,7 @@ from kiln.checkpoint.gguf_declaration import (ATTENTION, LLAMA_BLOCK, MLP, OUTPU
                                               Meta, decoder, layer_types)
 from kiln.checkpoint.gguf_gemma4 import GEMMA4_ARCHITECTURES
 from kiln.checkpoint.gguf_hybrid import HYBRID_ARCHITECTURES
+from kiln.checkpoint.gguf_mamba import MAMBA_ARCHITECTURES
 from kiln.checkpoint.gguf_moe import MOE_ARCHITECTURES
 from kiln.checkpoint.gguf_rope import global_rope, longrope, typed_rope
 
@@ -155,4 +156,5 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
     **MOE_ARCHITECTURES,
     **GEMMA4_ARCHITECTURES,
     **HYBRID_ARCHITECTURES,
+    **MAMBA_ARCHITECTURES,
 }

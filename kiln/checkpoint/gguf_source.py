@@ -162,11 +162,14 @@ class GGUFSource:
         """Heads to un-permute over for permuted q/k weights and biases, else None."""
         if not self.spec.permuted_qk:
             return None
-        if ".self_attn.q_proj." in key:
+        if ".q_proj." in key:  # (self_attn's; Nemotron-H's mixer's)
             return int(self._meta(f"{self.arch}.attention.head_count"))
-        if ".self_attn.k_proj." in key:
+        if ".k_proj." in key:
             heads = self._meta(f"{self.arch}.attention.head_count")
-            return int(self._meta(f"{self.arch}.attention.head_count_kv", heads))
+            kv_heads = self._meta(f"{self.arch}.attention.head_count_kv", heads)
+            if isinstance(kv_heads, list):  # one count per layer (hybrids: 0 on the recurrent layers)
+                kv_heads = kv_heads[int(key[len(self.spec.layers) + 1:].split(".", 1)[0])]
+            return int(kv_heads)
         return None
 
     def shape(self, key: str) -> tuple[int, ...]:

@@ -14,8 +14,8 @@
   tokens, in one call;
 * ``decode_step`` (decode_step.c): every layer of a LLaMA-shaped stack for a decode step's
   tokens, in one call (no per-layer Python);
-* ``gated_delta_decode``, ``short_conv_decode`` (recurrent.c): a hybrid model's recurrent layer
-  for a decode step's tokens, each state read and written once.
+* ``gated_delta_decode``, ``short_conv_decode``, ``mamba2_decode`` (recurrent.c): a hybrid
+  model's recurrent layer for a decode step's tokens, each state read and written once.
 
 The sources are plain C (no PyTorch headers), so a build takes a few seconds; the shared
 library is cached under ``$KILN_CACHE_DIR/kernels/<key>/`` where the key covers the sources,
@@ -39,7 +39,7 @@ from kiln.kernels.library import DECODE_KERNELS, DECODE_KERNELS_QUANTIZED_KV, DT
 from kiln.kernels.quant_weights import (CODEBOOKS, CODES_E2M1, SUPER_K, fit_offset_groups, quant_bits_arg,
                                         quant_kernel_group, quant_linear, quant_pack, quant_pack_scales,
                                         quant_shape_tiles, super_bytes)
-from kiln.kernels.recurrent import gated_delta_decode, recurrent_decode_supported, short_conv_decode
+from kiln.kernels.recurrent import gated_delta_decode, mamba2_decode, recurrent_decode_supported, short_conv_decode
 from kiln.kernels.packed_linear import (amx_available, pack_bf16, packed_linear, packed_linear_available,
                                         packed_supported, tile_packable, unpack_bf16)
 

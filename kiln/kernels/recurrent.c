@@ -18,6 +18,14 @@
  * kiln_short_conv_decode_*: LFM2's block from in_proj's output [m, 3 hidden] (b | c | x) to
  * out_proj's input: c * conv(b * x), the convolution over the carried last K-1 gated inputs.
  *
+ * kiln_mamba2_decode_*: Mamba2 (kiln.layers.mamba2) from in_proj's output [m, inner | conv | heads]
+ * to the SSM output y (float32 [m, inner], before the gated norm): silu(conv(x | B | C)) over the
+ * carried last K-1 inputs (rounded to the model dtype), then per head h (group g = h / (heads /
+ * groups)) dt = clamp(softplus(dt + dt_bias), dt_min, dt_max), A = -exp(A_log) and on the float32
+ * state S (ssm_state [slots, heads, head_dim, state_size]):
+ *
+ *   S = exp(dt A) S + dt x B_g^T;  y = S C_g + D x
+ *
  * Both round where the PyTorch path (kiln.layers.*) rounds, so the two agree to float rounding.
  */
 #include <math.h>
@@ -140,6 +148,55 @@ int kiln_gated_delta_decode_##SUFFIX(                                           
             for (int64_t j = 0; j < value_dim; ++j) {                                              \
                 const float normed = LOAD(STORE(LOAD(STORE(o[j] * inv)) * LOAD(norm_w[j])));       \
                 oh[j] = STORE(normed * silu(LOAD(zh[j])));                                         \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    free(conv_out);                                                                                \
+    return 0;                                                                                      \
+}                                                                                                  \
+                                                                                                   \
+int kiln_mamba2_decode_##SUFFIX(                                                                   \
+        const T *proj, int64_t stride, const T *conv_w, const T *conv_b, T *conv_state, float *ssm_state, \
+        const T *a_log, const T *dt_bias, const T *d_skip, const int64_t *read, const int64_t *write, \
+        const uint8_t *fresh, float *y, int64_t m, int64_t heads, int64_t head_dim, int64_t state_size, \
+        int64_t groups, int64_t kernel, float dt_min, float dt_max, int num_threads) {              \
+    const int64_t inner = heads * head_dim, channels = inner + 2 * groups * state_size;            \
+    const int64_t per_slot = (kernel - 1) * channels, state_per_head = head_dim * state_size;      \
+    float *conv_out = malloc(sizeof(float) * m * channels);                                        \
+    if (!conv_out) return 1;                                                                       \
+    const int64_t chunk = 512, chunks = (channels + chunk - 1) / chunk;                             \
+    _Pragma("omp parallel num_threads(num_threads)")                                               \
+    {                                                                                              \
+        _Pragma("omp for schedule(static)")                                                        \
+        for (int64_t item = 0; item < m * chunks; ++item) {                                        \
+            const int64_t t = item / chunks, c0 = item % chunks * chunk;                           \
+            const int64_t c1 = c0 + chunk < channels ? c0 + chunk : channels;                      \
+            conv_token_##SUFFIX(proj + t * stride + inner + c0, conv_w, conv_b,                    \
+                                fresh[t] ? NULL : conv_state + read[t] * per_slot,                 \
+                                conv_state + write[t] * per_slot, channels, kernel, c0, c1, 1,     \
+                                conv_out + t * channels + c0);                                     \
+        }                                                                                          \
+        _Pragma("omp for schedule(static)")                                                        \
+        for (int64_t item = 0; item < m * heads; ++item) {                                         \
+            const int64_t t = item / heads, h = item % heads, g = h / (heads / groups);            \
+            const float *x = conv_out + t * channels + h * head_dim;                               \
+            const float *B = conv_out + t * channels + inner + g * state_size;                     \
+            const float *C = B + groups * state_size;                                              \
+            float dt = softplus(LOAD(proj[t * stride + inner + channels + h]) + LOAD(dt_bias[h])); \
+            dt = fminf(fmaxf(dt, dt_min), dt_max);                                                 \
+            const float decay = expf(-expf(LOAD(a_log[h])) * dt), dh = LOAD(d_skip[h]);            \
+            const float *S = fresh[t] ? NULL : ssm_state + (read[t] * heads + h) * state_per_head; \
+            float *N = ssm_state + (write[t] * heads + h) * state_per_head;                        \
+            float *out = y + t * inner + h * head_dim;                                             \
+            for (int64_t p = 0; p < head_dim; ++p) {                                               \
+                const float xdt = dt * x[p];                                                       \
+                float acc = 0.f;                                                                   \
+                for (int64_t n = 0; n < state_size; ++n) {                                         \
+                    const int64_t i = p * state_size + n;                                          \
+                    N[i] = (S ? decay * S[i] : 0.f) + xdt * B[n];                                  \
+                    acc += N[i] * C[n];                                                            \
+                }                                                                                  \
+                out[p] = acc + dh * x[p];                                                          \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \

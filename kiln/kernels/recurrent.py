@@ -1,5 +1,5 @@
 """Bindings of recurrent.c: the decode steps of hybrid models' recurrent layers (Gated DeltaNet,
-LFM2's short convolution), one token for each of a group of sequences, reading each state from its
+LFM2's short convolution, Mamba2), one token for each of a group of sequences, reading each state from its
 read slot and writing the next to its write slot in one pass."""
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ def _library() -> ctypes.CDLL | None:
         fn = getattr(lib, f"kiln_short_conv_decode_{suffix}")
         fn.argtypes = [C_PTR, C_INT64] + [C_PTR] * 7 + [C_INT64] * 3 + [ctypes.c_int]
         fn.restype = None
+        fn = getattr(lib, f"kiln_mamba2_decode_{suffix}")
+        fn.argtypes = ([C_PTR, C_INT64] + [C_PTR] * 11 + [C_INT64] * 6 + [ctypes.c_float] * 2 + [ctypes.c_int])
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -77,3 +80,25 @@ def short_conv_decode(bcx: torch.Tensor, conv_weight: torch.Tensor, conv_bias: t
         bcx.data_ptr(), bcx.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
         conv_state.data_ptr(), read, write, fresh, out.data_ptr(), group.count, hidden, conv_weight.shape[1],
         torch.get_num_threads())
+
+
+def mamba2_decode(projected: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                  conv_state: torch.Tensor, ssm_state: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                  d_skip: torch.Tensor, group, y: torch.Tensor, *, groups: int, head_dim: int, state_size: int,
+                  time_step_limit: tuple[float, float]) -> None:
+    """Mamba2 for a group of one-token sequences: from in_proj's rows ``projected`` ``[count, inner
+    | conv channels | heads]`` to the SSM output (D skip included) in ``y`` (float32 ``[count,
+    inner]``, contiguous), the convolution and SSM states updated from the group's read to its
+    write slots."""
+    heads = a_log.shape[0]
+    if y.dtype != torch.float32 or not y.is_contiguous() or ssm_state.dtype != torch.float32:
+        raise ValueError("mamba2_decode: y and the SSM state must be contiguous float32")
+    weights = [None if w is None else w.contiguous() for w in (conv_weight, conv_bias, a_log, dt_bias, d_skip)]
+    pointers = [None if w is None else w.data_ptr() for w in weights]
+    read, write, fresh = _slots(group)
+    rc = getattr(_library(), f"kiln_mamba2_decode_{DTYPE_SUFFIX[projected.dtype]}")(
+        projected.data_ptr(), projected.stride(0), pointers[0], pointers[1], conv_state.data_ptr(),
+        ssm_state.data_ptr(), *pointers[2:], read, write, fresh, y.data_ptr(), group.count, heads, head_dim,
+        state_size, groups, conv_weight.shape[1], time_step_limit[0], time_step_limit[1], torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("mamba2_decode: out of memory for its scratch")

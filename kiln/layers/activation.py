@@ -12,6 +12,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swiglu": F.silu,  # the gate's activation in a gated MLP
     "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),  # Nemotron-H's squared ReLU
     "gelu": F.gelu,
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),

@@ -29,6 +29,9 @@ Hybrid models: LFM2 (short convolutions), Qwen3.5 and Qwen3.5-MoE (Gated DeltaNe
 ``--no-mtp``), whose value heads the converter stores tiled (read back against the HF tensors put
 in that order); a Qwen3.5 file as q8_0 keeps its blocks; a Qwen3.5 file keeping the MTP layer
 added to its directory runs it as speculative decoding's draft.
+Mamba2 hybrids: Granite 4 (granitehybrid; dense NoPE as released, and with experts in two groups)
+and Nemotron-H (nemotron_h), read back against the tensors their directories hold (transformers
+renames some in memory).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from kiln.checkpoint.gguf_source import GGUFSource, _Reader
 from kiln.errors import CheckpointError
@@ -111,6 +115,15 @@ def _gpt2_for_qwen3_5_moe(hf_dir: Path, gpt2: Path) -> None:
     config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "qwen3_5_text"}))
 
 
+def _gpt2_for_nemotron_h(hf_dir: Path, gpt2: Path) -> None:
+    """GPT-2's tokenizer under a config.json without ``model_type``: the converter then reads the
+    file as released (transformers 5's NemotronHConfig adds expert fields to every config, which
+    make the converter write a dense model as nemotron_h_moe)."""
+    _gpt2(hf_dir, gpt2)
+    config = hf_dir / "config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "model_type"}))
+
+
 def _sentencepiece(hf_dir: Path, gpt2: Path) -> None:
     """ERNIE 4.5's converter reads only a sentencepiece tokenizer.model."""
     save_sentencepiece_tokenizer(hf_dir, 256)
@@ -143,7 +156,11 @@ CASES: dict[str, tuple[Callable, dict, Callable]] = {
     "lfm2": (hybrid.make_lfm2, dict(vocab=V), _gpt2),
     "qwen3.5": (hybrid.make_qwen3_5, dict(vocab=V), _gpt2),  # 2 key heads, 4 value heads: stored tiled
     "qwen3.5-moe": (hybrid.make_qwen3_5_moe, dict(vocab=V), _gpt2_for_qwen3_5_moe),
+    "granite-hybrid": (hybrid.make_granite_hybrid, dict(vocab=V), _gpt2),
+    "granite-hybrid-moe": (hybrid.make_granite_hybrid, dict(vocab=V, num_local_experts=4, mamba_n_groups=2), _gpt2),
+    "nemotron-h": (hybrid.make_nemotron_h, dict(vocab=V), _gpt2_for_nemotron_h),
 }
+SAVED_NAMES = ("granite-hybrid-moe", "nemotron-h")  # read back against their files' names, not memory's
 CONVERTER_OPTIONS = {"qwen3.5": ["--no-mtp"], "qwen3.5-moe": ["--no-mtp"]}  # (the tiny models have no MTP layers)
 WITH_TOKENIZER = "smollm3"  # kiln saves its tokenizer (transformers reads no smollm3 config); the others skip it
 
@@ -221,14 +238,15 @@ def test_gguf_reads_back_as_the_hf_checkpoint(converted, name: str) -> None:
     projection stacked, DeepSeek-V2's kv_b_proj joined from attn_k_b and attn_v_b)."""
     case = converted(name)
     source = GGUFSource(case.gguf)
-    state = _per_projection_experts(case.hf.state_dict())
+    state = (load_file(case.hf_dir / "model.safetensors") if name in SAVED_NAMES
+             else _per_projection_experts(case.hf.state_dict()))
     if case.hf.config.tie_word_embeddings:
         del state["lm_head.weight"]  # llama.cpp writes no output tensor for a tied head
     if name.startswith("qwen3.5"):
         state = _tiled_value_heads(state, case.hf.config)
     assert sorted(source.keys()) == sorted(state)
-    # Stored as 1 + w (and Qwen3.5's A_log as -exp(A_log)) in float32
-    atol = 1e-6 if name in ("gemma3", "qwen3.5", "qwen3.5-moe") else 0.0
+    # Stored as 1 + w (and Qwen3.5's and Mamba2's A_log as -exp(A_log)) in float32
+    atol = 1e-6 if name in ("gemma3", "qwen3.5", "qwen3.5-moe", "granite-hybrid", *SAVED_NAMES) else 0.0
     for key, want in state.items():
         torch.testing.assert_close(source.read(key), want, rtol=0, atol=atol, msg=key)
 
@@ -591,6 +609,8 @@ def test_qwen3_5_mtp_layer_from_the_converters_file(files, no_tokenizer, tmp_pat
     ("qwen3.5-mtp", {"nextn_predict_layers": 2}, "qwen35.nextn_predict_layers"),  # kiln runs one MTP layer
     ("qwen3.5", {"attention.recurrent_layers": [True, True, True]}, "qwen35.attention.recurrent_layers"),
     ("lfm2", {"attention.head_count_kv": [0, 2, 1, 0]}, "lfm2.attention.head_count_kv"),
+    ("granite-hybrid", {"attention.head_count_kv": [1, 2, 0, 0]}, "granitehybrid.attention.head_count_kv"),
+    ("nemotron-h", {"feed_forward_length": [0, 96, 0, 96, 96]}, "nemotron_h.attention.head_count_kv"),  # one block
 ])
 def test_hybrid_metadata_kiln_cannot_represent_is_refused(files, tmp_path: Path, name: str, changes: dict,
                                                           match: str) -> None:

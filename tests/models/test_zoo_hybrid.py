@@ -1,7 +1,8 @@
 """Hybrid models (recurrent layers beside attention) against Hugging Face on tiny random models,
 and the runtime around their state slots: chunked prefill at any chunk size, preemption and
 resume, independent samples, beam search (a child takes its parent's state), and no slot or
-block left behind by cancelled requests."""
+block left behind by cancelled requests. The recurrences' chunked forms against their step forms
+(the gated delta rule, Mamba2's SSD) and the native decode kernels against the PyTorch paths."""
 from __future__ import annotations
 
 from typing import Callable
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from kiln.layers.delta_rule import delta_rule_chunked, delta_rule_step
+from kiln.layers.ssd import ssd_chunked, ssd_step
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.sampling_params import SamplingParams
@@ -24,6 +26,11 @@ CASES: dict[str, tuple[Callable, dict, dict]] = {
     "qwen3.5": (tiny.make_qwen3_5, {}, {"max_beam_width": 2}),
     "qwen3.5-moe": (tiny.make_qwen3_5_moe, {}, {"max_beam_width": 2}),
     "qwen3-next": (tiny.make_qwen3_next, {}, {"max_beam_width": 2}),
+    # Mamba2: one group, no positions, a dense shared MLP; two groups, rotary, experts
+    "granite-hybrid": (tiny.make_granite_hybrid, {}, {"max_beam_width": 2}),
+    "granite-hybrid-moe": (tiny.make_granite_hybrid, dict(num_local_experts=4, position_embedding_type="rope",
+                                                          mamba_n_groups=2), {"max_beam_width": 2}),
+    "nemotron-h": (tiny.make_nemotron_h, {}, {"max_beam_width": 2}),
 }
 
 built = built_fixture(CASES)
@@ -72,10 +79,32 @@ def test_chunked_delta_rule_equals_token_by_token() -> None:
     torch.testing.assert_close(end, step_state[0], atol=1e-4, rtol=1e-4)
 
 
-def test_long_prompt_logits_match_hf(built) -> None:
-    """A 150-token prompt (Gated DeltaNet's prefill over several of its chunks) beside two short
-    ones in one step: HF's logits."""
-    check_prompt_logits(built("qwen3.5"), prompt_lens=(150, 7, 70))
+def test_chunked_ssd_equals_token_by_token() -> None:
+    """Mamba2's chunked SSD scan gives the token-by-token outputs and final state, from a non-zero
+    state, over 150 tokens (two whole chunks of 64 and a padded one), heads in 2 groups."""
+    gen = torch.Generator().manual_seed(0)
+    length, heads, groups, head_dim, state_size = 150, 6, 2, 5, 7
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    x, b, c = rand(length, heads, head_dim), rand(length, groups, state_size), rand(length, groups, state_size)
+    dt, a, d = torch.rand(length, heads, generator=gen), -2 * torch.rand(heads, generator=gen), rand(heads)
+    state = rand(heads, head_dim, state_size)
+    out, end = ssd_chunked(x, dt, a, b, c, d, state, chunk=64)
+    step_state, steps = state[None], []
+    for t in range(length):
+        o, step_state = ssd_step(x[t:t + 1], dt[t:t + 1], a, b[t:t + 1], c[t:t + 1], d, step_state)
+        steps.append(o[0])
+    torch.testing.assert_close(out, torch.stack(steps), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(end, step_state[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen3.5", "nemotron-h"])
+def test_long_prompt_logits_match_hf(built, name: str) -> None:
+    """A 150-token prompt (a recurrent layer's prefill over several of its chunks) beside two
+    short ones in one step: HF's logits."""
+    check_prompt_logits(built(name), prompt_lens=(150, 7, 70))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -215,6 +244,37 @@ def test_short_conv_decode_kernel_equals_the_pytorch_path(monkeypatch, dtype) ->
     _random_layer(layer, dtype)
     start = [torch.randn(6, 2, 40).to(dtype)]
     _assert_same(_native_then_pytorch(monkeypatch, short_conv, layer, torch.randn(3, 40).to(dtype), start), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba2_decode_kernel_equals_the_pytorch_path(monkeypatch, dtype) -> None:
+    """Mamba2's decode rows (4 heads in 2 groups, a time-step limit that binds) through the native
+    kernel and through the PyTorch step form: the same SSM outputs and states."""
+    from kiln.layers import mamba2
+
+    torch.manual_seed(2)
+    layer = mamba2.Mamba2(0, 48, num_heads=4, head_dim=8, state_size=16, groups=2, kernel_size=4, conv_bias=True,
+                          proj_bias=False, eps=1e-5, dtype=dtype, time_step_limit=(0.2, 1.5))
+    _random_layer(layer, dtype)
+    start = [torch.randn(6, *shape).to(dt) for shape, dt in layer.state_spec()]
+    _assert_same(_native_then_pytorch(monkeypatch, mamba2, layer, torch.randn(3, 48).to(dtype), start), dtype)
+
+
+def test_nemotron_h_reads_older_config_names_and_refuses_experts() -> None:
+    """Nemotron-H configs as NVIDIA's remote code wrote them (``hybrid_override_pattern``,
+    ``mamba_*`` field names) read as transformers' do; expert layers are refused, not misread."""
+    from kiln.errors import ConfigError
+    from kiln.mapping import Mapping
+    from kiln.models.nemotron_h import NemotronHForCausalLM
+
+    hf = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, attention_head_dim=16,
+              intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, mamba_n_groups=2,
+              mamba_d_conv=3, mamba_dt_min=0.01, hybrid_override_pattern="M-*")
+    config = NemotronHForCausalLM.config_from_hf(hf, "float32", Mapping())
+    assert config.layer_types == ["mamba", "mlp", "full_attention"] and config.head_size == 16
+    assert (config.mamba_groups, config.mamba_conv_kernel, config.mamba_time_step_limit) == (2, 3, [0.01, None])
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        NemotronHForCausalLM.config_from_hf({**hf, "hybrid_override_pattern": "ME*"}, "float32", Mapping())
 
 
 SPECULATIVE_PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [20, 21, 22, 23, 20, 21], [7, 7, 7, 7]]

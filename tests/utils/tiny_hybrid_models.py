@@ -1,11 +1,14 @@
 """Tiny random Hugging Face models of hybrid families (recurrent layers beside attention), saved
-to a directory: LFM2's short convolutions, Qwen3.5's Gated DeltaNet (dense and MoE). Each maker
-takes ``vocab`` and config overrides."""
+to a directory: LFM2's short convolutions, Qwen3.5's Gated DeltaNet (dense and MoE), Mamba2 in
+Granite 4 hybrids and Nemotron-H. Each maker takes ``vocab`` and config overrides."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from tests.utils.tiny_models import _save_random
+import torch
+
+from tests.utils.tiny_models import _randomize_norms, _save_random
 
 
 def make_lfm2(path: Path, *, seed: int = 0, vocab: int = 256, **config):
@@ -86,3 +89,57 @@ def add_mtp_layer(path: Path, hf_model, *, seed: int = 1) -> dict:
     for module in modules.values():
         module.eval()
     return modules
+
+
+def _save_mamba_hybrid(path: Path, family: str, seed: int, released: dict, drop: tuple[str, ...], **config):
+    """``_save_random`` with Mamba2's A_log, D and dt_bias perturbed too (they start at log(1..H),
+    1 and 1), the saved config.json then written as the released checkpoints' are (``released``
+    fields set, ``drop`` fields removed)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**config))
+    _randomize_norms(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", ".D", "dt_bias")):
+                p.add_(torch.randn_like(p) * 0.3)
+    model = model.float().eval()
+    model.save_pretrained(path)
+    file = path / "config.json"
+    fields = {k: v for k, v in json.loads(file.read_text()).items() if k not in drop}
+    file.write_text(json.dumps({**fields, **released}, indent=2))
+    return model
+
+
+def make_granite_hybrid(path: Path, *, seed: int = 0, vocab: int = 256, **config):
+    """Granite 4 hybrid: Mamba2 layers around one attention layer, Granite's multipliers, a
+    shared MLP (and experts with ``num_local_experts``), no positions unless
+    ``position_embedding_type`` is rope; the config's layer types as released (mamba / attention)."""
+    fields = dict(vocab_size=vocab, hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8, mamba_d_head=16,
+                  mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, num_local_experts=0,
+                  num_experts_per_tok=2, position_embedding_type="nope", embedding_multiplier=4.0,
+                  residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+    fields.update(config)
+    kinds = {"linear_attention": "mamba", "full_attention": "attention"}
+    types = [kinds.get(t, t) for t in fields["layer_types"]]
+    return _save_mamba_hybrid(path, "GraniteMoeHybrid", seed, {"layer_types": types}, (), **fields)
+
+
+def make_nemotron_h(path: Path, *, seed: int = 0, vocab: int = 256, pattern: str = "M-M*-", **config):
+    """Nemotron-H: one block a layer (``pattern``: M Mamba2, * attention, - squared-ReLU MLP); the
+    config as the released ones write it (``hybrid_override_pattern``, no expert fields)."""
+    kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+    fields = dict(vocab_size=vocab, hidden_size=64, layers_block_type=[kinds[c] for c in pattern],
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                  mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
+                  max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    fields.update(config)
+    drop = ("layers_block_type", "mtp_layers_block_type", "num_experts_per_tok", "n_routed_experts",
+            "moe_intermediate_size", "moe_shared_expert_intermediate_size", "n_shared_experts", "n_group", "topk_group",
+            "routed_scaling_factor", "norm_topk_prob", "moe_latent_size", "moe_shared_expert_overlap")
+    released = {"hybrid_override_pattern": pattern, "num_hidden_layers": len(pattern)}
+    return _save_mamba_hybrid(path, "NemotronH", seed, released, drop, **fields)

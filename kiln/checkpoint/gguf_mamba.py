@@ -1,0 +1,131 @@
+"""The GGUF architectures with Mamba2 layers kiln reads, as declarations (``gguf_declaration``):
+granitehybrid (Granite 4 hybrids) and nemotron_h (Nemotron-H without experts).
+
+Metadata means what llama.cpp reads it to mean. Layers: granitehybrid's attention layers are
+those with KV heads (``attention.head_count_kv`` per layer), the others Mamba2; nemotron_h's
+attention layers have KV heads, its MLP layers a ``feed_forward_length``, the rest are Mamba2.
+``ssm.*``: ``time_step_rank`` heads sharing ``inner_size``, ``group_count`` groups of
+``state_size``, ``conv_kernel``. llama.cpp applies no time-step limit, and rotary only where
+``rope.scaling.finetuned`` says (never in the converter's Granite 4 hybrids: NoPE).
+
+llama.cpp's converter stores ``A_log`` as ``-exp(A_log)`` (``[heads, 1]``), ``D`` as ``[heads, 1]``,
+the convolution weights squeezed, the gated norm's weight as ``[groups, inner / groups]``, ``dt_bias``
+as ``ssm_dt.bias``, q/k rows permuted for its rotary even without rotary; Granite's fused
+``input_linear`` tensors (the shared MLP's, the experts') as their gate and up halves, joined back
+here.
+"""
+from __future__ import annotations
+
+import torch
+
+from kiln.checkpoint.gguf_declaration import ATTENTION, GGUFArchitecture, Joined, Meta
+
+
+def _one_count(m: Meta, key: str, counts: list[int]) -> int | None:
+    """The one non-zero value of per-layer ``key`` (None when every layer has 0)."""
+    values = set(counts) - {0}
+    if len(values) > 1:
+        raise m.error(f"metadata key '{m.arch}.{key}' ({counts}) must give its layers one value")
+    return values.pop() if values else None
+
+
+def _ssm(m: Meta) -> dict:
+    heads, inner = m.int("ssm.time_step_rank"), m.int("ssm.inner_size")
+    if inner % heads:
+        raise m.error(f"metadata key '{m.arch}.ssm.inner_size' ({inner}) is not a multiple of ssm.time_step_rank")
+    return {"heads": heads, "head_dim": inner // heads, "state": m.int("ssm.state_size"),
+            "groups": m.int("ssm.group_count"), "kernel": m.int("ssm.conv_kernel")}
+
+
+def _attention(m: Meta, layers: int, head_dim: int) -> tuple[list[int], int, int]:
+    """(KV heads per layer, the attention layers' KV heads, query heads); no partial rotary."""
+    heads = m.int("attention.head_count")
+    kv = m.per_layer("attention.head_count_kv", layers)
+    if m.int("rope.dimension_count", head_dim) != head_dim:
+        raise m.error(f"metadata key '{m.arch}.rope.dimension_count' is not the head size ({head_dim})")
+    return kv, _one_count(m, "attention.head_count_kv", kv) or heads, heads
+
+
+def _granitehybrid(m: Meta) -> dict:
+    layers, hidden = m.int("block_count"), m.int("embedding_length")
+    head_dim = hidden // m.int("attention.head_count")
+    kv, kv_heads, heads = _attention(m, layers, head_dim)
+    ssm, experts = _ssm(m), m.int("expert_count", 0)
+    ffn = m.int("feed_forward_length")
+    return {"vocab_size": m.vocab(), "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "rms_norm_eps": m.float("attention.layer_norm_rms_epsilon"),
+            "max_position_embeddings": m.int("context_length"), "tie_word_embeddings": not m.has("output.weight"),
+            "layer_types": ["attention" if n else "mamba" for n in kv],
+            "position_embedding_type": "rope" if m.get("rope.scaling.finetuned", False) else "nope",
+            "rope_theta": m.float("rope.freq_base", 10000.0),
+            # llama.cpp: an absent attention.scale is 1/sqrt(head size); absent multipliers are 1
+            "attention_multiplier": m.float("attention.scale", head_dim ** -0.5),
+            "embedding_multiplier": m.float("embedding_scale", 1.0), "residual_multiplier": m.float("residual_scale", 1.0),
+            "logits_scaling": m.float("logit_scale", 1.0), "intermediate_size": ffn,
+            "shared_intermediate_size": m.int("expert_shared_feed_forward_length", ffn),
+            "num_local_experts": experts, "num_experts_per_tok": m.int("expert_used_count", 0),
+            "mamba_n_heads": ssm["heads"], "mamba_d_head": ssm["head_dim"], "mamba_d_state": ssm["state"],
+            "mamba_n_groups": ssm["groups"], "mamba_d_conv": ssm["kernel"],
+            "mamba_conv_bias": m.any_tensor(".ssm_conv1d.bias"), "mamba_proj_bias": m.any_tensor(".ssm_in.bias"),
+            "attention_bias": m.any_tensor(".attn_q.bias"), "time_step_limit": [0.0, None]}
+
+
+def _nemotron_h(m: Meta) -> dict:
+    layers, hidden = m.int("block_count"), m.int("embedding_length")
+    head_dim = m.int("attention.key_length")
+    if m.int("attention.value_length", head_dim) != head_dim:
+        raise m.error(f"metadata key '{m.arch}.attention.value_length' differs from key_length ({head_dim})")
+    kv, kv_heads, heads = _attention(m, layers, head_dim)
+    ffn = m.per_layer("feed_forward_length", layers)
+    if any(k and f for k, f in zip(kv, ffn)):
+        raise m.error(f"metadata keys '{m.arch}.attention.head_count_kv' and 'feed_forward_length' both give a "
+                      "layer a value: a Nemotron-H layer is one block")
+    m.get("rope.scaling.finetuned", False)  # (its attention has no positions either way)
+    ssm = _ssm(m)
+    return {"vocab_size": m.vocab(), "hidden_size": hidden, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": head_dim,
+            "hybrid_override_pattern": "".join("*" if k else "-" if f else "M" for k, f in zip(kv, ffn)),
+            "intermediate_size": _one_count(m, "feed_forward_length", ffn) or 0,
+            "layer_norm_epsilon": m.float("attention.layer_norm_epsilon"), "mlp_hidden_act": "relu2",
+            "max_position_embeddings": m.int("context_length"), "tie_word_embeddings": not m.has("output.weight"),
+            "mamba_num_heads": ssm["heads"], "mamba_head_dim": ssm["head_dim"], "ssm_state_size": ssm["state"],
+            "n_groups": ssm["groups"], "conv_kernel": ssm["kernel"], "use_conv_bias": m.any_tensor(".ssm_conv1d.bias"),
+            "use_bias": m.any_tensor(".ssm_in.bias"), "mlp_bias": m.any_tensor(".ffn_up.bias"),
+            "attention_bias": m.any_tensor(".attn_q.bias"), "time_step_min": 0.0}
+
+
+def _mamba_tensors(mixer: str) -> tuple[dict, dict, dict]:
+    """(block names, whole names, conversions) of a Mamba2 mixer named ``mixer`` in HF."""
+    block = {"ssm_in": f"{mixer}.in_proj", "ssm_conv1d": f"{mixer}.conv1d", "ssm_norm": f"{mixer}.norm",
+             "ssm_out": f"{mixer}.out_proj"}
+    whole = {"ssm_a": f"{mixer}.A_log", "ssm_d": f"{mixer}.D", "ssm_dt.bias": f"{mixer}.dt_bias"}
+    converted = {f"{mixer}.A_log": lambda a: torch.log(-a).reshape(-1), f"{mixer}.D": lambda d: d.reshape(-1),
+                 f"{mixer}.norm.weight": lambda w: w.reshape(-1), f"{mixer}.conv1d.weight": lambda w: w.unsqueeze(1)}
+    return block, whole, converted
+
+
+def _halves(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Granite's ``input_linear`` (gate rows, then up rows; per expert when stacked)."""
+    return torch.cat([gate, up], dim=-2)
+
+
+_GRANITE_MAMBA = _mamba_tensors("mamba")
+_NEMOTRON_MAMBA = _mamba_tensors("mixer")
+
+MAMBA_ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    "granitehybrid": GGUFArchitecture(
+        "GraniteMoeHybridForCausalLM", "granitemoehybrid", _granitehybrid,
+        {**ATTENTION, **_GRANITE_MAMBA[0], "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+         "ffn_down": "shared_mlp.output_linear", "ffn_down_shexp": "shared_mlp.output_linear",
+         "ffn_gate_inp": "block_sparse_moe.router.layer", "ffn_down_exps": "block_sparse_moe.output_linear"},
+        permuted_qk=True, whole=_GRANITE_MAMBA[1], converted=_GRANITE_MAMBA[2],
+        joined={"shared_mlp.input_linear": Joined(("ffn_gate", "ffn_up"), _halves),
+                "shared expert": Joined(("ffn_gate_shexp", "ffn_up_shexp"), _halves, "shared_mlp.input_linear"),
+                "block_sparse_moe.input_linear": Joined(("ffn_gate_exps", "ffn_up_exps"), _halves)}),
+    "nemotron_h": GGUFArchitecture(
+        "NemotronHForCausalLM", "nemotron_h", _nemotron_h,
+        {**{k: v.replace("self_attn", "mixer") for k, v in ATTENTION.items()}, **_NEMOTRON_MAMBA[0],
+         "attn_norm": "norm", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj"},
+        top={"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"},
+        layers="backbone.layers", permuted_qk=True, whole=_NEMOTRON_MAMBA[1], converted=_NEMOTRON_MAMBA[2]),
+}
