@@ -315,7 +315,8 @@ class ModelRunner:
             if logits is not None and len(step.last_token) < len(step.input_ids):
                 logits = logits[torch.tensor(step.last_token, dtype=torch.long)]
         if logits is None:
-            hidden = self._hidden = self.model(ids, positions, md, self.kv_caches, hidden)
+            hidden = self.model(ids, positions, md, self.kv_caches, hidden)
+            self._hidden = hidden if self.mtp is not None else None  # (an 8K prompt's states: not kept for nothing)
             context = [self.model.compute_logits(hidden[offset:offset + count])
                        for offset, count in step.context_rows]
             if step.last_token:
