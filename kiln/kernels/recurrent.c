@@ -60,6 +60,25 @@ static void conv_token_##SUFFIX(const T *input, const T *conv_w, const T *conv_b
     }                                                                                              \
 }                                                                                                  \
                                                                                                    \
+/* Every token's convolution with silu, channels in chunks spread over the threads of the         \
+ * enclosing parallel region (an orphaned omp for): conv_out [m, channels] float32. */           \
+static void conv_rows_##SUFFIX(const T *input, int64_t stride, const T *conv_w, const T *conv_b,  \
+                               T *conv_state, const int64_t *read, const int64_t *write,          \
+                               const uint8_t *fresh, int64_t m, int64_t channels, int64_t kernel, \
+                               float *conv_out) {                                                 \
+    const int64_t per_slot = (kernel - 1) * channels, chunk = 512;                                 \
+    const int64_t chunks = (channels + chunk - 1) / chunk;                                         \
+    _Pragma("omp for schedule(static)")                                                            \
+    for (int64_t item = 0; item < m * chunks; ++item) {                                            \
+        const int64_t t = item / chunks, c0 = item % chunks * chunk;                               \
+        const int64_t c1 = c0 + chunk < channels ? c0 + chunk : channels;                          \
+        conv_token_##SUFFIX(input + t * stride + c0, conv_w, conv_b,                               \
+                            fresh[t] ? NULL : conv_state + read[t] * per_slot,                     \
+                            conv_state + write[t] * per_slot, channels, kernel, c0, c1, 1,         \
+                            conv_out + t * channels + c0);                                         \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
 void kiln_short_conv_decode_##SUFFIX(const T *bcx, int64_t stride, const T *conv_w, const T *conv_b, \
                                      T *conv_state, const int64_t *read, const int64_t *write,    \
                                      const uint8_t *fresh, T *out, int64_t m, int64_t hidden,     \
@@ -88,21 +107,13 @@ int kiln_gated_delta_decode_##SUFFIX(                                           
         int64_t value_heads, int64_t key_dim, int64_t value_dim, int64_t kernel, int64_t tiled,   \
         int num_threads) {                                                                         \
     const int64_t keys = key_heads * key_dim, channels = 2 * keys + value_heads * value_dim;       \
-    const int64_t per_slot = (kernel - 1) * channels, state_size = key_dim * value_dim;            \
+    const int64_t state_size = key_dim * value_dim;                                                \
     float *conv_out = malloc(sizeof(float) * m * channels);                                        \
     if (!conv_out) return 1;                                                                       \
-    const int64_t chunk = 512, chunks = (channels + chunk - 1) / chunk;                             \
     _Pragma("omp parallel num_threads(num_threads)")                                               \
     {                                                                                              \
-        _Pragma("omp for schedule(static)")                                                        \
-        for (int64_t item = 0; item < m * chunks; ++item) {                                        \
-            const int64_t t = item / chunks, c0 = item % chunks * chunk;                           \
-            const int64_t c1 = c0 + chunk < channels ? c0 + chunk : channels;                      \
-            conv_token_##SUFFIX(mixed + t * mixed_stride + c0, conv_w, NULL,                       \
-                                fresh[t] ? NULL : conv_state + read[t] * per_slot,                 \
-                                conv_state + write[t] * per_slot, channels, kernel, c0, c1, 1,     \
-                                conv_out + t * channels + c0);                                     \
-        }                                                                                          \
+        conv_rows_##SUFFIX(mixed, mixed_stride, conv_w, NULL, conv_state, read, write, fresh, m,   \
+                           channels, kernel, conv_out);                                            \
         _Pragma("omp for schedule(static)")                                                        \
         for (int64_t item = 0; item < m * value_heads; ++item) {                                   \
             const int64_t t = item / value_heads, h = item % value_heads;                          \
@@ -161,21 +172,13 @@ int kiln_mamba2_decode_##SUFFIX(                                                
         const uint8_t *fresh, float *y, int64_t m, int64_t heads, int64_t head_dim, int64_t state_size, \
         int64_t groups, int64_t kernel, float dt_min, float dt_max, int num_threads) {              \
     const int64_t inner = heads * head_dim, channels = inner + 2 * groups * state_size;            \
-    const int64_t per_slot = (kernel - 1) * channels, state_per_head = head_dim * state_size;      \
+    const int64_t state_per_head = head_dim * state_size;                                          \
     float *conv_out = malloc(sizeof(float) * m * channels);                                        \
     if (!conv_out) return 1;                                                                       \
-    const int64_t chunk = 512, chunks = (channels + chunk - 1) / chunk;                             \
     _Pragma("omp parallel num_threads(num_threads)")                                               \
     {                                                                                              \
-        _Pragma("omp for schedule(static)")                                                        \
-        for (int64_t item = 0; item < m * chunks; ++item) {                                        \
-            const int64_t t = item / chunks, c0 = item % chunks * chunk;                           \
-            const int64_t c1 = c0 + chunk < channels ? c0 + chunk : channels;                      \
-            conv_token_##SUFFIX(proj + t * stride + inner + c0, conv_w, conv_b,                    \
-                                fresh[t] ? NULL : conv_state + read[t] * per_slot,                 \
-                                conv_state + write[t] * per_slot, channels, kernel, c0, c1, 1,     \
-                                conv_out + t * channels + c0);                                     \
-        }                                                                                          \
+        conv_rows_##SUFFIX(proj + inner, stride, conv_w, conv_b, conv_state, read, write, fresh, m, \
+                           channels, kernel, conv_out);                                            \
         _Pragma("omp for schedule(static)")                                                        \
         for (int64_t item = 0; item < m * heads; ++item) {                                         \
             const int64_t t = item / heads, h = item % heads, g = h / (heads / groups);            \

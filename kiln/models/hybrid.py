@@ -70,9 +70,7 @@ class RecurrentDecoderLayer(nn.Module):
         hidden = hidden + self._scaled(self.mixer(self.input_layernorm(hidden), positions, metadata, state))
         return hidden + self._scaled(self.mlp(self.post_layernorm(hidden), metadata.lora))
 
-    def _scaled(self, block_output: torch.Tensor) -> torch.Tensor:
-        m = self.residual_multiplier
-        return block_output if m is None else block_output * m
+    _scaled = DecoderLayer._scaled
 
 
 def hybrid_layer(model_cls: type, config: PretrainedConfig, layer_idx: int, rotary: RotaryEmbedding | None,

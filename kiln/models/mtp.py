@@ -18,6 +18,7 @@ from torch import nn
 
 from kiln.config import PretrainedConfig
 from kiln.dtypes import torch_dtype
+from kiln.errors import ConfigError
 from kiln.layers.linear import Linear
 from kiln.layers.rotary import RotaryEmbedding
 
@@ -61,3 +62,15 @@ class MultiTokenPredictor(nn.Module):
         x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
         x = self.layers["0"](self.eh_proj(x), positions, metadata, kv_cache)
         return self.norm(x)
+
+
+def mtp_attention(model: nn.Module) -> nn.Module:
+    """The attention module of ``model``'s MTP layer (its K/V cache is allocated beside the
+    model's); a ConfigError naming the option when the model has none."""
+    mtp = getattr(model, "mtp", None)
+    if mtp is None:
+        raise ConfigError(f"speculative_config.method 'mtp': this {model.config.architecture} engine has no "
+                          "multi-token-prediction layer (its checkpoint had no mtp.* tensors)")
+    if model.config.mapping.world_size > 1:
+        raise ConfigError("speculative_config.method 'mtp' runs on one rank (tp_size and pp_size 1)")
+    return mtp.attention

@@ -97,9 +97,11 @@ class EngineCore:
                 raise ConfigError("the engine core runs on rank 0 of a world; other ranks call "
                                   "kiln.runtime.worker.follow(engine)")
             leader = Leader(settings)
-        num_blocks = agreed_num_blocks(engine, num_blocks, self.max_num_seqs, memory_fraction)
         speculative_config = SpeculativeConfig.parse(speculative_config)
-        mtp = speculative_config.num_speculative_tokens if getattr(speculative_config, "method", "") == "mtp" else 0
+        mtp = 0  # guesses a step for the MTP draft to make (method mtp)
+        if speculative_config is not None and speculative_config.method == "mtp":
+            mtp = speculative_config.num_speculative_tokens
+        num_blocks = agreed_num_blocks(engine, num_blocks, self.max_num_seqs, memory_fraction, mtp=bool(mtp))
         self.runner = ModelRunner(engine, num_blocks, attention_backend, self.max_num_seqs, mtp_tokens=mtp)
         self.runner.leader = leader
         # Micro-batches in flight: one per pipeline stage (see ``step``).

@@ -6,6 +6,7 @@ from __future__ import annotations
 from kiln.distributed import world_min
 from kiln.models.decoder import layer_window
 from kiln.models.hybrid import attention_modules, is_recurrent, recurrent_layer_ids
+from kiln.models.mtp import mtp_attention
 from kiln.runtime.engine import Engine
 from kiln.step.kv_cache import available_memory_bytes, kv_cache_dtype, layer_cache_bytes_per_token
 from kiln.step.state_cache import state_bytes_per_slot
@@ -42,7 +43,8 @@ def state_cache_bytes(engine: Engine, max_num_seqs: int) -> int:
     return num_state_slots(engine, max_num_seqs) * state_bytes_per_slot(state_specs(engine.model))
 
 
-def default_num_blocks(engine: Engine, max_num_seqs: int, memory_fraction: float = KV_CACHE_MEMORY_FRACTION) -> int:
+def default_num_blocks(engine: Engine, max_num_seqs: int, memory_fraction: float = KV_CACHE_MEMORY_FRACTION,
+                       mtp: bool = False) -> int:
     """Blocks for every sequence at full length (with a sliding window on every layer, the
     window and one step), capped at a share of available memory less the recurrent state slots
     (hybrid models: at least one block, even when the states take that share)."""
@@ -52,19 +54,19 @@ def default_num_blocks(engine: Engine, max_num_seqs: int, memory_fraction: float
     if window is not None:  # as Scheduler.peak_blocks
         tokens = min(tokens, window + build.max_num_tokens + build.tokens_per_block)
     wanted = max_num_seqs * -(-tokens // build.tokens_per_block)
-    # (and a multi-token-prediction layer's, which speculative decoding's mtp method keeps)
     attentions = attention_modules(engine.model.transformer.layers.values())
-    if getattr(engine.model, "mtp", None) is not None:
-        attentions.append(engine.model.mtp.attention)
+    if mtp:  # speculative decoding's mtp method keeps one more attention layer's K/V
+        attentions.append(mtp_attention(engine.model))
     per_block = max(1, build.tokens_per_block * layer_cache_bytes_per_token(attentions, kv_cache_dtype(config)))
     budget = int(available_memory_bytes() * memory_fraction) - state_cache_bytes(engine, max_num_seqs)
     affordable = max(budget, 0) // per_block
     return max(1, min(wanted, affordable))
 
 
-def agreed_num_blocks(engine: Engine, num_blocks: int | None, max_num_seqs: int, memory_fraction: float) -> int:
+def agreed_num_blocks(engine: Engine, num_blocks: int | None, max_num_seqs: int, memory_fraction: float,
+                      mtp: bool = False) -> int:
     """``num_blocks``, or when None what memory affords (``default_num_blocks``), the smallest
     over the ranks of a world, so every rank holds the same blocks."""
     if num_blocks is None:
-        num_blocks = default_num_blocks(engine, max_num_seqs, memory_fraction)
+        num_blocks = default_num_blocks(engine, max_num_seqs, memory_fraction, mtp)
     return world_min(num_blocks)

@@ -23,10 +23,11 @@ from kiln.dtypes import torch_dtype
 from kiln.errors import KilnError, WorldError
 from kiln.layers.lora import LoraStep
 from kiln.models.hybrid import attention_modules, is_recurrent
+from kiln.models.mtp import mtp_attention
 from kiln.runtime.engine import Engine
 from kiln.runtime.grammar_masks import GrammarMasks
 from kiln.runtime.logits_processors import TokenHistory, process_logits
-from kiln.runtime.mtp import MtpProposer, mtp_attention
+from kiln.runtime.mtp import MtpProposer
 from kiln.runtime.prompt_tuning import prompt_step
 from kiln.runtime.request_processor import RequestProcessor
 from kiln.runtime.sampling import sample

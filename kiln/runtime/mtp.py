@@ -16,23 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from kiln.errors import ConfigError
 from kiln.runtime.scheduler import RunnerOutput, ScheduledChunk
 from kiln.runtime.sequence import Sequence
-from kiln.runtime.speculative import SPECULATIVE_TOKEN_BUDGET, can_speculate
+from kiln.runtime.speculative import can_speculate, speculation_pays
 from kiln.step.metadata import AttentionMetadata
-
-
-def mtp_attention(model):
-    """The attention module of ``model``'s MTP layer (its K/V cache is allocated beside the
-    model's); a ConfigError naming the option when the model has none."""
-    mtp = getattr(model, "mtp", None)
-    if mtp is None:
-        raise ConfigError(f"speculative_config.method 'mtp': this {model.config.architecture} engine has no "
-                          "multi-token-prediction layer (its checkpoint had no mtp.* tensors)")
-    if model.config.mapping.world_size > 1:
-        raise ConfigError("speculative_config.method 'mtp' runs on one rank (tp_size and pp_size 1)")
-    return mtp.attention
 
 
 class MtpProposer:
@@ -63,7 +50,7 @@ class MtpProposer:
         """Run the step's rows (``hidden``: the target's final hidden states, one row per token of
         ``input_ids``) through the MTP and guess the next tokens of the sequences that caught up."""
         rows, ids, positions, query_lens, seq_lens, tables, drafting = [], [], [], [], [], [], []
-        speculating = len(chunks) * (self.num_tokens + 1) <= SPECULATIVE_TOKEN_BUDGET
+        speculating = speculation_pays(len(chunks), self.num_tokens)
         at = 0
         for chunk in chunks:
             seq, start = chunk.seq, chunk.seq.num_computed_tokens

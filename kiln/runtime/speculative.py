@@ -104,6 +104,12 @@ def propose_ngram(token_ids: list[int], config: SpeculativeConfig, limit: int) -
 SPECULATIVE_TOKEN_BUDGET = 64
 
 
+def speculation_pays(num_seqs: int, k: int) -> bool:
+    """Whether ``num_seqs`` sequences verifying ``k`` proposals each (``k + 1`` tokens) stay
+    within ``SPECULATIVE_TOKEN_BUDGET``: a step bound by reading the weights, not by compute."""
+    return num_seqs * (k + 1) <= SPECULATIVE_TOKEN_BUDGET
+
+
 class Speculator:
     """Proposes tokens for the decoding sequences of the next step: n-gram lookup, or ``drafter``
     (``kiln.runtime.draft.DraftProposer``) for a draft model."""
@@ -119,7 +125,7 @@ class Speculator:
         reads the weights for little compute, nearly free; past ``SPECULATIVE_TOKEN_BUDGET`` tokens
         a step is compute-bound, and speculation switches off."""
         k = self.config.num_speculative_tokens
-        enabled = len(running) * (k + 1) <= SPECULATIVE_TOKEN_BUDGET
+        enabled = speculation_pays(len(running), k)
         wanted = []
         for seq in running:
             seq.spec_tokens = []
