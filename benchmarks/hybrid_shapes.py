@@ -30,13 +30,20 @@ class HybridShape:
     state_head: int = 128  # key and value head widths of Gated DeltaNet
     conv: int = 4
     interval: int = 4  # every 4th layer full attention
+    mtp: int = 0  # multi-token-prediction blocks kept after the model's own (llama.cpp's nextn)
+
+    @property
+    def blocks(self) -> int:
+        return self.layers + self.mtp
 
     def recurrent(self, layer: int) -> bool:
-        return (layer + 1) % self.interval != 0
+        return layer < self.layers and (layer + 1) % self.interval != 0
 
 
 HYBRID_SHAPES = {
     "qwen3.5-9b": HybridShape("qwen35", 4096, 32, 16, 4, 12288),
+    # as the released checkpoint converts without --no-mtp: one MTP block (benchmarks/mtp_ceiling.py)
+    "qwen3.5-9b-mtp": HybridShape("qwen35", 4096, 32, 16, 4, 12288, mtp=1),
     "qwen3.5-35b-a3b": HybridShape("qwen35moe", 2048, 40, 16, 2, 512, experts=256, top_k=8, shared_width=512),
 }
 
@@ -63,6 +70,9 @@ def hybrid_layer(m: HybridShape, i: int, linear_type, f32) -> dict[str, tuple[tu
     else:
         matrices.update({"ffn_gate": (m.ffn, m.hidden), "ffn_up": (m.ffn, m.hidden), "ffn_down": (m.hidden, m.ffn)})
     vectors.update({"attn_norm.weight": (m.hidden,), "post_attention_norm.weight": (m.hidden,)})
+    if i >= m.layers:  # an MTP block: a gated-attention layer and the nextn tensors
+        matrices["nextn.eh_proj"] = (m.hidden, 2 * m.hidden)
+        vectors.update({f"nextn.{n}.weight": (m.hidden,) for n in ("enorm", "hnorm", "shared_head_norm")})
     out = {f"blk.{i}.{n}.weight": (dims, linear_type(n)) for n, dims in matrices.items()}
     out.update({f"blk.{i}.{n}": (dims, f32) for n, dims in vectors.items()})
     return out
@@ -71,13 +81,15 @@ def hybrid_layer(m: HybridShape, i: int, linear_type, f32) -> dict[str, tuple[tu
 def hybrid_metadata(writer, m: HybridShape, vocab: int) -> None:
     """The keys llama.cpp's converter writes for the real model."""
     a = m.arch
-    ints = [("block_count", m.layers), ("context_length", 262144), ("embedding_length", m.hidden),
+    ints = [("block_count", m.blocks), ("context_length", 262144), ("embedding_length", m.hidden),
             *([] if m.experts else [("feed_forward_length", m.ffn)]), ("attention.head_count", m.heads),
             ("attention.head_count_kv", m.kv_heads), ("attention.key_length", m.head),
             ("attention.value_length", m.head), ("ssm.conv_kernel", m.conv), ("ssm.state_size", m.state_head),
             ("ssm.group_count", m.key_heads), ("ssm.time_step_rank", m.value_heads),
             ("ssm.inner_size", m.value_heads * m.state_head), ("full_attention_interval", m.interval),
             ("rope.dimension_count", m.head // 4), ("vocab_size", vocab)]
+    if m.mtp:
+        ints.append(("nextn_predict_layers", m.mtp))
     if m.experts:
         ints += [("expert_count", m.experts), ("expert_used_count", m.top_k), ("expert_feed_forward_length", m.ffn),
                  ("expert_shared_feed_forward_length", m.shared_width)]
@@ -86,7 +98,7 @@ def hybrid_metadata(writer, m: HybridShape, vocab: int) -> None:
     writer.add_float32(f"{a}.rope.freq_base", 1e7)
     writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
     writer.add_array(f"{a}.rope.dimension_sections", [11, 11, 10, 0])
-    writer.add_array(f"{a}.attention.recurrent_layers", [m.recurrent(i) for i in range(m.layers)])
+    writer.add_array(f"{a}.attention.recurrent_layers", [m.recurrent(i) for i in range(m.blocks)])
 
 
 def hybrid_float_values(name: str, dims: tuple[int, ...], rng: np.random.Generator) -> np.ndarray | None:

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 import scale  # benchmarks/ is on the path: scripts run from it
+from converted_shapes import CONVERTED_SHAPES, write_converted_gguf
 from hybrid_shapes import HYBRID_SHAPES, hybrid_float_values, hybrid_layer, hybrid_metadata
 from kiln.bench.common import append_record, new_record
 from kiln.bench.machine import machine_facts
@@ -87,8 +88,10 @@ SHAPES = {
                               dense_layers=1, dense_width=10944, kv_lora=512, nope=128, rope=64, value=128),
 }
 QUANTS = {"qwen3moe": ("q4_0", "q4_k_m"), "gpt-oss": ("mxfp4",), "deepseek2": ("q4_0",), "qwen35": ("q4_0", "q4_k_m"),
-          "qwen35moe": ("q4_0", "q4_k_m")}
-ALL_SHAPES = {**SHAPES, **HYBRID_SHAPES}  # (hybrid_shapes.py: Qwen3.5's Gated DeltaNet beside attention)
+          "qwen35moe": ("q4_0", "q4_k_m"), "granitehybrid": ("q4_0", "q8_0", "q4_k_m")}
+# (hybrid_shapes.py: Qwen3.5's Gated DeltaNet beside attention; converted_shapes.py: Granite 4's
+# Mamba2, written by llama.cpp's own converter and quantizer)
+ALL_SHAPES = {**SHAPES, **HYBRID_SHAPES, **CONVERTED_SHAPES}
 VOCAB = scale.VOCAB  # SmolLM2's tokenizer
 BATCHES = scale.BATCHES
 
@@ -142,7 +145,7 @@ def gguf_tensors(shape: str, quant: str) -> dict[str, tuple[tuple[int, ...], obj
            "output_norm.weight": ((m.hidden,), Q.F32),
            "output.weight": ((VOCAB, m.hidden), tensor_types(quant, "output", 0, m.layers))}
     gpt_oss = m.arch == "gpt-oss"
-    for i in range(m.layers):
+    for i in range(getattr(m, "blocks", m.layers)):
         if shape in HYBRID_SHAPES:
             out.update(hybrid_layer(m, i, lambda stem, i=i: tensor_types(quant, stem, i, m.layers), Q.F32))
             continue
@@ -317,7 +320,8 @@ def llama_batched_bench(binary: str, gguf_path: Path, batches: tuple[int, ...], 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=list(ALL_SHAPES), default="qwen3-30b-a3b",
-                   help="model shape (default qwen3-30b-a3b; qwen3.5-*: hybrid, see hybrid_shapes.py)")
+                   help="model shape (default qwen3-30b-a3b; qwen3.5-*: hybrid, see hybrid_shapes.py; granite-*: "
+                        "written by llama.cpp's converter, see converted_shapes.py)")
     p.add_argument("--quant", choices=sorted({q for qs in QUANTS.values() for q in qs}), default=None,
                    help="the GGUF's types: q4_0 or q4_k_m (Qwen3 shape; default q4_0), mxfp4 (gpt-oss; its default)")
     p.add_argument("--work_dir", default="/tmp/kiln-moe", help="where the file and engine go (reused)")
@@ -341,11 +345,13 @@ def main(argv: list[str] | None = None) -> int:
     if not gguf_path.is_file():
         print(f"writing {gguf_path} (random {args.quant} blocks)", flush=True)
         started = time.perf_counter()
-        write_gguf(args.shape, args.quant, gguf_path.with_suffix(".partial"))
+        write = write_converted_gguf if args.shape in CONVERTED_SHAPES else write_gguf
+        write(args.shape, args.quant, gguf_path.with_suffix(".partial"))
         gguf_path.with_suffix(".partial").rename(gguf_path)
         print(f"  {gguf_path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - started:.0f} s", flush=True)
     machine = machine_facts()
-    record = new_record("moe_scale", shape=args.shape, quant=args.quant, random_weights=True, vocab=VOCAB,
+    vocab = CONVERTED_SHAPES[args.shape].vocab if args.shape in CONVERTED_SHAPES else VOCAB
+    record = new_record("moe_scale", shape=args.shape, quant=args.quant, random_weights=True, vocab=vocab,
                         threads=torch.get_num_threads(), new_tokens=args.new_tokens, rounds=args.rounds,
                         machine=machine, gguf_bytes=gguf_path.stat().st_size)
     steps = work / "steps.json"
@@ -388,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def format_moe_scale(record: dict) -> str:
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
-    lines = [f"{record['shape']} {record['quant']} (random weights, vocab {VOCAB}), {record['threads']} threads, "
+    lines = [f"{record['shape']} {record['quant']} (random weights, vocab {record['vocab']}), {record['threads']} threads, "
              f"{record['new_tokens']} new tokens, median of {record['rounds']} (page cache warmed); read bandwidth "
              f"{record['machine'].get('read_gbs', 0):.1f} GB/s; GGUF {gb(record['gguf_bytes'])}, "
              f"kiln engine {gb(record['engine_bytes'])}"]

@@ -170,7 +170,9 @@ def _moe_scale(records: list[dict]) -> list[str]:
             "weights, SmolLM2's vocabulary)", "",
             "`python benchmarks/moe_scale.py --shape qwen3-30b-a3b --quant q4_0|q4_k_m` (or `--shape gpt-oss-20b "
             "--quant mxfp4`, `--shape deepseek-v2-lite --quant q4_0`, the hybrid `--shape qwen3.5-9b|qwen3.5-35b-a3b "
-            "--quant q4_0`) `--batched_bench PATH/llama-batched-bench`: the GGUF's quantized blocks written directly; "
+            "--quant q4_0`, or Granite 4's Mamba2 hybrid `--shape granite-4.0-h-micro`, whose GGUF llama.cpp's own "
+            "converter and quantizer write from a random bf16 directory, GPT-2's vocabulary) "
+            "`--batched_bench PATH/llama-batched-bench`: the GGUF's quantized blocks written directly; "
             "kiln converts it keeping each block's precision (experts expert-major). Batch-1 greedy decode after a "
             "32-token prompt and after N tokens (`--contexts`), each engine in a fresh process per round with its "
             "files read into "
@@ -294,9 +296,31 @@ def _speculative(records: list[dict]) -> list[str]:
             "acceptance says nothing of a trained model's.", "", *rows]
 
 
+def _mtp_ceiling(records: list[dict]) -> list[str]:
+    """Qwen3.5's MTP draft with every proposal kept, beside plain decode (kiln) and llama.cpp plain."""
+    latest = {(r["shape"], _cpu(r)): r for r in records if r.get("kind") == "mtp_ceiling"}
+    if not latest:
+        return []
+    rows = ["| date | CPU | shape, GGUF | llama.cpp plain tok/s | kiln plain tok/s | kiln MTP, every proposal kept: "
+            "k, tokens a step, tok/s, x plain, x llama.cpp | command |", "|---|---|---|---:|---:|---|---|"]
+    for r in sorted(latest.values(), key=lambda r: r["date"], reverse=True)[:ROWS]:
+        t, ll = r["kiln_decode_tok_s"], r["llamacpp_decode_tok_s"]
+        ks = "; ".join(f"{k}: {r['kept'][k]:.2f}, {t[f'mtp k={k}']:.2f}, {t[f'mtp k={k}'] / t['plain']:.2f}x, "
+                       f"{t[f'mtp k={k}'] / ll:.2f}x" for k in r["kept"])
+        rows.append(f"| {r['date'][:10]} | {_cpu(r)} | {r['shape']} {r['quant']} | {ll:.2f} | {t['plain']:.2f} | "
+                    f"{ks} | `{_short(r['command'])}` |")
+    return ["## Multi-token prediction (Qwen3.5's MTP layer as the draft): the ceiling at real size", "",
+            "`python benchmarks/mtp_ceiling.py`: the 9B shape with the MTP block llama.cpp's converter keeps (random "
+            "weights, Q4_0); batch-1 greedy decode after a 32-token prompt, kiln plain and kiln with "
+            "`{"method": "mtp", "num_speculative_tokens": k}`, the MTP doing all its work (its K/V for every "
+            "row, k guesses through the LM head a step) while its guesses are replaced by the plain answer's tokens: "
+            "what a trained checkpoint gains at most. llama.cpp decodes the same file plainly in the same run.",
+            "", *rows]
+
+
 def render(records: list[dict]) -> str:
     parts = [HEADER.rstrip(), "", *_scale(records), "", *_moe_scale(records), "", *_quality(records), "", *_scoring(records), "",
-             *_structured_decode(records), "", *_speculative(records), "",
+             *_structured_decode(records), "", *_speculative(records), "", *_mtp_ceiling(records), "",
              *_latency(records), "", *_throughput(records), "", *_robustness(records)]
     return "\n".join(parts) + "\n"
 

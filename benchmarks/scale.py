@@ -232,7 +232,8 @@ def gguf_bytes_per_token(path: str) -> int:
     reader = gguf.GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
     used, count = reader.fields.get(f"{arch}.expert_used_count"), reader.fields.get(f"{arch}.expert_count")
-    share = used.contents() / count.contents() if used is not None and count is not None else 1.0
+    # (a model without experts may still write expert_count 0: Granite 4's converter)
+    share = used.contents() / count.contents() if used is not None and count is not None and count.contents() else 1.0
     tensors = {t.name: int(t.n_bytes) * (share if "_exps." in t.name else 1) for t in reader.tensors}
     untied = "output.weight" in tensors
     return int(sum(tensors.values()) - (tensors["token_embd.weight"] if untied else 0))

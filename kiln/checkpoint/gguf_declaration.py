@@ -98,10 +98,6 @@ class Joined:
 
     parts: tuple[str, ...]
     join: Callable[..., torch.Tensor]
-    # The HF block weight name when the ``joined`` key cannot be it: one HF tensor that files hold
-    # in either of two sets of parts (Granite's shared MLP: ffn_gate/ffn_up, or *_shexp with experts)
-    name: str | None = None
-
 
 @dataclass(frozen=True)
 class GGUFArchitecture:
@@ -169,7 +165,7 @@ class GGUFArchitecture:
         _, layer, part = name[:-len(".weight")].split(".", 2)
         for hf, joined in self.joined.items():
             if part in joined.parts:
-                return f"{self.layers}.{layer}.{joined.name or hf}.weight", joined, joined.parts.index(part)
+                return f"{self.layers}.{layer}.{hf}.weight", joined, joined.parts.index(part)
         return None
 
     def offset_of(self, gguf_name: str) -> float:

@@ -11,14 +11,15 @@ attention layers have KV heads, its MLP layers a ``feed_forward_length``, the re
 llama.cpp's converter stores ``A_log`` as ``-exp(A_log)`` (``[heads, 1]``), ``D`` as ``[heads, 1]``,
 the convolution weights squeezed, the gated norm's weight as ``[groups, inner / groups]``, ``dt_bias``
 as ``ssm_dt.bias``, q/k rows permuted for its rotary even without rotary; Granite's fused
-``input_linear`` tensors (the shared MLP's, the experts') as their gate and up halves, joined back
-here.
+``input_linear`` tensors (the shared MLP's, the experts') as their gate and up halves, which read
+as separate projections (``shared_mlp.gate_proj`` / ``up_proj``, stacked experts as other GGUF
+MoE files: ``mlp.experts.*``), so each keeps its quantized blocks.
 """
 from __future__ import annotations
 
 import torch
 
-from kiln.checkpoint.gguf_declaration import ATTENTION, GGUFArchitecture, Joined, Meta
+from kiln.checkpoint.gguf_declaration import ATTENTION, EXPERTS, GGUFArchitecture, Meta
 
 
 def _one_count(m: Meta, key: str, counts: list[int]) -> int | None:
@@ -104,24 +105,20 @@ def _mamba_tensors(mixer: str) -> tuple[dict, dict, dict]:
     return block, whole, converted
 
 
-def _halves(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Granite's ``input_linear`` (gate rows, then up rows; per expert when stacked)."""
-    return torch.cat([gate, up], dim=-2)
-
-
 _GRANITE_MAMBA = _mamba_tensors("mamba")
+# The shared MLP's halves as separate projections (kiln.models.granite_hybrid reads either form);
+# with experts the converter names them *_shexp.
+_GRANITE_SHARED_MLP = {"ffn_gate": "shared_mlp.gate_proj", "ffn_up": "shared_mlp.up_proj",
+                       "ffn_down": "shared_mlp.down_proj"}
 _NEMOTRON_MAMBA = _mamba_tensors("mixer")
 
 MAMBA_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "granitehybrid": GGUFArchitecture(
         "GraniteMoeHybridForCausalLM", "granitemoehybrid", _granitehybrid,
-        {**ATTENTION, **_GRANITE_MAMBA[0], "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-         "ffn_down": "shared_mlp.output_linear", "ffn_down_shexp": "shared_mlp.output_linear",
-         "ffn_gate_inp": "block_sparse_moe.router.layer", "ffn_down_exps": "block_sparse_moe.output_linear"},
-        permuted_qk=True, whole=_GRANITE_MAMBA[1], converted=_GRANITE_MAMBA[2],
-        joined={"shared_mlp.input_linear": Joined(("ffn_gate", "ffn_up"), _halves),
-                "shared expert": Joined(("ffn_gate_shexp", "ffn_up_shexp"), _halves, "shared_mlp.input_linear"),
-                "block_sparse_moe.input_linear": Joined(("ffn_gate_exps", "ffn_up_exps"), _halves)}),
+        {**ATTENTION, **_GRANITE_MAMBA[0], **EXPERTS, **_GRANITE_SHARED_MLP,
+         **{f"{stem}_shexp": name for stem, name in _GRANITE_SHARED_MLP.items()},
+         "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate"},
+        permuted_qk=True, whole=_GRANITE_MAMBA[1], converted=_GRANITE_MAMBA[2]),
     "nemotron_h": GGUFArchitecture(
         "NemotronHForCausalLM", "nemotron_h", _nemotron_h,
         {**{k: v.replace("self_attn", "mixer") for k, v in ATTENTION.items()}, **_NEMOTRON_MAMBA[0],

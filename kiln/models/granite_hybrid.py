@@ -14,6 +14,7 @@ beside a few attention layers, each layer followed by a SiLU-gated feed-forward 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from torch import nn
@@ -22,7 +23,7 @@ from kiln.config import PretrainedConfig
 from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
 from kiln.layers.mlp import GatedMLP
-from kiln.layers.moe import MixtureOfExperts, check_expert_config
+from kiln.layers.moe import MixtureOfExperts, check_expert_config, external_layout
 from kiln.mapping import Mapping
 from kiln.models.base import DecoderModelForCausalLM
 from kiln.models.hf_config import hf_get, rope_decoder_config
@@ -37,9 +38,13 @@ _KINDS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "full_atte
 class GraniteExperts(MixtureOfExperts):
     """Granite's experts as its checkpoints hold them: under ``block_sparse_moe``, the router
     ``router.layer``, each expert's gate and up rows in one stacked ``input_linear``
-    ``[E, 2 I, hidden]``, ``output_linear`` ``[E, hidden, I]``."""
+    ``[E, 2 I, hidden]``, ``output_linear`` ``[E, hidden, I]``; or, from a GGUF file, each
+    projection stacked on its own (``per_projection``, as other GGUF MoE files)."""
 
     def match_external_keys(self, external: set[str]) -> None:
+        if external_layout(external, self.names) == "per_projection":
+            super().match_external_keys(external)
+            return
         self.router.external_key_map = {"mlp": "block_sparse_moe", "router": "router.layer"}
         if self.fused:  # an engine loads kiln's own names only
             return
@@ -48,6 +53,10 @@ class GraniteExperts(MixtureOfExperts):
                                            (self.proj, "proj", "output_linear", None)):
             module.fused_part, module.stacked_source = part, True
             module.external_key_map = {"mlp": "block_sparse_moe", name: source}
+
+
+def _split_shared_mlp(external_keys: set[str]) -> bool:
+    return any(k.endswith(".shared_mlp.gate_proj.weight") for k in external_keys)
 
 
 def time_step_limit(hf: dict, *names: str) -> list:
@@ -68,6 +77,18 @@ class GraniteMoeHybridForCausalLM(HybridModel, DecoderModelForCausalLM):
     # (the shared MLP's fc and gate are the halves of input_linear: make_mlp)
     hf_key_map = {"mixer": "mamba", "mlp": "shared_mlp", "shared_expert": "", "fc": "input_linear",
                   "gate": "input_linear", "proj": "output_linear"}
+    # A GGUF file's shared MLP: its halves as separate projections (kiln.checkpoint.gguf_mamba)
+    split_key_map = {**hf_key_map, "fc": "gate_proj", "gate": "up_proj", "proj": "down_proj"}
+
+    @classmethod
+    def key_map_for(cls, external_keys: set[str]) -> dict:
+        return cls.split_key_map if _split_shared_mlp(external_keys) else cls.hf_key_map
+
+    @classmethod
+    def config_for_keys(cls, config: PretrainedConfig, external_keys: set[str]) -> PretrainedConfig:
+        """Whether the shared MLP comes as halves of ``input_linear`` (HF) or split (GGUF)."""
+        return dataclasses.replace(config, extra={**config.extra,
+                                                  "shared_mlp_split": _split_shared_mlp(external_keys)})
 
     @classmethod
     def make_mixer(cls, config: PretrainedConfig, layer_idx: int, kind: str) -> nn.Module:
@@ -87,7 +108,8 @@ class GraniteMoeHybridForCausalLM(HybridModel, DecoderModelForCausalLM):
                                  shared_intermediate_size=config.intermediate_size, dtype=torch_dtype(config.dtype),
                                  tp_size=tp.tp_size, tp_rank=tp.tp_rank, fused=engine_layout)
             shared = mlp.shared_expert
-        if isinstance(shared, GatedMLP) and not shared.fused:  # from a checkpoint: the halves of input_linear
+        if isinstance(shared, GatedMLP) and not shared.fused and not config.get("shared_mlp_split"):
+            # from an HF checkpoint: the halves of input_linear
             shared.fc.fused_part, shared.gate.fused_part = (0, 2), (1, 2)
         return mlp
 
