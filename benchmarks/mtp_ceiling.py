@@ -14,6 +14,7 @@ decodes the same file plainly beside it (the same threads). Appends a record (ki
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         scale.timed_child([kiln, "convert", "--model_dir", str(gguf_path), "--output_dir", str(work / "ckpt")])
         scale.timed_child([kiln, "build", "--checkpoint_dir", str(work / "ckpt"), "--output_dir", engine,
                            "--max_batch_size", "4", "--max_seq_len", "1024"])
+        shutil.rmtree(work / "ckpt")
     prompt = scale._prompts(0)[0]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     plain = LLM(engine, progress=False)

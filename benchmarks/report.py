@@ -312,7 +312,7 @@ def _mtp_ceiling(records: list[dict]) -> list[str]:
     return ["## Multi-token prediction (Qwen3.5's MTP layer as the draft): the ceiling at real size", "",
             "`python benchmarks/mtp_ceiling.py`: the 9B shape with the MTP block llama.cpp's converter keeps (random "
             "weights, Q4_0); batch-1 greedy decode after a 32-token prompt, kiln plain and kiln with "
-            "`{"method": "mtp", "num_speculative_tokens": k}`, the MTP doing all its work (its K/V for every "
+            "`{\"method\": \"mtp\", \"num_speculative_tokens\": k}`, the MTP doing all its work (its K/V for every "
             "row, k guesses through the LM head a step) while its guesses are replaced by the plain answer's tokens: "
             "what a trained checkpoint gains at most. llama.cpp decodes the same file plainly in the same run.",
             "", *rows]
