@@ -269,7 +269,7 @@ def _speculative(records: list[dict]) -> list[str]:
             "llama.cpp plain / prompt lookup tok/s | kiln n-gram / llama.cpp lookup | "
             "every proposal kept: kiln / llama.cpp speed-up | command |",
             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in sorted(latest.values(), key=lambda r: r["date"], reverse=True)[:4]:  # two rows a record
+    for r in sorted(latest.values(), key=lambda r: r["date"], reverse=True)[:3]:  # two rows a record
         for name, w in r["workloads"].items():
             t = w["decode_tok_s"]
             peer = (f"{_tok_s(t['llama.cpp'])} / {_tok_s(t['llama.cpp prompt lookup'])} | "
@@ -309,7 +309,7 @@ def _mtp_ceiling(records: list[dict]) -> list[str]:
                        f"{t[f'mtp k={k}'] / ll:.2f}x" for k in r["kept"])
         rows.append(f"| {r['date'][:10]} | {_cpu(r)} | {r['shape']} {r['quant']} | {ll:.2f} | {t['plain']:.2f} | "
                     f"{ks} | `{_short(r['command'])}` |")
-    return ["## Multi-token prediction (Qwen3.5's MTP layer as the draft): the ceiling at real size", "",
+    return ["", "**Multi-token prediction** (Qwen3.5's MTP layer as the draft), its ceiling at real size: "
             "`python benchmarks/mtp_ceiling.py`: the 9B shape with the MTP block llama.cpp's converter keeps (random "
             "weights, Q4_0); batch-1 greedy decode after a 32-token prompt, kiln plain and kiln with "
             "`{\"method\": \"mtp\", \"num_speculative_tokens\": k}`, the MTP doing all its work (its K/V for every "
@@ -320,7 +320,7 @@ def _mtp_ceiling(records: list[dict]) -> list[str]:
 
 def render(records: list[dict]) -> str:
     parts = [HEADER.rstrip(), "", *_scale(records), "", *_moe_scale(records), "", *_quality(records), "", *_scoring(records), "",
-             *_structured_decode(records), "", *_speculative(records), "", *_mtp_ceiling(records), "",
+             *_structured_decode(records), "", *_speculative(records), *_mtp_ceiling(records), "",
              *_latency(records), "", *_throughput(records), "", *_robustness(records)]
     return "\n".join(parts) + "\n"
 
