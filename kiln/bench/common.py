@@ -10,10 +10,11 @@ from pathlib import Path
 
 import torch
 
-from kiln.checkpoint.lora import LORA_MODULE_IDS, LoraModule, module_shapes
+from kiln.checkpoint.lora import LORA_MODULE_IDS, LoraModule
 from kiln.layers.expert_linear import ExpertLinear
 from kiln.layers.linear import Linear
 from kiln.layers.moe import MixtureOfExperts
+from kiln.models.lora_targets import lora_module_shapes
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -167,13 +168,16 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def random_lora_modules(config, rank: int, modules: tuple[str, ...], seed: int = 0, scale: float = 0.01) -> list:
     """A random LoRA adapter (``kiln.checkpoint.lora.LoraModule`` rows): rank ``rank`` on the
-    reference ``modules`` of every layer of a model of ``config``, entries ``scale`` x N(0, 1)."""
+    reference ``modules`` of every layer of a model of ``config`` that has them, entries ``scale``
+    x N(0, 1)."""
     g = torch.Generator().manual_seed(seed)
-    shapes = module_shapes(config)
+    shapes = lora_module_shapes(config)
     rows = []
     for layer in range(config.num_hidden_layers):
         for name in modules:
-            size_in, size_out = shapes[LORA_MODULE_IDS[name]]
+            if (layer, LORA_MODULE_IDS[name]) not in shapes:
+                continue
+            size_in, size_out = shapes[layer, LORA_MODULE_IDS[name]]
             rows.append(LoraModule(LORA_MODULE_IDS[name], layer, torch.randn(rank, size_in, generator=g) * scale,
                                    torch.randn(size_out, rank, generator=g) * scale))
     return rows

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.checkpoint.lora import (LORA_MODULE_IDS, LORA_MODULE_NAMES, engine_lora_shapes, module_shapes,
+from kiln.checkpoint.lora import (LORA_MODULE_IDS, LORA_MODULE_NAMES, engine_lora_shapes, module_names,
                                  parse_lora_tensors)
 from kiln.checkpoint.peft import CONFIG_FILE, WEIGHTS_FILE, read_adapter
-from kiln.errors import BuildError, CheckpointError
+from kiln.errors import BuildError, CheckpointError, ConfigError
+from kiln.models.lora_targets import lora_module_shapes
 
 ADAPTERS_DIR = "lora"
 
@@ -24,14 +25,16 @@ ADAPTERS_DIR = "lora"
 def lora_build(model_config, lora_dirs: list[str | Path], max_lora_rank: int | None,
                target_modules: list[str] | None, dora: bool = False) -> tuple[dict, dict[str, tuple]]:
     """The engine's ``lora_config`` section and its adapters ``{name: (weights, config)}``."""
-    shapes = module_shapes(model_config)
+    try:
+        shapes = lora_module_shapes(model_config)
+    except ConfigError as e:
+        raise BuildError(f"LoRA: {e}") from None
     for name in target_modules or []:
-        if name not in LORA_MODULE_IDS or LORA_MODULE_IDS[name] not in shapes:
-            raise BuildError(f"--lora_target_modules {name!r}: this model takes "
-                             f"{sorted(LORA_MODULE_NAMES[i] for i in shapes)}")
+        if name not in module_names(shapes):
+            raise BuildError(f"--lora_target_modules {name!r}: this model takes {module_names(shapes)}")
     if max_lora_rank is not None and max_lora_rank < 1:
         raise BuildError(f"--max_lora_rank must be at least 1, got {max_lora_rank}")
-    allowed = engine_lora_shapes(model_config, {"lora_target_modules": target_modules})
+    allowed = engine_lora_shapes(shapes, {"lora_target_modules": target_modules})
     adapters, used, ranks = {}, set(), []
     for directory in lora_dirs:
         name = Path(directory).name

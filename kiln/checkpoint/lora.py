@@ -6,7 +6,8 @@ for the same row, the in-weights ``A`` ``[r, in]`` flattened, then the out-weigh
 ``[out, r]`` flattened, then (DoRA rows) the ``out`` magnitude values, zero-padded to the
 longest row. The adapter's delta for that module of that layer is ``B @ A`` (any
 ``lora_alpha / r`` scaling already folded into ``B``). Module ids are the reference's table
-(``LORA_MODULE_IDS``); ``module_shapes`` gives each module's (in, out) sizes for a model.
+(``LORA_MODULE_IDS``, with kiln's own for recurrent mixers past them); a model gives the (in, out)
+sizes of the modules each of its layers has (``ModuleShapes``).
 """
 from __future__ import annotations
 
@@ -24,8 +25,20 @@ LORA_MODULE_IDS: dict[str, int] = {
     "cross_attn_qkv": 8, "cross_attn_q": 9, "cross_attn_k": 10, "cross_attn_v": 11, "cross_attn_dense": 12,
     "moe_h_to_4h": 13, "moe_4h_to_h": 14, "moe_gate": 15, "moe_router": 16, "mlp_router": 17,
     "mlp_gate_up": 18,
+    # kiln's own, past the reference's table (it predates recurrent layers): a short-convolution
+    # or Mamba2 mixer's in_proj and any recurrent mixer's out_proj; Gated DeltaNet's four input
+    # projections, and Qwen3-Next's two fused ones (qkv and z rows, b and a rows).
+    "mixer_in": 19, "mixer_out": 20,
+    "linear_attn_qkv": 21, "linear_attn_z": 22, "linear_attn_b": 23, "linear_attn_a": 24,
+    "linear_attn_qkvz": 25, "linear_attn_ba": 26,
 }
 LORA_MODULE_NAMES: dict[int, str] = {i: name for name, i in LORA_MODULE_IDS.items()}
+# Recurrent mixers' linears are whole on every rank of a tensor-parallel engine.
+RECURRENT_MODULES = frozenset(range(19, 27))
+
+# (layer, module id) -> (in, out) features: the modules a model takes adapters on, layer by
+# layer (kiln.models.lora_targets.lora_module_shapes).
+ModuleShapes = dict[tuple[int, int], tuple[int, int]]
 
 
 @dataclass
@@ -48,32 +61,18 @@ class LoraModule:
         return LORA_MODULE_NAMES[self.module_id]
 
 
-def module_shapes(config) -> dict[int, tuple[int, int]]:
-    """(in, out) features of every module id a decoder of ``config`` (a PretrainedConfig) has:
-    attention and a gated or plain MLP (no cross attention, no experts)."""
-    hidden, head = config.hidden_size, config.head_size
-    q, kv = config.num_attention_heads * head, config.num_key_value_heads * head
-    inter = config.intermediate_size or 4 * hidden
-    return {
-        LORA_MODULE_IDS["attn_qkv"]: (hidden, q + 2 * kv),
-        LORA_MODULE_IDS["attn_q"]: (hidden, q),
-        LORA_MODULE_IDS["attn_k"]: (hidden, kv),
-        LORA_MODULE_IDS["attn_v"]: (hidden, kv),
-        LORA_MODULE_IDS["attn_dense"]: (q, hidden),
-        LORA_MODULE_IDS["mlp_h_to_4h"]: (hidden, inter),
-        LORA_MODULE_IDS["mlp_4h_to_h"]: (inter, hidden),
-        LORA_MODULE_IDS["mlp_gate"]: (hidden, inter),
-        LORA_MODULE_IDS["mlp_gate_up"]: (hidden, 2 * inter),
-    }
-
-
-def engine_lora_shapes(config, lora_config: dict | None) -> dict[int, tuple[int, int]]:
-    """``module_shapes`` of the modules an engine takes adapters for: those its build named
-    (``lora_config.lora_target_modules`` in the engine's config.json), or all of the model's."""
-    shapes = module_shapes(config)
+def engine_lora_shapes(shapes: ModuleShapes, lora_config: dict | None) -> ModuleShapes:
+    """The model's ``shapes`` of the modules an engine takes adapters for: those its build named
+    (``lora_config.lora_target_modules`` in the engine's config.json), or all of them."""
     if not lora_config or not lora_config.get("lora_target_modules"):
         return shapes
-    return {i: shapes[i] for i in (LORA_MODULE_IDS[name] for name in lora_config["lora_target_modules"])}
+    allowed = {LORA_MODULE_IDS[name] for name in lora_config["lora_target_modules"]}
+    return {key: shape for key, shape in shapes.items() if key[1] in allowed}
+
+
+def module_names(shapes: ModuleShapes, layer: int | None = None) -> list[str]:
+    """The module names in ``shapes`` (of one ``layer``, or of any), in id order."""
+    return [LORA_MODULE_NAMES[i] for i in sorted({m for lay, m in shapes if layer is None or lay == layer})]
 
 
 def _as_tensor(value, name: str) -> torch.Tensor:
@@ -85,10 +84,10 @@ def _as_tensor(value, name: str) -> torch.Tensor:
         raise CheckpointError(f"LoRA {name}: expected a tensor or NumPy array, got {type(value).__name__}") from e
 
 
-def parse_lora_tensors(weights, config, shapes: dict[int, tuple[int, int]], num_layers: int,
+def parse_lora_tensors(weights, config, shapes: ModuleShapes, num_layers: int,
                        max_rank: int | None = None, dora: bool = True) -> list[LoraModule]:
-    """The rows of an adapter in the reference format, checked against a model whose modules
-    have ``shapes`` (``module_shapes``) and ``num_layers`` layers; ``max_rank`` bounds the
+    """The rows of an adapter in the reference format, checked against a model of ``num_layers``
+    layers whose modules have ``shapes`` layer by layer; ``max_rank`` bounds the
     adapter size when the engine has one, ``dora`` False refuses DoRA rows (an engine built
     without ``--dora_plugin enable``). Every error names the row and the field."""
     w, c = _as_tensor(weights, "weights"), _as_tensor(config, "config")
@@ -106,12 +105,16 @@ def parse_lora_tensors(weights, config, shapes: dict[int, tuple[int, int]], num_
     for row, (module_id, layer, rank, *is_dora_field) in enumerate(c.long().tolist()):
         where = f"LoRA config row {row} ([{module_id}, {layer}, {rank}{''.join(f', {d}' for d in is_dora_field)}])"
         if module_id not in LORA_MODULE_NAMES:
-            raise CheckpointError(f"{where}: unknown module_id {module_id} (the reference's ids are 0-18)")
-        if module_id not in shapes:
+            raise CheckpointError(f"{where}: unknown module_id {module_id} (the reference's ids are 0-18, "
+                                  f"kiln's recurrent ones 19-{max(LORA_MODULE_NAMES)})")
+        if module_id not in {m for _, m in shapes}:
             raise CheckpointError(f"{where}: module {LORA_MODULE_NAMES[module_id]} (id {module_id}) is not one this "
-                                  f"engine applies LoRA to; it takes {sorted(LORA_MODULE_NAMES[i] for i in shapes)}")
+                                  f"engine applies LoRA to; it takes {module_names(shapes)}")
         if not 0 <= layer < num_layers:
             raise CheckpointError(f"{where}: layer_idx {layer} is outside the model's {num_layers} layers")
+        if (layer, module_id) not in shapes:
+            raise CheckpointError(f"{where}: layer {layer} has no {LORA_MODULE_NAMES[module_id]}; its modules that "
+                                  f"take adapters are {module_names(shapes, layer)}")
         if rank < 1 or (max_rank is not None and rank > max_rank):
             bound = f" (the engine's max_lora_rank is {max_rank})" if max_rank is not None else ""
             raise CheckpointError(f"{where}: adapter_size {rank} must be at least 1{bound}")
@@ -125,7 +128,7 @@ def parse_lora_tensors(weights, config, shapes: dict[int, tuple[int, int]], num_
             raise CheckpointError(f"{where}: module {LORA_MODULE_NAMES[module_id]} of layer {layer} is already "
                                   f"given by row {seen[module_id, layer]}")
         seen[module_id, layer] = row
-        size_in, size_out = shapes[module_id]
+        size_in, size_out = shapes[layer, module_id]
         needed = rank * size_in + size_out * rank + (size_out if is_dora else 0)
         if needed > w.shape[1]:
             raise CheckpointError(f"{where}: needs {needed} weight values ({rank} x {size_in} in, {size_out} x "
@@ -143,8 +146,9 @@ def parse_lora_tensors(weights, config, shapes: dict[int, tuple[int, int]], num_
 
 # Fused modules and the parts they cover: an adapter holding both would adapt the same output
 # columns twice, which DoRA cannot (each row's magnitude normalizes its own W + B A).
-_FUSED_PARTS = {LORA_MODULE_IDS["attn_qkv"]: {LORA_MODULE_IDS[n] for n in ("attn_q", "attn_k", "attn_v")},
-                LORA_MODULE_IDS["mlp_gate_up"]: {LORA_MODULE_IDS[n] for n in ("mlp_h_to_4h", "mlp_gate")}}
+_FUSED_PARTS = {LORA_MODULE_IDS[fused]: {LORA_MODULE_IDS[n] for n in parts} for fused, parts in (
+    ("attn_qkv", ("attn_q", "attn_k", "attn_v")), ("mlp_gate_up", ("mlp_h_to_4h", "mlp_gate")),
+    ("linear_attn_qkvz", ("linear_attn_qkv", "linear_attn_z")), ("linear_attn_ba", ("linear_attn_b", "linear_attn_a")))}
 
 
 def _check_dora_overlaps(modules: list[LoraModule], rows_of: dict[tuple[int, int], int]) -> None:
@@ -186,8 +190,9 @@ def shard_lora_module(module: LoraModule, config, tp_size: int, tp_rank: int) ->
     """Rank ``tp_rank``'s share of ``module`` for a model of ``config`` split over ``tp_size``
     ranks. Fused targets split each of their parts as the fused linear does: q, k and v of
     ``attn_qkv`` (k and v whole on every rank of a group when there are fewer KV heads than
-    ranks), gate and up of ``mlp_gate_up``."""
-    if tp_size == 1:
+    ranks), gate and up of ``mlp_gate_up``. A recurrent mixer's modules stay whole (so are its
+    linears)."""
+    if tp_size == 1 or module.module_id in RECURRENT_MODULES:
         return module
     if module.module_id in ROW_MODULES:
         size_in = module.a.shape[1]
@@ -197,9 +202,9 @@ def shard_lora_module(module: LoraModule, config, tp_size: int, tp_rank: int) ->
         part = size_in // tp_size
         return LoraModule(module.module_id, module.layer, module.a[:, tp_rank * part:(tp_rank + 1) * part].clone(),
                           module.b.clone(), module.magnitude)
-    head = config.head_size
-    q, kv = config.num_attention_heads * head, config.num_key_value_heads * head
+    kv = config.num_key_value_heads * config.head_size
     if module.module_id == LORA_MODULE_IDS["attn_qkv"]:
+        q = module.b.shape[0] - 2 * kv  # (twice the heads' width with an output gate: Qwen3.5)
         parts = [(0, q, tp_size, tp_rank), (q, kv, *_kv_split(config, tp_size, tp_rank)),
                  (q + kv, kv, *_kv_split(config, tp_size, tp_rank))]
     elif module.module_id in (LORA_MODULE_IDS["attn_k"], LORA_MODULE_IDS["attn_v"]):

@@ -35,7 +35,16 @@ PEFT_TARGETS = {
     "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_dense",
     "qkv_proj": "attn_qkv", "query_key_value": "attn_qkv",
     "gate_proj": "mlp_h_to_4h", "up_proj": "mlp_gate", "down_proj": "mlp_4h_to_h", "gate_up_proj": "mlp_gate_up",
+    "w1": "mlp_h_to_4h", "w3": "mlp_gate", "w2": "mlp_4h_to_h",  # LFM2's feed-forward
+    "input_linear": "mlp_gate_up", "output_linear": "mlp_4h_to_h",  # Granite's shared MLP
+    # recurrent mixers: short convolution and Mamba2, Gated DeltaNet (Qwen3.5; Qwen3-Next's fused)
+    "in_proj": "mixer_in", "out_proj": "mixer_out",
+    "in_proj_qkv": "linear_attn_qkv", "in_proj_z": "linear_attn_z", "in_proj_b": "linear_attn_b",
+    "in_proj_a": "linear_attn_a", "in_proj_qkvz": "linear_attn_qkvz", "in_proj_ba": "linear_attn_ba",
 }
+# Names that mean another module inside some blocks: (block, name) -> reference module name.
+_IN_BLOCK = {("self_attn", "out_proj"): "attn_dense", ("attn", "out_proj"): "attn_dense",  # LFM2, OPT, GPT-J
+             ("mixer", "up_proj"): "mlp_h_to_4h"}  # Nemotron-H's plain MLP block: up_proj is the activated one
 WEIGHTS_FILE, CONFIG_FILE = "model.lora_weights.npy", "model.lora_config.npy"
 STORAGE_TYPES = {"float16": torch.float16, "float32": torch.float32}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?([A-Za-z_]\w*)\."
@@ -123,7 +132,7 @@ def peft_to_lora_modules(adapter_dir: str | Path, base_model: str | Path | None 
                               "which the LoRA format cannot carry")
     if config.get("fan_in_fan_out"):
         raise CheckpointError(f"{adapter_dir}: fan_in_fan_out adapters (Conv1D targets) are not converted")
-    parts: dict[tuple[int, str], dict] = {}
+    parts: dict[tuple[int, str], dict] = {}  # (layer, the adapted module's key) -> its tensors
     for key, tensor in tensors.items():
         found = _KEY.search(key)
         if found is None:
@@ -134,10 +143,15 @@ def peft_to_lora_modules(adapter_dir: str | Path, base_model: str | Path | None 
             raise CheckpointError(f"{adapter_dir}: tensor {key!r} adapts {target!r}; kiln converts "
                                   f"{sorted(PEFT_TARGETS)}")
         module_key = key[:found.start(2)] + target
-        parts.setdefault((layer, target), {"key": module_key})[found.group("side") or "M"] = tensor
+        if ".experts." in module_key:  # one row per (module, layer) has no room for an expert's own
+            raise CheckpointError(f"{adapter_dir}: tensor {key!r} adapts an expert; kiln applies no adapters "
+                                  "to mixture-of-experts blocks")
+        module_id = LORA_MODULE_IDS[_IN_BLOCK.get((module_key.split(".")[-2], target), PEFT_TARGETS[target])]
+        parts.setdefault((layer, module_key), {"key": module_key, "id": module_id})[found.group("side") or "M"] = tensor
     source = open_source(base_model) if dora else None
     modules = []
-    for (layer, target), part in parts.items():
+    for (layer, module_key), part in parts.items():
+        target = module_key.rpartition(".")[2]
         for side, what in (("A", "lora_A"), ("B", "lora_B")) + ((("M", "lora_magnitude_vector"),) if dora else ()):
             if side not in part:
                 raise CheckpointError(f"{adapter_dir}: layer {layer} {target} has no {what}")
@@ -155,7 +169,7 @@ def peft_to_lora_modules(adapter_dir: str | Path, base_model: str | Path | None 
                 raise CheckpointError(f"{adapter_dir}: layer {layer} {target}: lora_magnitude_vector has "
                                       f"{magnitude.numel()} values for {b.shape[0]} outputs")
             magnitude = magnitude / _dora_row_norms(source, part["key"], a, b)
-        modules.append(LoraModule(LORA_MODULE_IDS[PEFT_TARGETS[target]], layer, a, b, magnitude))
+        modules.append(LoraModule(part["id"], layer, a, b, magnitude))
     if not modules:
         raise CheckpointError(f"{adapter_dir}: the adapter has no LoRA weights")
     return sorted(modules, key=lambda m: (m.layer, m.module_id))

@@ -25,7 +25,9 @@ def add_parser(sub) -> None:
                       help="largest adapter rank the engine takes (default: the largest of --lora_dir)")
     lora.add_argument("--lora_target_modules", nargs="+", metavar="MODULE",
                       help="modules adapters may adapt, by the reference's names (attn_q attn_k attn_v attn_qkv "
-                           "attn_dense mlp_h_to_4h mlp_4h_to_h mlp_gate mlp_gate_up; default: those of --lora_dir)")
+                           "attn_dense mlp_h_to_4h mlp_4h_to_h mlp_gate mlp_gate_up) and, in hybrid models, kiln's "
+                           "for recurrent mixers (mixer_in mixer_out linear_attn_qkv linear_attn_z linear_attn_b "
+                           "linear_attn_a linear_attn_qkvz linear_attn_ba); default: those of --lora_dir")
     lora.add_argument("--dora_plugin", choices=["enable", "disable"], default="disable",
                       help="take DoRA adapters too (rows with is_dora and normalized magnitudes: kiln lora "
                            "normalize-dora); default disable")

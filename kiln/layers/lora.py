@@ -21,15 +21,19 @@ import torch
 from kiln.checkpoint.lora import LoraModule
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LoraTarget:
     """A reference module (``module_id``) of layer ``layer`` inside a linear: its delta goes
-    to output columns ``start:stop``."""
+    to output columns ``start:stop``. ``rows`` (int64 indices), when the linear holds only some
+    of the module's output rows (one half of a gate/up pair kiln keeps as two linears, or Qwen3-Next's
+    rows of a fused projection kiln splits), says which, in column order; None: all of them.
+    Compared by identity: a linear's targets are made once and key the fused-matmul cache."""
 
     layer: int
     module_id: int
     start: int
     stop: int
+    rows: torch.Tensor | None = None
 
 
 class LoraAdapter:
@@ -84,10 +88,10 @@ def _fuse(present: list[tuple[LoraTarget, tuple]]) -> FusedLora:
     offset = 0
     for t, (_, module_b, magnitude) in present:
         columns = slice(t.start - start, t.stop - start)
-        b[columns, offset:offset + module_b.shape[1]] = module_b
+        b[columns, offset:offset + module_b.shape[1]] = module_b if t.rows is None else module_b[t.rows]
         offset += module_b.shape[1]
         if magnitude is not None:
-            scale[columns] = magnitude
+            scale[columns] = magnitude if t.rows is None else magnitude[t.rows]
     return FusedLora(a, b, start, stop, scale)
 
 

@@ -22,20 +22,20 @@ import torch
 from torch import nn
 
 from kiln.checkpoint.format import read_config
-from kiln.checkpoint.lora import LORA_MODULE_IDS
 from kiln.config import PretrainedConfig
 from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
 from kiln.layers.embedding import PromptStep
 from kiln.layers.linear import ColumnLinear
-from kiln.layers.lora import LoraTarget
 from kiln.layers.mlp import MLP, GatedMLP
 from kiln.layers.normalization import RmsNorm
 from kiln.models import loading
 from kiln.models.decoder import DecoderLayer, Transformer, layer_field, positive_field
 from kiln.models.hybrid import attention_modules
+from kiln.models.lora_targets import assign_lora_targets
 from kiln.models.native_decode import native_decode_for
 from kiln.models.registry import get_model_class
+
 
 class DecoderModelForCausalLM(nn.Module):
     """A decoder-only causal LM in kiln's layout. Subclasses declare a family."""
@@ -132,32 +132,8 @@ class DecoderModelForCausalLM(nn.Module):
         return t.finish(hidden) if self.config.mapping.is_last_pp_rank else hidden
 
     def assign_lora_targets(self) -> None:
-        """Mark every linear with the reference LoRA modules it holds (``Linear.lora_targets``):
-        q, k, v and the whole qkv in the fused qkv projection, the attention output, the gated
-        MLP's gate (``mlp_h_to_4h``: the activated branch, kiln's ``fc``), up (``mlp_gate``) and
-        both (``mlp_gate_up``), and its down projection (``mlp_4h_to_h``)."""
-        # Column ranges are this rank's: its adapters are sharded to match (kiln.runtime.lora_cache).
-        for key, layer in self.transformer.layers.items():
-            i, attn, mlp = int(key), getattr(layer, "attention", None), layer.mlp
-
-            def target(name: str, start: int, stop: int) -> LoraTarget:
-                return LoraTarget(i, LORA_MODULE_IDS[name], start, stop)
-
-            if attn is not None:  # (a recurrent layer's projections take no adapters)
-                q, kv = attn.qkv.q_size // attn.qkv.tp_size, attn.qkv.kv_size // attn.qkv.kv_tp_size  # this rank's
-                attn.qkv.lora_targets = (target("attn_qkv", 0, q + 2 * kv), target("attn_q", 0, q),
-                                         target("attn_k", q, q + kv), target("attn_v", q + kv, q + 2 * kv))
-                attn.dense.lora_targets = (target("attn_dense", 0, attn.dense.out_features),)
-            if isinstance(mlp, (MLP, GatedMLP)):
-                inter = mlp.proj.in_features
-                mlp.proj.lora_targets = (target("mlp_4h_to_h", 0, mlp.proj.out_features),)
-                if isinstance(mlp, GatedMLP) and mlp.fused:
-                    mlp.fused_fc.lora_targets = (target("mlp_gate_up", 0, 2 * inter), target("mlp_h_to_4h", 0, inter),
-                                                 target("mlp_gate", inter, 2 * inter))
-                else:
-                    mlp.fc.lora_targets = (target("mlp_h_to_4h", 0, inter),)
-                    if isinstance(mlp, GatedMLP):
-                        mlp.gate.lora_targets = (target("mlp_gate", 0, inter),)
+        """Mark every linear with the LoRA modules it holds (kiln.models.lora_targets)."""
+        assign_lora_targets(self.transformer.layers)
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata,
                       kv_caches: list) -> torch.Tensor | None:

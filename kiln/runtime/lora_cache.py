@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from kiln.checkpoint.lora import engine_lora_shapes, parse_lora_tensors, shard_lora_module
 from kiln.errors import CheckpointError, ConfigError, RequestError
 from kiln.layers.lora import LoraAdapter
+from kiln.models.lora_targets import lora_module_shapes
 
 
 @dataclass
@@ -36,14 +37,15 @@ def parse_adapter(weights, config, model_config, engine_lora: dict | None, where
     rank of a tensor-parallel engine (``shard_lora_module``); a rejection is a
     RequestError starting with ``where``."""
     try:
-        modules = parse_lora_tensors(weights, config, engine_lora_shapes(model_config, engine_lora),
+        shapes = engine_lora_shapes(lora_module_shapes(model_config), engine_lora)
+        modules = parse_lora_tensors(weights, config, shapes,
                                      model_config.num_hidden_layers, (engine_lora or {}).get("max_lora_rank"),
                                      dora=engine_lora is None or engine_lora.get("dora", False))
         mapping = model_config.mapping
         if mapping.tp_size > 1:  # this rank's share, by reference 004's rule
             modules = [shard_lora_module(m, model_config, mapping.tp_size, mapping.tp_rank) for m in modules]
         adapter = LoraAdapter(modules)
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:  # a malformed adapter, or a family that takes none
         raise RequestError(f"{where}: {e}") from None
     adapter.source = (weights, config)  # what the other ranks of a world shard for themselves
     return adapter

@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.checkpoint.lora import LORA_MODULE_IDS, LoraModule, module_shapes, pack_lora_tensors, parse_lora_tensors
+from kiln.checkpoint.lora import LORA_MODULE_IDS, LoraModule, pack_lora_tensors, parse_lora_tensors
 from kiln.checkpoint.peft import CONFIG_FILE, WEIGHTS_FILE, convert_peft_adapter, load_lora_dir, peft_to_lora_modules
 from kiln.errors import CheckpointError
+from kiln.models.lora_targets import lora_module_shapes
+from tests.utils.fakes import llama_config
 
 ROOT = Path(__file__).resolve().parents[2]
 # The reference's example model: 4 layers, hidden size 4 (heads of 2, so q, k and v are 4 wide).
-EXAMPLE_MODEL = SimpleNamespace(hidden_size=4, head_size=2, num_attention_heads=2, num_key_value_heads=2,
-                                intermediate_size=8)
+EXAMPLE_SHAPES = lora_module_shapes(llama_config(hidden=4, heads=2, kv_heads=2, head=2, inter=8, layers=4))
 EXAMPLE_CONFIG = [[1, 0, 2], [2, 0, 4], [1, 1, 2], [2, 1, 4], [1, 2, 2], [1, 3, 8]]  # q and k, then q only
 
 
@@ -35,7 +36,7 @@ def _example_tensors() -> tuple[np.ndarray, np.ndarray, list[tuple[torch.Tensor,
 
 def test_the_reference_example_loads_as_written():
     weights, config, pairs = _example_tensors()
-    modules = parse_lora_tensors(weights, config, module_shapes(EXAMPLE_MODEL), num_layers=4, max_rank=8)
+    modules = parse_lora_tensors(weights, config, EXAMPLE_SHAPES, num_layers=4, max_rank=8)
     assert [(m.name, m.layer, m.rank) for m in modules] == [
         ("attn_q", 0, 2), ("attn_k", 0, 4), ("attn_q", 1, 2), ("attn_k", 1, 4), ("attn_q", 2, 2), ("attn_q", 3, 8)]
     for m, (a, b) in zip(modules, pairs):
@@ -46,7 +47,7 @@ def test_the_reference_example_loads_as_written():
 
 
 def test_dora_rows_carry_their_magnitudes():
-    shapes = module_shapes(EXAMPLE_MODEL)
+    shapes = EXAMPLE_SHAPES
     a, b, magnitude = torch.ones(2, 4), torch.full((4, 2), 2.0), torch.arange(4.0)
     weights = torch.cat([a.reshape(-1), b.reshape(-1), magnitude])[None]
     (module,) = parse_lora_tensors(weights, torch.tensor([[3, 1, 2, 1]]), shapes, num_layers=4)
@@ -58,7 +59,7 @@ def test_dora_rows_carry_their_magnitudes():
 @pytest.mark.parametrize("weights_shape, config, fragment", [
     ((6, 64), [[1, 0, 2]], "a row per config row"),
     ((1, 64), [[1, 0]], "[rows, 3] or [rows, 4]"),
-    ((1, 64), [[19, 0, 2]], "unknown module_id 19"),
+    ((1, 64), [[42, 0, 2]], "unknown module_id 42"),
     ((1, 64), [[8, 0, 2]], "cross_attn_qkv (id 8) is not one this engine applies LoRA to"),
     ((1, 64), [[1, 4, 2]], "layer_idx 4 is outside the model's 4 layers"),
     ((1, 64), [[1, 0, 0]], "adapter_size 0 must be at least 1"),
@@ -69,7 +70,7 @@ def test_dora_rows_carry_their_magnitudes():
 ])
 def test_bad_tensors_name_the_row_and_field(weights_shape, config, fragment):
     with pytest.raises(CheckpointError) as info:
-        parse_lora_tensors(np.zeros(weights_shape, np.float32), np.array(config), module_shapes(EXAMPLE_MODEL),
+        parse_lora_tensors(np.zeros(weights_shape, np.float32), np.array(config), EXAMPLE_SHAPES,
                            num_layers=4, max_rank=8)
     assert fragment in str(info.value)
 
@@ -134,8 +135,7 @@ def test_converted_files_load_back_into_the_same_rows(tmp_path):
     out = convert_peft_adapter(tmp_path / "adapter", tmp_path / "out", "float32")
     weights, config = load_lora_dir(out)
     assert weights.dtype == np.float32 and config.dtype == np.int32 and config.shape == (2 * len(TARGETS), 3)
-    shapes = module_shapes(SimpleNamespace(hidden_size=32, head_size=8, num_attention_heads=4,
-                                           num_key_value_heads=2, intermediate_size=48))
+    shapes = lora_module_shapes(llama_config(hidden=32, heads=4, kv_heads=2, head=8, inter=48, layers=2))
     deltas = _peft_deltas(model)
     for m in parse_lora_tensors(weights, config, shapes, num_layers=2, max_rank=4):
         torch.testing.assert_close(m.b @ m.a, deltas[m.layer, m.name], atol=1e-6, rtol=1e-5)
@@ -195,7 +195,7 @@ def test_tensor_parallel_shards_reassemble(name, tp_size):
     from kiln.checkpoint.lora import ROW_MODULES, shard_lora_module
 
     g = torch.Generator().manual_seed(0)
-    size_in, size_out = module_shapes(GQA_MODEL)[LORA_MODULE_IDS[name]]
+    size_in, size_out = lora_module_shapes(llama_config(16, 4, 2, 4, 24, 1))[0, LORA_MODULE_IDS[name]]
     full = LoraModule(LORA_MODULE_IDS[name], 0, torch.randn(3, size_in, generator=g),
                       torch.randn(size_out, 3, generator=g), torch.randn(size_out, generator=g))
     shards = [shard_lora_module(full, GQA_MODEL, tp_size, r) for r in range(tp_size)]

@@ -1,25 +1,23 @@
 """The two-level LoRA cache, and LoRA requests through the executor (reference 004)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from kiln import SamplingParams
 from kiln.bench.common import random_lora_modules
-from kiln.checkpoint.lora import module_shapes, pack_lora_tensors
+from kiln.checkpoint.lora import pack_lora_tensors
 from kiln.errors import RequestError
 from kiln.layers.lora import LoraAdapter
-from kiln.mapping import Mapping
+from kiln.models.lora_targets import lora_module_shapes
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.executor import Executor, ExecutorConfig, OutputConfig, Request
 from kiln.runtime.lora_cache import LoraCache, LoraCacheConfig, LoraConfig
 from tests.conftest import convert_and_build
+from tests.utils.fakes import llama_config
 from tests.utils.tiny_models import make_llama
 
-MODEL = SimpleNamespace(hidden_size=4, head_size=2, num_attention_heads=2, num_key_value_heads=2,
-                        intermediate_size=8, num_hidden_layers=4, mapping=Mapping())
+MODEL = llama_config(hidden=4, heads=2, kv_heads=2, head=2, inter=8, layers=4)
 
 
 def _tensors(config, rank: int, seed: int, modules=("attn_q", "attn_v", "mlp_4h_to_h")):
@@ -101,7 +99,7 @@ def _alone(engine: Engine, weights, config) -> list[int]:
     """Greedy tokens of PROMPT with the adapter, straight through the engine core."""
     from kiln.checkpoint.lora import parse_lora_tensors
 
-    adapter = LoraAdapter(parse_lora_tensors(weights, config, module_shapes(engine.config), 2))
+    adapter = LoraAdapter(parse_lora_tensors(weights, config, lora_module_shapes(engine.config), 2))
     core = EngineCore(engine, max_num_seqs=1, num_blocks=32)
     request = core.add_request(PROMPT, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), None,
                                lora=adapter)

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from kiln import SamplingParams
-from kiln.checkpoint.lora import module_shapes, pack_lora_tensors, parse_lora_tensors
+from kiln.checkpoint.lora import pack_lora_tensors, parse_lora_tensors
 from kiln.checkpoint.peft import peft_to_lora_modules
 from kiln.layers.lora import LoraAdapter
 from kiln.runtime.engine import Engine
+from kiln.models.lora_targets import lora_module_shapes
 from kiln.runtime.engine_core import EngineCore
 from tests.conftest import convert_and_build
 from tests.utils.tiny_models import make_llama
@@ -53,7 +54,7 @@ def _peft(root, targets: list[str], rank: int, seed: int, **options):
 
 
 def _adapter(engine: Engine, weights, config) -> LoraAdapter:
-    shapes = module_shapes(engine.config)
+    shapes = lora_module_shapes(engine.config)
     return LoraAdapter(parse_lora_tensors(weights, config, shapes, engine.config.num_hidden_layers, max_rank=64))
 
 

@@ -72,3 +72,15 @@ def make_tiny_llama_with_tokenizer(path: Path, **llama_kwargs):
     model = make_llama(Path(path), vocab=len(tokenizer), **llama_kwargs)
     tokenizer.save_pretrained(path)
     return model, tokenizer
+
+
+def llama_config(hidden: int, heads: int, kv_heads: int, head: int, inter: int, layers: int, tp_size: int = 1):
+    """A kiln config of a Llama of these sizes (no weights anywhere): for code that only reads a
+    model's shapes, such as LoRA adapter checks."""
+    from kiln.mapping import Mapping
+    from kiln.models.llama import LlamaForCausalLM
+
+    hf = dict(architectures=["LlamaForCausalLM"], hidden_size=hidden, num_attention_heads=heads,
+              num_key_value_heads=kv_heads, head_dim=head, intermediate_size=inter, num_hidden_layers=layers,
+              vocab_size=32, rms_norm_eps=1e-5, max_position_embeddings=64)
+    return LlamaForCausalLM.config_from_hf(hf, "float32", Mapping(tp_size=tp_size, world_size=tp_size))
