@@ -4,7 +4,8 @@ DeltaNet, dense and MoE) and qwen3next (Qwen3-Next).
 
 Metadata means what llama.cpp reads it to mean. lfm2: a layer with no KV heads
 (``attention.head_count_kv`` 0) is a convolution layer; ``feed_forward_length`` is the width the
-weights have. qwen35: ``attention.recurrent_layers`` marks the Gated DeltaNet layers, ``ssm.*``
+weights have. qwen35: ``attention.recurrent_layers`` marks the Gated DeltaNet layers (without it,
+as in older files, all but every ``full_attention_interval``-th, default 4), ``ssm.*``
 their widths (``group_count`` key heads of ``state_size``, ``time_step_rank`` value heads sharing
 ``inner_size``), ``rope.dimension_count`` the rotary part of a head (its M-RoPE sections are plain
 rotary for text). llama.cpp's converter stores convolution weights squeezed, Qwen3.5's norms as
@@ -57,12 +58,17 @@ def _delta_net_hybrid(m: Meta, **ffn: int) -> dict:
                       "layer (as Qwen3.5 has)")
     blocks = config["num_hidden_layers"]
     layers = config["num_hidden_layers"] = blocks - nextn
-    recurrent = m.get("attention.recurrent_layers")
+    interval = m.int("full_attention_interval", 4)
+    if interval < 1:
+        raise m.error(f"metadata key '{m.arch}.full_attention_interval' is {interval}: it must be positive")
+    # llama.cpp: without recurrent_layers (older files), every interval-th layer is full attention
+    recurrent = m.get("attention.recurrent_layers", None)
+    if recurrent is None:
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)] + [False] * nextn
     if not isinstance(recurrent, list) or len(recurrent) != blocks or any(recurrent[layers:]):
         raise m.error(f"metadata key '{m.arch}.attention.recurrent_layers' must flag each of the {layers} layers "
                       f"(and no multi-token-prediction block)")
     recurrent = recurrent[:layers]
-    m.int("full_attention_interval", 4)  # recurrent_layers says which layers; the interval only made them
     value_heads = m.int("ssm.time_step_rank")
     return {**config, "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent],
             "linear_conv_kernel_dim": m.int("ssm.conv_kernel"), "linear_key_head_dim": m.int("ssm.state_size"),

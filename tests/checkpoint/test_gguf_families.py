@@ -729,12 +729,25 @@ def test_mtp_layer_from_the_converters_file(files, no_tokenizer, tmp_path: Path,
     assert guesses == reference_guesses(hf, modules, seq.token_ids[:count], 2)
 
 
+def test_delta_net_layers_without_recurrent_layers_follow_the_interval(files, tmp_path: Path) -> None:
+    """A file without attention.recurrent_layers (older converters): llama.cpp's rule, every
+    full_attention_interval-th layer full attention (4 when absent), the MTP block none of them."""
+    path = files["qwen3-next-mtp"][2]
+    older = _rewritten(path, tmp_path / "older.gguf", {"attention.recurrent_layers": None,
+                                                       "full_attention_interval": None})
+    assert GGUFSource(older).hf_config() == GGUFSource(path).hf_config()
+    every_2nd = _rewritten(path, tmp_path / "2.gguf", {"attention.recurrent_layers": None, "full_attention_interval": 2})
+    assert GGUFSource(every_2nd).hf_config()["layer_types"] == ["linear_attention", "full_attention"] * 2
+
+
 @pytest.mark.parametrize(("name", "changes", "match"), [
     ("qwen3.5-mtp", {"nextn_predict_layers": 2}, "qwen35.nextn_predict_layers"),  # kiln runs one MTP layer
     ("qwen3.5", {"attention.recurrent_layers": [True, True, True]}, "qwen35.attention.recurrent_layers"),
     ("qwen3-next-mtp", {"nextn_predict_layers": 2}, "qwen3next.nextn_predict_layers"),
     ("qwen3-next-mtp", {"attention.recurrent_layers": [True, True, True, False, True]},
      "qwen3next.attention.recurrent_layers"),  # the MTP block is no Gated DeltaNet layer
+    ("qwen3-next", {"attention.recurrent_layers": None, "full_attention_interval": 0},
+     "qwen3next.full_attention_interval"),
     ("lfm2", {"attention.head_count_kv": [0, 2, 1, 0]}, "lfm2.attention.head_count_kv"),
     ("granite-hybrid", {"attention.head_count_kv": [1, 2, 0, 0]}, "granitehybrid.attention.head_count_kv"),
     ("nemotron-h", {"feed_forward_length": [0, 96, 0, 96, 96]}, "nemotron_h.attention.head_count_kv"),  # one block
