@@ -1,10 +1,11 @@
 """The hybrid GGUF architectures kiln reads (recurrent layers beside attention), as declarations
-(``gguf_declaration``): lfm2 (LFM2's short convolutions) and qwen35 / qwen35moe (Qwen3.5's Gated
-DeltaNet, dense and MoE).
+(``gguf_declaration``): lfm2 (LFM2's short convolutions), qwen35 / qwen35moe (Qwen3.5's Gated
+DeltaNet, dense and MoE) and qwen3next (Qwen3-Next).
 
 Metadata means what llama.cpp reads it to mean. lfm2: a layer with no KV heads
 (``attention.head_count_kv`` 0) is a convolution layer; ``feed_forward_length`` is the width the
-weights have. qwen35: ``attention.recurrent_layers`` marks the Gated DeltaNet layers, ``ssm.*``
+weights have. qwen35: ``attention.recurrent_layers`` marks the Gated DeltaNet layers (without it,
+as in older files, all but every ``full_attention_interval``-th, default 4), ``ssm.*``
 their widths (``group_count`` key heads of ``state_size``, ``time_step_rank`` value heads sharing
 ``inner_size``), ``rope.dimension_count`` the rotary part of a head (its M-RoPE sections are plain
 rotary for text). llama.cpp's converter stores convolution weights squeezed, Qwen3.5's norms as
@@ -13,6 +14,15 @@ outnumber key heads, the value heads tiled (``v0 of every key head, then v1 ...`
 grouped; kiln reads that order as it is (``linear_value_heads_tiled``). A file may keep the
 multi-token-prediction layer after the model's own (``nextn_predict_layers``, counted in
 ``block_count``): its block reads as the checkpoint's ``mtp.*`` (``kiln.models.mtp``).
+
+qwen3next (Qwen3-Next): qwen35moe's metadata and tensors, with Hugging Face's fused projections.
+The converter splits ``in_proj_qkvz`` (per key head its q, k, v and z rows) into ``attn_qkv`` (all
+q, all k, all v: Qwen3.5's ``in_proj_qkv``) and ``attn_gate`` (``in_proj_z``), the value heads
+grouped by key head as in Hugging Face; older files keep it whole as ``ssm_in``, which reads as
+``in_proj_qkvz`` (llama.cpp reads either). ``ssm_ba`` is ``in_proj_ba`` as it is (per key head its
+b rows, then its a rows). ``kiln.models.qwen3_next`` picks each projection's rows from whichever
+the file holds. Every layer is sparse (llama.cpp's qwen3next holds no dense MLP tensors) and the
+top-k weights are renormalised.
 """
 from __future__ import annotations
 
@@ -37,8 +47,10 @@ def _lfm2(m: Meta) -> dict:
             "layer_types": ["full_attention" if kv else "conv" for kv in kv_heads], **global_rope(m)}
 
 
-def _qwen35(m: Meta, **ffn: int) -> dict:
-    """(``ffn``: the MoE files' default feed-forward width, which they need not write.)"""
+def _delta_net_hybrid(m: Meta, **ffn: int) -> dict:
+    """What qwen35, qwen35moe and qwen3next share: Gated DeltaNet layers before gated full
+    attention, and maybe an MTP block. (``ffn``: the MoE files' default feed-forward width, which
+    they need not write.)"""
     config = {**decoder(m, partial_rotary=True, **ffn), **global_rope(m)}
     nextn = m.int("nextn_predict_layers", 0)
     if nextn > 1:
@@ -46,25 +58,48 @@ def _qwen35(m: Meta, **ffn: int) -> dict:
                       "layer (as Qwen3.5 has)")
     blocks = config["num_hidden_layers"]
     layers = config["num_hidden_layers"] = blocks - nextn
-    recurrent = m.get("attention.recurrent_layers")
+    interval = m.int("full_attention_interval", 4)
+    if interval < 1:
+        raise m.error(f"metadata key '{m.arch}.full_attention_interval' is {interval}: it must be positive")
+    # llama.cpp: without recurrent_layers (older files), every interval-th layer is full attention
+    recurrent = m.get("attention.recurrent_layers", None)
+    if recurrent is None:
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)] + [False] * nextn
     if not isinstance(recurrent, list) or len(recurrent) != blocks or any(recurrent[layers:]):
         raise m.error(f"metadata key '{m.arch}.attention.recurrent_layers' must flag each of the {layers} layers "
                       f"(and no multi-token-prediction block)")
     recurrent = recurrent[:layers]
-    m.int("full_attention_interval", 4)  # recurrent_layers says which layers; the interval only made them
-    m.get("rope.dimension_sections", None)  # M-RoPE's sections: text positions are equal in all of them
     value_heads = m.int("ssm.time_step_rank")
     return {**config, "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent],
             "linear_conv_kernel_dim": m.int("ssm.conv_kernel"), "linear_key_head_dim": m.int("ssm.state_size"),
             "linear_num_key_heads": m.int("ssm.group_count"), "linear_num_value_heads": value_heads,
-            "linear_value_head_dim": m.int("ssm.inner_size") // value_heads, "linear_value_heads_tiled": True}
+            "linear_value_head_dim": m.int("ssm.inner_size") // value_heads}
+
+
+def _qwen35(m: Meta, **ffn: int) -> dict:
+    """Qwen3.5's value heads are stored tiled (the converter reorders them for llama.cpp)."""
+    m.get("rope.dimension_sections", None)  # M-RoPE's sections: text positions are equal in all of them
+    return {**_delta_net_hybrid(m, **ffn), "linear_value_heads_tiled": True}
+
+
+def _experts(m: Meta) -> dict:
+    """The sparse layers' fields (a sigmoid-gated shared expert beside the routed ones)."""
+    return {"num_experts": m.int("expert_count"), "num_experts_per_tok": m.int("expert_used_count"),
+            "moe_intermediate_size": m.int("expert_feed_forward_length"),
+            "shared_expert_intermediate_size": m.int("expert_shared_feed_forward_length")}
 
 
 def _qwen35moe(m: Meta) -> dict:
-    experts = m.int("expert_feed_forward_length")
-    return {**_qwen35(m, ffn=experts), "num_experts": m.int("expert_count"),
-            "num_experts_per_tok": m.int("expert_used_count"), "moe_intermediate_size": experts,
-            "shared_expert_intermediate_size": m.int("expert_shared_feed_forward_length")}
+    return {**_qwen35(m, ffn=m.int("expert_feed_forward_length")), **_experts(m)}
+
+
+def _qwen3next(m: Meta) -> dict:
+    if m.any_tensor(".ssm_in.weight") and m.any_tensor(".attn_qkv.weight"):
+        # (llama.cpp would read each layer's own form; no converter writes both)
+        raise m.error("holds both ssm_in (in_proj_qkvz whole) and attn_qkv / attn_gate (it split) tensors")
+    # llama.cpp's qwen3next graph: every layer sparse, the chosen experts' weights renormalised.
+    return {**_delta_net_hybrid(m, ffn=m.int("expert_feed_forward_length")), **_experts(m),
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 def _a_log(stored: torch.Tensor) -> torch.Tensor:
@@ -95,6 +130,11 @@ _QWEN35_MOE_BLOCK = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 
+# in_proj_qkvz split in two (attn_qkv, attn_gate: _QWEN35_BLOCK's names) or whole (older files' ssm_in)
+_QWEN3NEXT_BLOCK = {
+    **{k: v for k, v in _QWEN35_MOE_BLOCK.items() if k not in ("ssm_beta", "ssm_alpha")},
+    "ssm_in": "linear_attn.in_proj_qkvz", "ssm_ba": "linear_attn.in_proj_ba"}
+
 # The MTP block's own tensors (the rest of it is a decoder layer's): Hugging Face's mtp.* names.
 _QWEN35_NEXTN = {"nextn.eh_proj": "fc", "nextn.enorm": "pre_fc_norm_embedding", "nextn.hnorm": "pre_fc_norm_hidden",
                  "nextn.shared_head_norm": "norm"}
@@ -109,5 +149,8 @@ HYBRID_ARCHITECTURES: dict[str, GGUFArchitecture] = {
         plain_norms=("ssm_norm",), whole=_QWEN35_WHOLE, converted=_QWEN35_CONVERTED, nextn=_QWEN35_NEXTN),
     "qwen35moe": GGUFArchitecture(
         "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", _qwen35moe, _QWEN35_MOE_BLOCK, norm_offset=1.0,
+        plain_norms=("ssm_norm",), whole=_QWEN35_WHOLE, converted=_QWEN35_CONVERTED, nextn=_QWEN35_NEXTN),
+    "qwen3next": GGUFArchitecture(
+        "Qwen3NextForCausalLM", "qwen3_next", _qwen3next, _QWEN3NEXT_BLOCK, norm_offset=1.0,
         plain_norms=("ssm_norm",), whole=_QWEN35_WHOLE, converted=_QWEN35_CONVERTED, nextn=_QWEN35_NEXTN),
 }

@@ -2,10 +2,14 @@
 norms, experts with a sigmoid-gated shared expert; ``kiln.models.qwen3_5``) with the Gated DeltaNet
 projections fused as Hugging Face stores them: ``in_proj_qkvz`` holds, for each key head in turn,
 its q and k rows and its value heads' v and z rows; ``in_proj_ba`` its value heads' b then a rows.
-Loading picks each of kiln's four projections' rows out of them (``Linear.source_rows``). Dense
-layers where ``mlp_only_layers`` / ``decoder_sparse_step`` say.
+Loading picks each of kiln's four projections' rows out of them (``Linear.source_rows``). A
+checkpoint holding ``in_proj_qkvz`` already split as Qwen3.5 names it (``in_proj_qkv``: all q, all
+k, all v; ``in_proj_z``: llama.cpp's GGUF files, ``kiln.checkpoint.gguf_hybrid``) loads those two
+as they are. Dense layers where ``mlp_only_layers`` / ``decoder_sparse_step`` say.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -39,9 +43,21 @@ def fused_rows(config: PretrainedConfig) -> dict[str, torch.Tensor]:
 @register_model("Qwen3NextForCausalLM")
 class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
     @classmethod
+    def config_for_keys(cls, config: PretrainedConfig, external_keys: set[str]) -> PretrainedConfig:
+        """Whether ``in_proj_qkvz`` comes whole (Hugging Face) or split in two (GGUF)."""
+        config = super().config_for_keys(config, external_keys)
+        split = any(key.endswith("linear_attn.in_proj_qkv.weight") for key in external_keys)
+        return dataclasses.replace(config, extra={**config.extra, "in_proj_qkvz_split": split})
+
+    @classmethod
     def make_mixer(cls, config: PretrainedConfig, layer_idx: int, kind: str) -> nn.Module:
         mixer = super().make_mixer(config, layer_idx, kind)
+        if kind != "linear_attention":
+            return mixer
+        split = bool(config.get("in_proj_qkvz_split", False))
         for name, rows in fused_rows(config).items():
+            if split and name in ("in_proj_qkv", "in_proj_z"):
+                continue  # stored as kiln holds it
             linear = getattr(mixer, name)
             linear.source_rows = rows
             linear.external_key_map = {name: "in_proj_qkvz" if name in ("in_proj_qkv", "in_proj_z") else "in_proj_ba"}

@@ -22,7 +22,8 @@ groups); one float part leaves the whole linear float. Layers the kernels cannot
 features not a multiple of 16) stay float too.
 
 Every architecture ``GGUFSource`` reads works alike (q/k rows un-permuted where llama.cpp's
-converter permuted them: llama, mistral, smollm3, granite). Linears that read only part of a
+converter permuted them: llama, mistral, smollm3, granite), and so do linears picking whole rows
+of one tensor (Qwen3-Next's ``in_proj_ba``: ``Linear.source_rows``). Linears that read only part of a
 tensor or reorder its rows on loading (Phi-3's and GLM-4's fused ``gate_up_proj``, ERNIE 4.5's
 and GLM-4's adjacent rotary pairs, DeepSeek-V2's latent attention's rotary rows) stay float.
 
@@ -126,7 +127,7 @@ def use_gguf_layout(model: nn.Module, source: GGUFSource, translate) -> QuantCon
                                super_scales=f.super_scales)
         linear.external_key_map = {**(getattr(linear, "external_key_map", None) or {}), "weight": BLOCKS}
         linear.weight_postprocess = (_experts_postprocess_for(types[0], f) if isinstance(linear, ExpertLinear)
-                                     else _postprocess_for(types, f))
+                                     else _postprocess_for(types, f, getattr(linear, "source_rows", None)))
         if not f.exact:
             log.info("%s: GGUF %s rounded to nearest into 8-bit codes (a scale per %d weights)", name,
                      "/".join(t.name for t in types), GROUP)
@@ -135,12 +136,15 @@ def use_gguf_layout(model: nn.Module, source: GGUFSource, translate) -> QuantCon
     return QuantConfig(quant_algo=MIXED_PRECISION, group_size=GROUP, quantized_layers=layers)
 
 
-def _postprocess_for(types: list, f: Native):
+def _postprocess_for(types: list, f: Native, rows: torch.Tensor | None = None):
     """A ``Linear.weight_postprocess``: the raw blocks of the linear's GGUF tensors (q, k and v
-    one after another) -> its kiln tensors in format ``f``."""
+    one after another) -> its kiln tensors in format ``f``; with ``rows`` (``Linear.source_rows``),
+    just those rows of the one tensor (a row's blocks are its own, so picking them is exact)."""
 
     def postprocess(key: str, weights: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         stem = key.rpartition(".")[0]
+        if rows is not None:
+            weights = [weights[0].index_select(0, rows)]
         tensors = to_format([decode(raw, t, f.group) for raw, t in zip(weights, types)], f.bits, f.offset,
                             f.codebook, f.super_scales)
         return {f"{stem}.{name}": tensor for name, tensor in tensors.items()}

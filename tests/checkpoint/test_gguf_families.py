@@ -28,7 +28,10 @@ have exactly the Llama-2 style tokenizer's 400 tokens.
 Hybrid models: LFM2 (short convolutions), Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet, converted with
 ``--no-mtp``), whose value heads the converter stores tiled (read back against the HF tensors put
 in that order); a Qwen3.5 file as q8_0 keeps its blocks; a Qwen3.5 file keeping the MTP layer
-added to its directory runs it as speculative decoding's draft.
+added to its directory runs it as speculative decoding's draft. Qwen3-Next (qwen3next, without
+dense layers, which llama.cpp's qwen3next cannot hold) reads back against the HF tensors with
+in_proj_qkvz split as the converter splits it; its q8_0 file keeps its blocks, and so does one
+holding in_proj_qkvz whole (older converters' ssm_in); its MTP file runs as Qwen3.5's does.
 Mamba2 hybrids: Granite 4 (granitehybrid; dense NoPE as released, and with experts in two groups)
 and Nemotron-H (nemotron_h), read back against the tensors their directories hold (transformers
 renames some in memory).
@@ -46,6 +49,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter
+from gguf.quants import quantize
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -156,12 +160,15 @@ CASES: dict[str, tuple[Callable, dict, Callable]] = {
     "lfm2": (hybrid.make_lfm2, dict(vocab=V), _gpt2),
     "qwen3.5": (hybrid.make_qwen3_5, dict(vocab=V), _gpt2),  # 2 key heads, 4 value heads: stored tiled
     "qwen3.5-moe": (hybrid.make_qwen3_5_moe, dict(vocab=V), _gpt2_for_qwen3_5_moe),
+    # (llama.cpp's qwen3next has no dense layers)
+    "qwen3-next": (hybrid.make_qwen3_next, dict(vocab=V, mlp_only_layers=[]), _gpt2),
     "granite-hybrid": (hybrid.make_granite_hybrid, dict(vocab=V), _gpt2),
     "granite-hybrid-moe": (hybrid.make_granite_hybrid, dict(vocab=V, num_local_experts=4, mamba_n_groups=2), _gpt2),
     "nemotron-h": (hybrid.make_nemotron_h, dict(vocab=V), _gpt2_for_nemotron_h),
 }
 SAVED_NAMES = ("granite-hybrid-moe", "nemotron-h")  # read back against their files' names, not memory's
-CONVERTER_OPTIONS = {"qwen3.5": ["--no-mtp"], "qwen3.5-moe": ["--no-mtp"]}  # (the tiny models have no MTP layers)
+# (the tiny models have no MTP layers)
+CONVERTER_OPTIONS = {"qwen3.5": ["--no-mtp"], "qwen3.5-moe": ["--no-mtp"], "qwen3-next": ["--no-mtp"]}
 WITH_TOKENIZER = "smollm3"  # kiln saves its tokenizer (transformers reads no smollm3 config); the others skip it
 
 
@@ -206,15 +213,16 @@ def files(tmp_path_factory) -> dict[str, tuple[object, Path, Path]]:
         made[name] = (hf, root / "hf", root / f"{name}-f32.gguf")
         jobs.append((root / "hf", root / f"{name}-f32.gguf", "f32", *CONVERTER_OPTIONS.get(name, [])))
     q8 = made["olmo2"][2].with_name("olmo2-q8_0.gguf")
-    qwen3_5_q8 = made["qwen3.5"][2].with_name("qwen3.5-q8_0.gguf")
-    # Qwen3.5 with a multi-token-prediction layer, kept in the file (the converter's default).
-    qwen3_5_mtp = made["qwen3.5"][2].with_name("qwen3.5-mtp-f32.gguf")
-    mtp_modules = hybrid.add_mtp_layer(made["qwen3.5"][1], made["qwen3.5"][0])
+    q8_0 = {name: made[name][2].with_name(f"{name}-q8_0.gguf") for name in ("qwen3.5", "qwen3-next")}
+    # Qwen3.5 and Qwen3-Next with a multi-token-prediction layer, kept in the file (the converter's default).
+    mtp = {name: (hybrid.add_mtp_layer(made[name][1], made[name][0]), made[name][1],
+                  made[name][2].with_name(f"{name}-mtp-f32.gguf")) for name in ("qwen3.5", "qwen3-next")}
     # (first: the converter's --no-mtp stays set on its model class for the later jobs of the process)
-    convert_many_with_llama_cpp([(made["qwen3.5"][1], qwen3_5_mtp, "f32"), *jobs, (made["olmo2"][1], q8, "q8_0"),
-                                 (made["qwen3.5"][1], qwen3_5_q8, "q8_0", *CONVERTER_OPTIONS["qwen3.5"])])
-    return {**made, "olmo2-q8_0": (None, None, q8), "qwen3.5-q8_0": (None, None, qwen3_5_q8),
-            "qwen3.5-mtp": (mtp_modules, made["qwen3.5"][1], qwen3_5_mtp)}
+    convert_many_with_llama_cpp([*((hf_dir, gguf, "f32") for _, hf_dir, gguf in mtp.values()), *jobs,
+                                 (made["olmo2"][1], q8, "q8_0"),
+                                 *((made[name][1], out, "q8_0", *CONVERTER_OPTIONS[name]) for name, out in q8_0.items())])
+    return {**made, "olmo2-q8_0": (None, None, q8), **{f"{name}-q8_0": (None, None, out) for name, out in q8_0.items()},
+            **{f"{name}-mtp": made_mtp for name, made_mtp in mtp.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -244,11 +252,13 @@ def test_gguf_reads_back_as_the_hf_checkpoint(converted, name: str) -> None:
         del state["lm_head.weight"]  # llama.cpp writes no output tensor for a tied head
     if name.startswith("qwen3.5"):
         state = _tiled_value_heads(state, case.hf.config)
+    if name == "qwen3-next":
+        state = _split_qkvz(state, case.hf.config)
     if name.startswith("granite"):
         state = _granite_split(state)
     assert sorted(source.keys()) == sorted(state)
     # Stored as 1 + w (and Qwen3.5's and Mamba2's A_log as -exp(A_log)) in float32
-    atol = 1e-6 if name in ("gemma3", "qwen3.5", "qwen3.5-moe", "granite-hybrid", *SAVED_NAMES) else 0.0
+    atol = 1e-6 if name in ("gemma3", "qwen3.5", "qwen3.5-moe", "qwen3-next", "granite-hybrid", *SAVED_NAMES) else 0.0
     for key, want in state.items():
         torch.testing.assert_close(source.read(key), want, rtol=0, atol=atol, msg=key)
 
@@ -295,6 +305,27 @@ def _tiled_value_heads(state: dict[str, torch.Tensor], config) -> dict[str, torc
         elif key.endswith("linear_attn.out_proj.weight"):
             t = tiled(t, 1, width)
         out[key] = t
+    return out
+
+
+def _qkvz_parts(qkvz: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's ``in_proj_qkvz`` (per key head: its q, k, v and z rows) as the converter splits
+    it: all q, all k, all v rows (Qwen3.5's ``in_proj_qkv``), then all z rows (``in_proj_z``)."""
+    key = config.linear_key_head_dim
+    value = config.linear_num_value_heads // config.linear_num_key_heads * config.linear_value_head_dim
+    q, k, v, z = qkvz.unflatten(0, (config.linear_num_key_heads, -1)).split([key, key, value, value], dim=1)
+    return torch.cat([q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)]), z.flatten(0, 1)
+
+
+def _split_qkvz(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's state with ``in_proj_qkvz`` split as in llama.cpp's qwen3next files."""
+    out = {}
+    for key, t in state.items():
+        if key.endswith("in_proj_qkvz.weight"):
+            stem = key[:-len("in_proj_qkvz.weight")]
+            out[f"{stem}in_proj_qkv.weight"], out[f"{stem}in_proj_z.weight"] = _qkvz_parts(t, config)
+        else:
+            out[key] = t
     return out
 
 
@@ -378,6 +409,56 @@ def test_qwen3_5_q8_0_keeps_its_blocks(files, no_tokenizer, tmp_path: Path) -> N
     prompts = [random_prompt(24, V, seed=1), random_prompt(9, V, seed=2)]
     for ours, ref in zip(kiln_batch_prompt_logits(native, prompts), kiln_batch_prompt_logits(dequantized, prompts)):
         assert (ours.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+def _whole_qkvz(src: Path, dst: Path, state: dict[str, torch.Tensor], keep_split: bool = False) -> Path:
+    """``src`` (qwen3next) as older converters wrote it: each layer's in_proj_qkvz whole (``ssm_in``,
+    from the HF ``state``, in attn_qkv's type) instead of attn_qkv and attn_gate (with
+    ``keep_split``, beside them); no vocabulary lists."""
+    reader = _Reader(src)
+    w = GGUFWriter(dst, "qwen3next")
+    copy_metadata(reader, w, skip=("tokenizer.ggml.t", "tokenizer.ggml.m"))
+    for t in reader.tensors:
+        if t.name.endswith(".attn_qkv.weight"):
+            layer = t.name.split(".")[1]
+            qkvz = state[f"model.layers.{layer}.linear_attn.in_proj_qkvz.weight"].numpy()
+            w.add_tensor(f"blk.{layer}.ssm_in.weight", quantize(qkvz, t.tensor_type), raw_dtype=t.tensor_type)
+        if keep_split or not t.name.endswith((".attn_qkv.weight", ".attn_gate.weight")):
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    finish(w)
+    return dst
+
+
+def test_qwen3_next_q8_0_keeps_its_blocks(files, no_tokenizer, tmp_path: Path) -> None:
+    """Qwen3-Next as llama.cpp's q8_0: in_proj_qkv and in_proj_z (the converter's attn_qkv and
+    attn_gate), out_proj, attention, the experts and the shared expert's gate and up import their
+    blocks (in_proj_b / in_proj_a, 4 rows each of ssm_ba: no whole tile; the shared expert's
+    48-wide down, left F16), logits within 5% of the same file dequantized. A file holding
+    in_proj_qkvz whole (older converters' ssm_in, here quantized from HF's tensor) imports the same
+    blocks, each projection picking its rows of ssm_in's, and computes the same logits."""
+    q8 = files["qwen3-next-q8_0"][2]
+    whole = _whole_qkvz(q8, tmp_path / "whole.gguf", files["qwen3-next"][0].state_dict())
+    engines = [convert_and_build(q8, tmp_path / "split", {}, dtype=None),
+               convert_and_build(whole, tmp_path / "whole", {}, dtype=None),
+               convert_and_build(q8, tmp_path / "float", {}, dtype="float32")]
+    moe = ("mlp.fc", "mlp.gate", "mlp.proj", "mlp.shared_expert.fc", "mlp.shared_expert.gate")
+    recurrent = ("mixer.in_proj_qkv", "mixer.in_proj_z", "mixer.out_proj", *moe)
+    want = {f"transformer.layers.{i}.{n}" for i in range(4)
+            for n in (("attention.qkv", "attention.dense", *moe) if i == 3 else recurrent)}
+    for kind in ("split", "whole"):
+        quant = json.loads((tmp_path / kind / "checkpoint" / "config.json").read_text())["quantization"]
+        assert set(quant["quantized_layers"]) == want, kind
+    prompts = [random_prompt(24, V, seed=1), random_prompt(9, V, seed=2)]
+    for split, whole, ref in zip(*(kiln_batch_prompt_logits(e, prompts) for e in engines)):
+        assert (split.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+        torch.testing.assert_close(whole, split, rtol=0, atol=0)
+
+
+def test_qwen3_next_with_in_proj_qkvz_both_whole_and_split_is_refused(files, tmp_path: Path) -> None:
+    path = _whole_qkvz(files["qwen3-next"][2], tmp_path / "both.gguf", files["qwen3-next"][0].state_dict(),
+                       keep_split=True)
+    with pytest.raises(CheckpointError, match="both ssm_in"):
+        GGUFSource(path).hf_config()
 
 
 def test_granite_hybrid_q8_0_keeps_its_blocks(files, no_tokenizer, tmp_path: Path) -> None:
@@ -627,16 +708,18 @@ def test_gemma4_metadata_kiln_cannot_represent_is_refused(files, tmp_path: Path,
         GGUFSource(path).hf_config()
 
 
-def test_qwen3_5_mtp_layer_from_the_converters_file(files, no_tokenizer, tmp_path: Path) -> None:
-    """A Qwen3.5 GGUF keeping its MTP layer (llama.cpp's converter without --no-mtp: one more block
-    with nextn tensors): the model's own layers as without it, and speculative decoding's MTP
-    guesses equal the reference built from Hugging Face's modules."""
+@pytest.mark.parametrize("name", ["qwen3.5", "qwen3-next"])
+def test_mtp_layer_from_the_converters_file(files, no_tokenizer, tmp_path: Path, name: str) -> None:
+    """A Qwen3.5 or Qwen3-Next GGUF keeping its MTP layer (llama.cpp's converter without --no-mtp:
+    one more block with nextn tensors; Qwen3-Next's with its experts): the model's own layers as
+    without it, and speculative decoding's MTP guesses equal the reference built from Hugging
+    Face's modules."""
     from kiln.runtime.engine import Engine
     from kiln.runtime.engine_core import EngineCore
     from tests.models.test_mtp import GREEDY, MTP, PROMPTS, reference_guesses
 
-    modules, _, gguf = files["qwen3.5-mtp"]
-    hf = files["qwen3.5"][0]
+    modules, _, gguf = files[f"{name}-mtp"]
+    hf = files[name][0]
     assert GGUFSource(gguf).hf_config()["num_hidden_layers"] == hf.config.num_hidden_layers
     core = EngineCore(Engine(convert_and_build(gguf, tmp_path, {}, dtype="float32")), num_blocks=64,
                       speculative_config=MTP)
@@ -646,9 +729,25 @@ def test_qwen3_5_mtp_layer_from_the_converters_file(files, no_tokenizer, tmp_pat
     assert guesses == reference_guesses(hf, modules, seq.token_ids[:count], 2)
 
 
+def test_delta_net_layers_without_recurrent_layers_follow_the_interval(files, tmp_path: Path) -> None:
+    """A file without attention.recurrent_layers (older converters): llama.cpp's rule, every
+    full_attention_interval-th layer full attention (4 when absent), the MTP block none of them."""
+    path = files["qwen3-next-mtp"][2]
+    older = _rewritten(path, tmp_path / "older.gguf", {"attention.recurrent_layers": None,
+                                                       "full_attention_interval": None})
+    assert GGUFSource(older).hf_config() == GGUFSource(path).hf_config()
+    every_2nd = _rewritten(path, tmp_path / "2.gguf", {"attention.recurrent_layers": None, "full_attention_interval": 2})
+    assert GGUFSource(every_2nd).hf_config()["layer_types"] == ["linear_attention", "full_attention"] * 2
+
+
 @pytest.mark.parametrize(("name", "changes", "match"), [
     ("qwen3.5-mtp", {"nextn_predict_layers": 2}, "qwen35.nextn_predict_layers"),  # kiln runs one MTP layer
     ("qwen3.5", {"attention.recurrent_layers": [True, True, True]}, "qwen35.attention.recurrent_layers"),
+    ("qwen3-next-mtp", {"nextn_predict_layers": 2}, "qwen3next.nextn_predict_layers"),
+    ("qwen3-next-mtp", {"attention.recurrent_layers": [True, True, True, False, True]},
+     "qwen3next.attention.recurrent_layers"),  # the MTP block is no Gated DeltaNet layer
+    ("qwen3-next", {"attention.recurrent_layers": None, "full_attention_interval": 0},
+     "qwen3next.full_attention_interval"),
     ("lfm2", {"attention.head_count_kv": [0, 2, 1, 0]}, "lfm2.attention.head_count_kv"),
     ("granite-hybrid", {"attention.head_count_kv": [1, 2, 0, 0]}, "granitehybrid.attention.head_count_kv"),
     ("nemotron-h", {"feed_forward_length": [0, 96, 0, 96, 96]}, "nemotron_h.attention.head_count_kv"),  # one block
