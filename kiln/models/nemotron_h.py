@@ -70,6 +70,7 @@ class NemotronHExperts(MixtureOfExperts):
                                           requires_grad=False)
         self.router.e_score_correction_bias = nn.Parameter(torch.empty(experts, dtype=torch.float32),
                                                            requires_grad=False)
+        self.router.keeps_float32 = True  # in an engine of any dtype (kiln.build)
         self.routed_scaling_factor = config.routed_scaling_factor
         groups = config.get("expert_groups")
         self.groups = tuple(groups) if groups else None
