@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln import distributed
 from kiln.config import PretrainedConfig
 from kiln.dtypes import torch_dtype
 from kiln.errors import ConfigError
-from kiln import distributed
 from kiln.layers.attention import Attention
 from kiln.layers.mlp import MLP
 from kiln.layers.moe import ExpertNames, MixtureOfExperts, ReplicatedLinear, check_expert_config, shared_partial
@@ -84,6 +84,7 @@ class NemotronHExperts(MixtureOfExperts):
         return None  # sigmoid routing: not the native decode step's softmax
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights float32 ``[n, top_k]``, expert ids ``[n, top_k]``) for router logits ``[n, E]``."""
         scores = torch.sigmoid(router_logits.float())
         choice = scores + self.router.e_score_correction_bias.float()  # picks experts; weights stay scores
         if self.groups is not None:
@@ -99,6 +100,8 @@ class NemotronHExperts(MixtureOfExperts):
         return weights * self.routed_scaling_factor, experts
 
     def forward(self, x: torch.Tensor, lora: object = None) -> torch.Tensor:
+        """The routed experts' sum (through the latent projections where there are some) plus the
+        shared expert's output, one all-reduce for both (``lora``: the MLP interface's only)."""
         shape = x.shape
         x = x.reshape(-1, self.hidden_size)
         weights, experts = self.route(self.router(x.float()))
