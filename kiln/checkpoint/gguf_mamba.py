@@ -1,9 +1,16 @@
 """The GGUF architectures with Mamba2 layers kiln reads, as declarations (``gguf_declaration``):
-granitehybrid (Granite 4 hybrids) and nemotron_h (Nemotron-H without experts).
+granitehybrid (Granite 4 hybrids), nemotron_h (Nemotron-H without experts) and nemotron_h_moe
+(Nemotron 3: with experts).
 
 Metadata means what llama.cpp reads it to mean. Layers: granitehybrid's attention layers are
 those with KV heads (``attention.head_count_kv`` per layer), the others Mamba2; nemotron_h's
-attention layers have KV heads, its MLP layers a ``feed_forward_length``, the rest are Mamba2.
+attention layers have KV heads, its MLP layers a ``feed_forward_length``, the rest are Mamba2;
+in nemotron_h_moe the layers with a ``feed_forward_length`` are expert layers (llama.cpp's graph
+for the file's experts: sigmoid scores, ``exp_probs_b`` choosing, the top ``expert_used_count``
+of ``expert_count`` weighted by their scores, renormalised by ``expert_weights_norm``, times
+``expert_weights_scale`` where it is not 0; groups by ``expert_group_count`` /
+``expert_group_used_count``, a group scored by its two best; squared-ReLU experts and shared
+expert; ``moe_latent_size``: the experts between ``ffn_latent_down`` and ``ffn_latent_up``).
 ``ssm.*``: ``time_step_rank`` heads sharing ``inner_size``, ``group_count`` groups of
 ``state_size``, ``conv_kernel``. llama.cpp applies no time-step limit, and rotary only where
 ``rope.scaling.finetuned`` says (never in the converter's Granite 4 hybrids: NoPE).
@@ -71,7 +78,9 @@ def _granitehybrid(m: Meta) -> dict:
             "attention_bias": m.any_tensor(".attn_q.bias"), "time_step_limit": [0.0, None]}
 
 
-def _nemotron_h(m: Meta) -> dict:
+def _nemotron_h(m: Meta, ffn_block: str = "-") -> dict:
+    """nemotron_h's fields (``ffn_block``: the pattern character of its layers with a
+    ``feed_forward_length``: MLP, or experts in nemotron_h_moe)."""
     layers, hidden = m.int("block_count"), m.int("embedding_length")
     head_dim = m.int("attention.key_length")
     if m.int("attention.value_length", head_dim) != head_dim:
@@ -85,7 +94,7 @@ def _nemotron_h(m: Meta) -> dict:
     ssm = _ssm(m)
     return {"vocab_size": m.vocab(), "hidden_size": hidden, "num_attention_heads": heads,
             "num_key_value_heads": kv_heads, "head_dim": head_dim,
-            "hybrid_override_pattern": "".join("*" if k else "-" if f else "M" for k, f in zip(kv, ffn)),
+            "hybrid_override_pattern": "".join("*" if k else ffn_block if f else "M" for k, f in zip(kv, ffn)),
             "intermediate_size": _one_count(m, "feed_forward_length", ffn) or 0,
             "layer_norm_epsilon": m.float("attention.layer_norm_epsilon"), "mlp_hidden_act": "relu2",
             "max_position_embeddings": m.int("context_length"), "tie_word_embeddings": not m.has("output.weight"),
@@ -93,6 +102,28 @@ def _nemotron_h(m: Meta) -> dict:
             "n_groups": ssm["groups"], "conv_kernel": ssm["kernel"], "use_conv_bias": m.any_tensor(".ssm_conv1d.bias"),
             "use_bias": m.any_tensor(".ssm_in.bias"), "mlp_bias": m.any_tensor(".ffn_up.bias"),
             "attention_bias": m.any_tensor(".attn_q.bias"), "time_step_min": 0.0}
+
+
+def _nemotron_h_moe(m: Meta) -> dict:
+    if m.int("nextn_predict_layers", 0):
+        raise m.error(f"metadata key '{m.arch}.nextn_predict_layers' is set: the file keeps a multi-token-prediction "
+                      "block among its layers, which kiln does not read (convert with --no-mtp)")
+    config = _nemotron_h(m, ffn_block="E")
+    experts, width = m.int("expert_count"), m.int("expert_feed_forward_length")
+    if config["intermediate_size"] != width:
+        raise m.error(f"metadata key '{m.arch}.feed_forward_length' ({config['intermediate_size']}) differs from "
+                      f"expert_feed_forward_length ({width}) on the expert layers")
+    groups, used_groups = m.int("expert_group_count", 0), m.int("expert_group_used_count", 0)
+    if groups > 1 and not used_groups:
+        raise m.error(f"metadata key '{m.arch}.expert_group_count' is {groups} without expert_group_used_count")
+    m.int("expert_shared_count", 0)  # (one shared expert of the shared width: neither graph reads the count)
+    shared, scale = m.int("expert_shared_feed_forward_length"), m.float("expert_weights_scale", 0.0)
+    return {**config, "intermediate_size": shared, "n_routed_experts": experts,
+            "num_experts_per_tok": m.int("expert_used_count"), "moe_intermediate_size": width,
+            "moe_shared_expert_intermediate_size": shared, "norm_topk_prob": bool(m.get("expert_weights_norm", False)),
+            "routed_scaling_factor": scale or 1.0,  # llama.cpp: 0 scales nothing
+            "n_group": max(groups, 1), "topk_group": max(used_groups, 1),
+            "moe_latent_size": m.int("moe_latent_size", 0) or None}
 
 
 def _mamba_tensors(mixer: str) -> tuple[dict, dict, dict]:
@@ -111,6 +142,14 @@ _GRANITE_MAMBA = _mamba_tensors("mamba")
 _GRANITE_SHARED_MLP = {"ffn_gate": "shared_mlp.gate_proj", "ffn_up": "shared_mlp.up_proj",
                        "ffn_down": "shared_mlp.down_proj"}
 _NEMOTRON_MAMBA = _mamba_tensors("mixer")
+_NEMOTRON_BLOCK = {**{k: v.replace("self_attn", "mixer") for k, v in ATTENTION.items()}, **_NEMOTRON_MAMBA[0],
+                   "attn_norm": "norm", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj"}
+# The experts stacked under mixer (kiln.models.nemotron_h's per-projection names), router mixer.gate.
+_NEMOTRON_EXPERTS = {"ffn_gate_inp": "mixer.gate", "ffn_up_exps": "mixer.experts.up_proj",
+                     "ffn_down_exps": "mixer.experts.down_proj", "ffn_up_shexp": "mixer.shared_experts.up_proj",
+                     "ffn_down_shexp": "mixer.shared_experts.down_proj", "ffn_latent_down": "mixer.fc1_latent_proj",
+                     "ffn_latent_up": "mixer.fc2_latent_proj"}
+_NEMOTRON_TOP = {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"}
 
 MAMBA_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "granitehybrid": GGUFArchitecture(
@@ -120,9 +159,11 @@ MAMBA_ARCHITECTURES: dict[str, GGUFArchitecture] = {
          "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate"},
         permuted_qk=True, whole=_GRANITE_MAMBA[1], converted=_GRANITE_MAMBA[2]),
     "nemotron_h": GGUFArchitecture(
-        "NemotronHForCausalLM", "nemotron_h", _nemotron_h,
-        {**{k: v.replace("self_attn", "mixer") for k, v in ATTENTION.items()}, **_NEMOTRON_MAMBA[0],
-         "attn_norm": "norm", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj"},
-        top={"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"},
+        "NemotronHForCausalLM", "nemotron_h", _nemotron_h, _NEMOTRON_BLOCK, top=_NEMOTRON_TOP,
         layers="backbone.layers", permuted_qk=True, whole=_NEMOTRON_MAMBA[1], converted=_NEMOTRON_MAMBA[2]),
+    "nemotron_h_moe": GGUFArchitecture(
+        "NemotronHForCausalLM", "nemotron_h", _nemotron_h_moe, {**_NEMOTRON_BLOCK, **_NEMOTRON_EXPERTS},
+        top=_NEMOTRON_TOP, layers="backbone.layers", permuted_qk=True,
+        whole={**_NEMOTRON_MAMBA[1], "exp_probs_b.bias": "mixer.gate.e_score_correction_bias"},
+        converted=_NEMOTRON_MAMBA[2]),
 }

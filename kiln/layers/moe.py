@@ -1,5 +1,7 @@
 """Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE): a router picks ``top_k`` of
 ``num_experts`` SiLU-gated experts per token; an optional shared expert sees every token.
+Un-gated experts (``gated=False``, Nemotron-H's squared ReLU: ``proj(act(fc x))``) hold no
+``gate`` and a plain :class:`MLP` as shared expert; nothing is fused for them.
 
 Checkpoint tensors of one block (under ``transformer.layers.{i}.mlp``; ``E`` experts, ``I``
 the expert intermediate size, ``tp`` the tensor-parallel ranks)::
@@ -46,7 +48,7 @@ from kiln.errors import ConfigError
 from kiln.layers.activation import ClampedSwiGLU, get_activation
 from kiln.layers.expert_linear import ExpertLinear
 from kiln.layers.linear import QUANT_PARAMETERS
-from kiln.layers.mlp import GatedMLP
+from kiln.layers.mlp import MLP, GatedMLP
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,12 @@ class ExpertNames:
 
     ``block`` is the block's name in the per-expert files (Mixtral: ``block_sparse_moe``),
     ``fc``/``gate``/``proj`` an expert's three projections there (``w1``/``w3``/``w2``).
-    The fused layout transformers keeps in memory names the block ``mlp`` for every family.
+    ``stacked_block`` names it in the stacked layouts (transformers' fused one, GGUF's
+    per-projection one): ``mlp`` for every family but Nemotron-H (``mixer``).
     """
 
     block: str = "mlp"
+    stacked_block: str = "mlp"
     router: str = "gate"
     fc: str = "gate_proj"
     gate: str = "up_proj"
@@ -94,7 +98,7 @@ def external_layout(external: set[str], names: ExpertNames) -> str:
     """The ``LAYOUTS`` entry a checkpoint with tensor names ``external`` uses."""
     if any(k.endswith(f".{names.FUSED_FC_GATE}") for k in external):
         return "fused"
-    if any(k.endswith(f".mlp.experts.{names.fc}.weight") for k in external):
+    if any(k.endswith(f".{names.stacked_block}.experts.{names.fc}.weight") for k in external):
         return "per_projection"
     return "per_expert"
 
@@ -107,30 +111,40 @@ class MixtureOfExperts(nn.Module):
     by their sum when ``normalize_top_k`` (Mixtral always; Qwen2-MoE per ``norm_topk_prob``;
     gpt-oss's softmax over the chosen logits is the same). ``router_bias`` / ``expert_bias``:
     biased router and expert projections (gpt-oss); ``gated_act``: ``f(fc x, gate x)`` in place
-    of ``act(fc x) * gate x`` (gpt-oss's clamped SwiGLU).
+    of ``act(fc x) * gate x`` (gpt-oss's clamped SwiGLU); ``gated`` False: ``act(fc x)`` alone.
+    ``expert_hidden_size``: the experts' input and output width where it is not ``hidden_size``
+    (Nemotron-H's latent experts, between projections of their own); ``shared_bias``: a biased
+    shared expert.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, hidden_act: str, *,
                  normalize_top_k: bool, shared_intermediate_size: int = 0, shared_expert_gate: bool = False,
                  names: ExpertNames = ExpertNames(), dtype: torch.dtype | None = None, tp_size: int = 1,
                  tp_rank: int = 0, fused: bool = False, router_bias: bool = False, expert_bias: bool = False,
-                 gated_act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
+                 gated_act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, gated: bool = True,
+                 expert_hidden_size: int | None = None, shared_bias: bool = False):
         super().__init__()
         self.num_experts, self.top_k, self.normalize_top_k = num_experts, top_k, normalize_top_k
+        fused = fused and gated  # (an un-gated expert has nothing to fuse)
         self.hidden_size, self.tp_size, self.fused, self.names = hidden_size, tp_size, fused, names
+        self.tp_rank, self.gated = tp_rank, gated
         self.act, self.gated_act = get_activation(hidden_act), gated_act
         self.adds_proj_bias = expert_bias and tp_rank == 0  # the output bias once, not once per rank
         shard = dict(dtype=dtype, tp_size=tp_size, tp_rank=tp_rank, bias=expert_bias)
+        width = expert_hidden_size or hidden_size
         self.router = ReplicatedLinear(hidden_size, num_experts, bias=router_bias, dtype=dtype)
         if fused:
-            self.fused_fc = ExpertLinear(num_experts, hidden_size, 2 * intermediate_size, 1, **shard)
+            self.fused_fc = ExpertLinear(num_experts, width, 2 * intermediate_size, 1, **shard)
             self.fused_fc.fused_from = ("fc", "gate")  # the checkpoint's projections it stands for
         else:
-            self.fc = ExpertLinear(num_experts, hidden_size, intermediate_size, 1, **shard)
-            self.gate = ExpertLinear(num_experts, hidden_size, intermediate_size, 1, **shard)
-        self.proj = ExpertLinear(num_experts, intermediate_size, hidden_size, 2, **shard)
+            self.fc = ExpertLinear(num_experts, width, intermediate_size, 1, **shard)
+            if gated:
+                self.gate = ExpertLinear(num_experts, width, intermediate_size, 1, **shard)
+        self.proj = ExpertLinear(num_experts, intermediate_size, width, 2, **shard)
         shard.pop("bias")
-        self.shared_expert = (GatedMLP(hidden_size, shared_intermediate_size, hidden_act, False, fused=fused, **shard)
+        self.shared_expert = ((GatedMLP(hidden_size, shared_intermediate_size, hidden_act, shared_bias, fused=fused,
+                                        **shard) if gated
+                               else MLP(hidden_size, shared_intermediate_size, hidden_act, shared_bias, **shard))
                               if shared_intermediate_size else None)
         self.shared_expert_gate = (ReplicatedLinear(hidden_size, 1, dtype=dtype)
                                    if shared_intermediate_size and shared_expert_gate else None)
@@ -164,7 +178,7 @@ class MixtureOfExperts(nn.Module):
             return distributed.all_reduce(out, self.tp_size).view(shape)
         out = self.routed(x, weights, experts)
         if self.shared_expert is not None:
-            shared = _gated_mlp_partial(self.shared_expert, x)
+            shared = shared_partial(self.shared_expert, x, self.tp_rank)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
@@ -206,7 +220,7 @@ class MixtureOfExperts(nn.Module):
         takes them: an engine's quantized experts (the kernels' layout) and an activation it
         computes; else None."""
         if not (self.fused and self.fused_fc.quant_format is not None and self.proj.quant_format is not None):
-            return None
+            return None  # (an un-gated block is never fused)
         key = (self.fused_fc.weight.data_ptr(), self.proj.weight.data_ptr())  # reassigned together at load time
         if getattr(self, "_native_key", None) != key:
             self._native, self._native_key = self._native_weights(), key
@@ -239,7 +253,7 @@ class MixtureOfExperts(nn.Module):
         experts' call (bias-free quantized linears in the kernels' layout, SiLU like the routed
         experts; the call takes it for up to ``SHARED_MAX_ROWS`` tokens); else None."""
         mlp = self.shared_expert
-        if (mlp is None or not mlp.fused or mlp.act is not F.silu
+        if (not isinstance(mlp, GatedMLP) or not mlp.fused or mlp.act is not F.silu
                 or mlp.fused_fc.quant_bits is None or mlp.proj.quant_bits is None):
             return None
         key = (mlp.fused_fc.weight.data_ptr(), mlp.proj.weight.data_ptr())
@@ -259,6 +273,8 @@ class MixtureOfExperts(nn.Module):
 
     def expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``expert``'s output (this rank's partial sum) for rows ``x`` ``[n, hidden]``."""
+        if not self.gated:
+            return self._project(expert, self.act(_biased(self.fc, expert, x)))
         if self.fused:
             both = _biased(self.fused_fc, expert, x)
             if self.gated_act is None and self.act is F.silu and kernels.elementwise_supported(both):
@@ -279,11 +295,13 @@ class MixtureOfExperts(nn.Module):
         if layout not in LAYOUTS:
             raise ValueError(f"expert layout is one of {LAYOUTS}, not {layout!r}")
         n = self.names
-        block = n.block if layout == "per_expert" else "mlp"
+        block = n.block if layout == "per_expert" else n.stacked_block
         self.router.external_key_map = {"mlp": block, "router": n.router}
         if self.fused:  # an engine loads kiln's own names only
             return
-        for module, name, external in ((self.fc, "fc", n.fc), (self.gate, "gate", n.gate), (self.proj, "proj", n.proj)):
+        projections = (("fc", n.fc), ("gate", n.gate), ("proj", n.proj))
+        for name, external in projections if self.gated else projections[::2]:
+            module = getattr(self, name)
             module.fused_part, module.stacked_source = None, layout != "per_expert"
             if layout == "per_expert":
                 per_expert = [f"experts.{e}.{external}" for e in range(self.num_experts)]
@@ -293,7 +311,7 @@ class MixtureOfExperts(nn.Module):
             else:
                 fused = n.FUSED_PROJ if name == "proj" else n.FUSED_FC_GATE
                 module.external_key_map = {"mlp": block, name: fused, "weight": ""}
-        if layout == "fused":
+        if layout == "fused" and self.gated:
             self.fc.fused_part, self.gate.fused_part = (0, 2), (1, 2)
 
     def match_external_keys(self, external: set[str]) -> None:
@@ -304,7 +322,8 @@ class MixtureOfExperts(nn.Module):
         """Fuse each expert's ``fc`` and ``gate`` rows into ``fused_fc`` (the shared expert,
         a GatedMLP, fuses its own)."""
         fused = {}
-        for kind in ("bias", *QUANT_PARAMETERS):  # quantized experts: codes, scales, offsets row by row too
+        # quantized experts: codes, scales, offsets row by row too (un-gated ones: nothing to fuse)
+        for kind in ("bias", *QUANT_PARAMETERS) if self.gated else ():
             if f"{prefix}fc.{kind}" in weights:
                 fc, gate = weights.pop(f"{prefix}fc.{kind}"), weights.pop(f"{prefix}gate.{kind}")
                 fused[f"{prefix}fused_fc.{kind}"] = torch.cat([fc, gate], dim=1)
@@ -330,16 +349,19 @@ def _biased(linear: ExpertLinear, expert: int, x: torch.Tensor) -> torch.Tensor:
     return y if linear.bias is None else y + linear.bias[expert]
 
 
-def _gated_mlp_partial(mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
-    """``mlp(x)`` before its all-reduce (this rank's partial sum); bias-free MLPs only."""
+def shared_partial(mlp: GatedMLP | MLP, x: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """``mlp(x)`` before its all-reduce (this rank's partial sum; the output bias on rank 0 only)."""
+    bias = mlp.proj.bias if tp_rank == 0 else None
+    if isinstance(mlp, MLP):
+        return mlp.proj.matmul(mlp.act(mlp.fc(x)), bias)
     if mlp.fused:
         both = mlp.fused_fc(x)
         if mlp.act is F.silu and kernels.elementwise_supported(both):
-            return mlp.proj.matmul(kernels.silu_mul(both), None)
+            return mlp.proj.matmul(kernels.silu_mul(both), bias)
         fc, gate = both.chunk(2, dim=-1)
     else:
         fc, gate = mlp.fc(x), mlp.gate(x)
-    return mlp.proj.matmul(mlp.act(fc) * gate, None)
+    return mlp.proj.matmul(mlp.act(fc) * gate, bias)
 
 
 def check_expert_config(num_experts: int, top_k: int, intermediate_size: int, tp_size: int, *,

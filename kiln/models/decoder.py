@@ -20,8 +20,9 @@ from kiln.layers.rotary import RotaryEmbedding
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Layers keeping a recurrent state instead of K/V (hybrid models; kiln.models.hybrid).
 RECURRENT_LAYER_TYPES = ("conv", "linear_attention", "mamba")
-# Layers with a feed-forward block only: no K/V and no state (Nemotron-H's; kiln.models.nemotron_h).
-FEED_FORWARD_LAYER_TYPES = ("mlp",)
+# Layers with a feed-forward block only (an MLP or experts): no K/V and no state (Nemotron-H's;
+# kiln.models.nemotron_h).
+FEED_FORWARD_LAYER_TYPES = ("mlp", "moe")
 LAYER_TYPES = ATTENTION_LAYER_TYPES + RECURRENT_LAYER_TYPES + FEED_FORWARD_LAYER_TYPES
 
 

@@ -99,9 +99,9 @@ def _plan(model: nn.Module, source: GGUFSource,
         f = _format(linear, types)
         if f is not None:
             plan[name] = (linear, types, f)
-    # An engine fuses a gated MLP's (or experts') fc and gate into one linear: they share the finer format.
+    # An engine fuses a gated MLP's (or gated experts') fc and gate into one linear: they share the finer format.
     for name, mlp in model.named_modules():
-        if isinstance(mlp, (GatedMLP, MixtureOfExperts)) and not mlp.fused:
+        if isinstance(mlp, (GatedMLP, MixtureOfExperts)) and not mlp.fused and getattr(mlp, "gated", True):
             pair = [f"{name}.fc", f"{name}.gate"]
             if not all(p in plan for p in pair):
                 for p in pair:

@@ -33,8 +33,8 @@ dense layers, which llama.cpp's qwen3next cannot hold) reads back against the HF
 in_proj_qkvz split as the converter splits it; its q8_0 file keeps its blocks, and so does one
 holding in_proj_qkvz whole (older converters' ssm_in); its MTP file runs as Qwen3.5's does.
 Mamba2 hybrids: Granite 4 (granitehybrid; dense NoPE as released, and with experts in two groups)
-and Nemotron-H (nemotron_h), read back against the tensors their directories hold (transformers
-renames some in memory).
+and Nemotron-H (nemotron_h; nemotron_h_moe with latent experts, whose q8_0 file keeps the experts'
+blocks), read back against the tensors their directories hold (transformers renames some in memory).
 """
 from __future__ import annotations
 
@@ -165,8 +165,11 @@ CASES: dict[str, tuple[Callable, dict, Callable]] = {
     "granite-hybrid": (hybrid.make_granite_hybrid, dict(vocab=V), _gpt2),
     "granite-hybrid-moe": (hybrid.make_granite_hybrid, dict(vocab=V, num_local_experts=4, mamba_n_groups=2), _gpt2),
     "nemotron-h": (hybrid.make_nemotron_h, dict(vocab=V), _gpt2_for_nemotron_h),
+    # Nemotron 3's expert layers, in a latent width (Super's shape)
+    "nemotron-h-moe": (hybrid.make_nemotron_h, dict(vocab=V, pattern="ME*E", moe_latent_size=32), _gpt2_for_nemotron_h),
 }
-SAVED_NAMES = ("granite-hybrid-moe", "nemotron-h")  # read back against their files' names, not memory's
+# read back against their files' names, not memory's
+SAVED_NAMES = ("granite-hybrid-moe", "nemotron-h", "nemotron-h-moe")
 # (the tiny models have no MTP layers)
 CONVERTER_OPTIONS = {"qwen3.5": ["--no-mtp"], "qwen3.5-moe": ["--no-mtp"], "qwen3-next": ["--no-mtp"]}
 WITH_TOKENIZER = "smollm3"  # kiln saves its tokenizer (transformers reads no smollm3 config); the others skip it
@@ -256,6 +259,8 @@ def test_gguf_reads_back_as_the_hf_checkpoint(converted, name: str) -> None:
         state = _split_qkvz(state, case.hf.config)
     if name.startswith("granite"):
         state = _granite_split(state)
+    if name == "nemotron-h-moe":
+        state = _stacked_experts(state)
     assert sorted(source.keys()) == sorted(state)
     # Stored as 1 + w (and Qwen3.5's and Mamba2's A_log as -exp(A_log)) in float32
     atol = 1e-6 if name in ("gemma3", "qwen3.5", "qwen3.5-moe", "qwen3-next", "granite-hybrid", *SAVED_NAMES) else 0.0
@@ -282,6 +287,20 @@ def _granite_split(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             out[key] = tensor
     return out
+
+
+def _stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Nemotron-H's experts as its files hold them (``mixer.experts.{e}.up_proj.weight``) stacked
+    as the GGUF file's read (``mixer.experts.up_proj.weight``, ``[experts, out, in]``)."""
+    out, stacks = {}, {}
+    for key, tensor in state.items():
+        layer, sep, rest = key.partition(".mixer.experts.")
+        if not sep:
+            out[key] = tensor
+            continue
+        expert, _, name = rest.partition(".")
+        stacks.setdefault(f"{layer}.mixer.experts.{name}", {})[int(expert)] = tensor
+    return {**out, **{key: torch.stack([by[e] for e in sorted(by)]) for key, by in stacks.items()}}
 
 
 def _tiled_value_heads(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
@@ -740,6 +759,23 @@ def test_delta_net_layers_without_recurrent_layers_follow_the_interval(files, tm
     assert GGUFSource(every_2nd).hf_config()["layer_types"] == ["linear_attention", "full_attention"] * 2
 
 
+def test_nemotron_h_moe_q8_0_keeps_its_blocks(files, no_tokenizer, tmp_path: Path) -> None:
+    """Nemotron 3 (latent experts) as q8_0 (quantized from the f32 file): the un-gated experts'
+    stacked up and down projections and the shared expert's up projection import their blocks
+    (its down projection's 48-wide rows hold no whole block); the router and the latent
+    projections stay float; logits within 5% of the same file dequantized."""
+    q8 = requantize(files["nemotron-h-moe"][2], tmp_path / "nemotron-q8_0.gguf",
+                    dict.fromkeys(("ffn_up_exps", "ffn_down_exps", "ffn_up_shexp"), Q.Q8_0))
+    native = convert_and_build(q8, tmp_path / "native", {}, dtype=None)
+    dequantized = convert_and_build(q8, tmp_path / "float", {}, dtype="float32")
+    quant = json.loads((tmp_path / "native" / "checkpoint" / "config.json").read_text())["quantization"]
+    assert set(quant["quantized_layers"]) == {f"transformer.layers.{i}.mlp.{n}" for i in (1, 3)
+                                              for n in ("fc", "proj", "shared_expert.fc")}
+    prompts = [random_prompt(24, V, seed=1), random_prompt(9, V, seed=2)]
+    for ours, ref in zip(kiln_batch_prompt_logits(native, prompts), kiln_batch_prompt_logits(dequantized, prompts)):
+        assert (ours.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
 @pytest.mark.parametrize(("name", "changes", "match"), [
     ("qwen3.5-mtp", {"nextn_predict_layers": 2}, "qwen35.nextn_predict_layers"),  # kiln runs one MTP layer
     ("qwen3.5", {"attention.recurrent_layers": [True, True, True]}, "qwen35.attention.recurrent_layers"),
@@ -751,6 +787,10 @@ def test_delta_net_layers_without_recurrent_layers_follow_the_interval(files, tm
     ("lfm2", {"attention.head_count_kv": [0, 2, 1, 0]}, "lfm2.attention.head_count_kv"),
     ("granite-hybrid", {"attention.head_count_kv": [1, 2, 0, 0]}, "granitehybrid.attention.head_count_kv"),
     ("nemotron-h", {"feed_forward_length": [0, 96, 0, 96, 96]}, "nemotron_h.attention.head_count_kv"),  # one block
+    # a multi-token-prediction block among the layers (the converter's default where a model has one)
+    ("nemotron-h-moe", {"nextn_predict_layers": 1}, "nemotron_h_moe.nextn_predict_layers"),
+    ("nemotron-h-moe", {"expert_group_count": 2, "expert_group_used_count": None}, "nemotron_h_moe.expert_group_count"),
+    ("nemotron-h-moe", {"expert_gating_func": 1}, "nemotron_h_moe.expert_gating_func"),  # its graph: sigmoid always
 ])
 def test_hybrid_metadata_kiln_cannot_represent_is_refused(files, tmp_path: Path, name: str, changes: dict,
                                                           match: str) -> None:

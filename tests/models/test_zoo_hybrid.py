@@ -31,6 +31,8 @@ CASES: dict[str, tuple[Callable, dict, dict]] = {
     "granite-hybrid-moe": (tiny.make_granite_hybrid, dict(num_local_experts=4, position_embedding_type="rope",
                                                           mamba_n_groups=2), {"max_beam_width": 2}),
     "nemotron-h": (tiny.make_nemotron_h, {}, {"max_beam_width": 2}),
+    # Nemotron 3 Nano's blocks: Mamba2, experts (4, top 2, a shared expert), attention
+    "nemotron-h-moe": (tiny.make_nemotron_h, dict(pattern="ME*E"), {"max_beam_width": 2}),
 }
 
 built = built_fixture(CASES)
@@ -260,9 +262,11 @@ def test_mamba2_decode_kernel_equals_the_pytorch_path(monkeypatch, dtype) -> Non
     _assert_same(_native_then_pytorch(monkeypatch, mamba2, layer, torch.randn(3, 48).to(dtype), start), dtype)
 
 
-def test_nemotron_h_reads_older_config_names_and_refuses_experts() -> None:
+def test_nemotron_h_reads_older_config_names_and_refuses_what_it_cannot_run() -> None:
     """Nemotron-H configs as NVIDIA's remote code wrote them (``hybrid_override_pattern``,
-    ``mamba_*`` field names) read as transformers' do; expert layers are refused, not misread."""
+    ``mamba_*`` field names) read as transformers' do, expert layers included; a block kind kiln
+    does not know and expert groups Hugging Face could not score (one expert each: a group scores
+    by its two best) are refused, not misread."""
     from kiln.errors import ConfigError
     from kiln.mapping import Mapping
     from kiln.models.nemotron_h import NemotronHForCausalLM
@@ -273,8 +277,47 @@ def test_nemotron_h_reads_older_config_names_and_refuses_experts() -> None:
     config = NemotronHForCausalLM.config_from_hf(hf, "float32", Mapping())
     assert config.layer_types == ["mamba", "mlp", "full_attention"] and config.head_size == 16
     assert (config.mamba_groups, config.mamba_conv_kernel, config.mamba_time_step_limit) == (2, 3, [0.01, None])
-    with pytest.raises(ConfigError, match="mixture-of-experts"):
-        NemotronHForCausalLM.config_from_hf({**hf, "hybrid_override_pattern": "ME*"}, "float32", Mapping())
+    experts = {**hf, **tiny.NEMOTRON_H_EXPERTS, "hybrid_override_pattern": "ME*", "n_group": 2, "topk_group": 1}
+    config = NemotronHForCausalLM.config_from_hf(experts, "float32", Mapping())
+    assert config.layer_types == ["mamba", "moe", "full_attention"] and config.expert_groups == [2, 1]
+    assert (config.moe_shared_expert_intermediate_size, config.routed_scaling_factor) == (48, 2.5)
+    with pytest.raises(ConfigError, match="hybrid_override_pattern"):
+        NemotronHForCausalLM.config_from_hf({**hf, "hybrid_override_pattern": "MX*"}, "float32", Mapping())
+    with pytest.raises(ConfigError, match="n_group"):
+        NemotronHForCausalLM.config_from_hf({**experts, "n_group": 4}, "float32", Mapping())
+
+
+def test_nemotron_h_routing_equals_hugging_faces_router() -> None:
+    """The expert choice and weights of an ``E`` block equal transformers' NemotronHTopkRouter's
+    with expert groups (8 experts in 4 groups, the best 2 groups, top 3, renormalised and scaled)
+    and a correction bias that changes the choice."""
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
+
+    from kiln.mapping import Mapping
+    from kiln.models.nemotron_h import NemotronHExperts, NemotronHForCausalLM
+
+    fields = dict(hidden_size=32, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                  routed_scaling_factor=2.5, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16)
+    torch.manual_seed(3)
+    theirs = NemotronHTopkRouter(NemotronHConfig(**fields))
+    theirs.weight.data.normal_(0, 0.3)
+    theirs.e_score_correction_bias.copy_(torch.randn(8) * 0.2)
+    hf = dict(vocab_size=64, num_attention_heads=4, intermediate_size=16, mamba_num_heads=4, mamba_head_dim=8,
+              ssm_state_size=8, hybrid_override_pattern="E", **fields)
+    with torch.device("meta"):
+        ours = NemotronHExperts(NemotronHForCausalLM.config_from_hf(hf, "float32", Mapping()), engine_layout=False)
+    ours.router.weight = torch.nn.Parameter(theirs.weight.data.clone(), requires_grad=False)
+    ours.router.e_score_correction_bias = torch.nn.Parameter(theirs.e_score_correction_bias.clone(),
+                                                             requires_grad=False)
+    x = torch.randn(64, 32)
+    _, want_weights, want_experts = theirs(x)
+    weights, experts = ours.route(ours.router(x))
+    order, want_order = experts.argsort(dim=-1), want_experts.argsort(dim=-1)
+    assert torch.equal(experts.gather(1, order), want_experts.gather(1, want_order))
+    torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order))
+    unbiased = torch.sigmoid(x @ theirs.weight.T).topk(3, dim=-1).indices.sort(dim=-1).values
+    assert not torch.equal(unbiased, experts.gather(1, order))  # the bias and the groups changed some choices
 
 
 SPECULATIVE_PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [20, 21, 22, 23, 20, 21], [7, 7, 7, 7]]

@@ -93,8 +93,9 @@ def add_mtp_layer(path: Path, hf_model, *, seed: int = 1) -> dict:
 
 def _save_mamba_hybrid(path: Path, family: str, seed: int, released: dict, drop: tuple[str, ...], **config):
     """``_save_random`` with Mamba2's A_log, D and dt_bias perturbed too (they start at log(1..H),
-    1 and 1), the saved config.json then written as the released checkpoints' are (``released``
-    fields set, ``drop`` fields removed)."""
+    1 and 1) and Nemotron-H's router correction bias set (a buffer at 0: as large as the spread of
+    the routing scores, so it changes which experts are picked), the saved config.json then written
+    as the released checkpoints' are (``released`` fields set, ``drop`` fields removed)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -104,6 +105,11 @@ def _save_mamba_hybrid(path: Path, family: str, seed: int, released: dict, drop:
         for name, p in model.named_parameters():
             if name.endswith(("A_log", ".D", "dt_bias")):
                 p.add_(torch.randn_like(p) * 0.3)
+            if "latent_proj" in name:  # (Nemotron-H's) the latent experts' output as large as the others'
+                p.mul_(5.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.05)
     model = model.float().eval()
     model.save_pretrained(path)
     file = path / "config.json"
@@ -129,17 +135,25 @@ def make_granite_hybrid(path: Path, *, seed: int = 0, vocab: int = 256, **config
     return _save_mamba_hybrid(path, "GraniteMoeHybrid", seed, {"layer_types": types}, (), **fields)
 
 
+# Nemotron 3's expert fields, tiny: 4 experts, top 2 (HF's defaults: one group, renormalised).
+NEMOTRON_H_EXPERTS = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          moe_shared_expert_intermediate_size=48, routed_scaling_factor=2.5)
+
+
 def make_nemotron_h(path: Path, *, seed: int = 0, vocab: int = 256, pattern: str = "M-M*-", **config):
-    """Nemotron-H: one block a layer (``pattern``: M Mamba2, * attention, - squared-ReLU MLP); the
-    config as the released ones write it (``hybrid_override_pattern``, no expert fields)."""
-    kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+    """Nemotron-H: one block a layer (``pattern``: M Mamba2, * attention, - squared-ReLU MLP, E
+    experts: ``NEMOTRON_H_EXPERTS`` unless ``config`` says otherwise); the config as the released
+    ones write it (``hybrid_override_pattern``; expert fields only with E layers)."""
+    kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
     fields = dict(vocab_size=vocab, hidden_size=64, layers_block_type=[kinds[c] for c in pattern],
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
                   mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
                   max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    fields.update(config)
-    drop = ("layers_block_type", "mtp_layers_block_type", "num_experts_per_tok", "n_routed_experts",
-            "moe_intermediate_size", "moe_shared_expert_intermediate_size", "n_shared_experts", "n_group", "topk_group",
-            "routed_scaling_factor", "norm_topk_prob", "moe_latent_size", "moe_shared_expert_overlap")
+    fields.update({**NEMOTRON_H_EXPERTS, **config} if "E" in pattern else config)
+    drop = ("layers_block_type", "mtp_layers_block_type")
+    if "E" not in pattern:
+        drop += ("num_experts_per_tok", "n_routed_experts", "moe_intermediate_size",
+                 "moe_shared_expert_intermediate_size", "n_shared_experts", "n_group", "topk_group",
+                 "routed_scaling_factor", "norm_topk_prob", "moe_latent_size", "moe_shared_expert_overlap")
     released = {"hybrid_override_pattern": pattern, "num_hidden_layers": len(pattern)}
     return _save_mamba_hybrid(path, "NemotronH", seed, released, drop, **fields)
