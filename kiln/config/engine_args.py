@@ -94,7 +94,8 @@ class EngineArgs:
         None, RUNTIME, ("run", "serve", "bench"),
         "size the KV cache for this many tokens (default: a fraction of free memory)")
     enable_prefix_caching: bool = option(
-        False, RUNTIME, ("serve",), "reuse the KV cache of prompt prefixes shared between requests")
+        False, RUNTIME, ("serve",), "reuse the KV cache of prompt prefixes shared between requests (hybrid models: "
+        "also their recurrent states, kept at block boundaries)")
     speculative_config: SpeculativeConfig | dict | str | None = option(
         None, RUNTIME, ("run", "serve", "bench"),
         "speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "

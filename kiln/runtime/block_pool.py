@@ -103,6 +103,16 @@ class BlockPool:
             self._hash_of_block[block] = block_hash
             self._tokens_of_block[block] = tokens
 
+    def register_full_blocks(self, seq, block_size: int) -> None:
+        """Make the blocks of ``seq`` (a ``Sequence``) its last step filled findable by later
+        sequences with the same prefix (their hashes appended to ``seq.block_hashes``)."""
+        full = min(seq.num_computed_tokens // block_size, len(seq.block_ids))
+        for j in range(len(seq.block_hashes), full):
+            tokens = tuple(seq.token_ids[j * block_size:(j + 1) * block_size])
+            block_hash = chain_hash(seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt, tokens)
+            seq.block_hashes.append(block_hash)
+            self.register(seq.block_ids[j], block_hash, tokens)
+
     def take_cached_prefix(self, token_ids: list[int], block_size: int, max_blocks: int, salt: object = None
                            ) -> tuple[list[int], list[int]]:
         """Blocks (and their hashes) holding the longest cached prefix of ``token_ids``, each

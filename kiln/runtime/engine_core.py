@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import math
 import time
 from collections import deque
@@ -29,13 +28,14 @@ from kiln.runtime.beam_search import BeamHypothesis, BeamSearch, BeamSearchParam
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.draft import DraftProposer
 from kiln.runtime.engine import Engine
-from kiln.runtime.kv_blocks import KV_CACHE_MEMORY_FRACTION, agreed_num_blocks, common_window, num_state_slots
+from kiln.runtime.kv_blocks import KV_CACHE_MEMORY_FRACTION, agreed_num_blocks, common_window, state_slot_counts
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.prompt_tuning import PromptTable, check_prompt_ids, check_table_size
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import RunnerOutput, Scheduler
 from kiln.runtime.sequence import FinishReason, Sequence
 from kiln.runtime.speculative import SpecDecodeStats, Speculator
+from kiln.runtime.state_prefix_cache import StatePrefixCache
 from kiln.runtime.state_slots import StateSlots, step_back
 from kiln.runtime.worker import CacheSettings, Leader
 
@@ -43,8 +43,6 @@ from kiln.runtime.worker import CacheSettings, Leader
 # itself is taken to be broken and ``step`` raises (an engine that fails everything must say
 # so, not answer each request with an error forever).
 MAX_FAILED_STEPS = 8
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -101,22 +99,21 @@ class EngineCore:
         mtp = 0  # guesses a step for the MTP draft to make (method mtp)
         if speculative_config is not None and speculative_config.method == "mtp":
             mtp = speculative_config.num_speculative_tokens
-        num_blocks = agreed_num_blocks(engine, num_blocks, self.max_num_seqs, memory_fraction, mtp=bool(mtp))
+        num_blocks = agreed_num_blocks(engine, num_blocks, self.max_num_seqs, memory_fraction, bool(mtp),
+                                       enable_prefix_caching)
         self.runner = ModelRunner(engine, num_blocks, attention_backend, self.max_num_seqs, mtp_tokens=mtp)
         self.runner.leader = leader
         # Micro-batches in flight: one per pipeline stage (see ``step``).
         self.pipeline_depth = engine.config.mapping.pp_size
         if speculative_config is not None and self.pipeline_depth > 1:
             raise ConfigError("speculative_config: speculative decoding runs without pipeline stages (pp_size 1)")
-        slots = num_state_slots(engine, self.max_num_seqs)
-        if slots and enable_prefix_caching:
-            logger.warning("prefix caching is off for %s: its recurrent layers' state at a cached prefix's end is "
-                           "not kept, so every prompt is computed whole", engine.config.architecture)
+        slots, checkpoints = state_slot_counts(engine, self.max_num_seqs)  # (hybrid models)
         self._in_flight: deque = deque()
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching and not slots)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, block, self.max_num_seqs, self.max_num_tokens, capacity_policy,
                                    window=common_window(engine.model), states=StateSlots(slots) if slots else None,
-                                   lookahead_tokens=max(mtp - 1, 0))
+                                   lookahead_tokens=max(mtp - 1, 0), state_cache=StatePrefixCache(
+                                       range(slots, slots + checkpoints), block) if slots else None)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._requests: dict[int, SequenceGroup] = {}  # seq_id -> request, for live sequences

@@ -24,13 +24,14 @@ def common_window(model) -> int | None:
     return None if not windows or None in windows else max(windows)
 
 
-def num_state_slots(engine: Engine, max_num_seqs: int) -> int:
-    """Recurrent-state slots for a hybrid model: two for each sequence that may run at once (the
-    batch limit's sequences, each of which a beam search may turn into ``max_beam_width`` beams);
-    0 for a model without recurrent layers. (Slots are committed as they are first written.)"""
+def state_slot_counts(engine: Engine, max_num_seqs: int) -> tuple[int, int]:
+    """A hybrid model's recurrent-state slots: two for each sequence that may run at once (the
+    batch limit's sequences, each of which a beam search may turn into ``max_beam_width`` beams),
+    and one checkpoint per batch slot for prefix caching (``kiln.runtime.state_prefix_cache``);
+    (0, 0) for a model without recurrent layers. Slots are committed as they are first written."""
     if not recurrent_layer_ids(engine.config):
-        return 0
-    return 2 * max_num_seqs * max(1, engine.build_config.max_beam_width)
+        return 0, 0
+    return 2 * max_num_seqs * max(1, engine.build_config.max_beam_width), max_num_seqs
 
 
 def state_specs(model) -> list:
@@ -38,13 +39,16 @@ def state_specs(model) -> list:
     return [layer.state_spec() for layer in model.transformer.layers.values() if is_recurrent(layer)]
 
 
-def state_cache_bytes(engine: Engine, max_num_seqs: int) -> int:
-    """Bytes the recurrent-state slots of ``num_state_slots`` take on this rank."""
-    return num_state_slots(engine, max_num_seqs) * state_bytes_per_slot(state_specs(engine.model))
+def state_cache_bytes(engine: Engine, max_num_seqs: int, prefix_caching: bool = False) -> int:
+    """Bytes the sequences' recurrent-state slots take on this rank (and the checkpoints', with
+    prefix caching)."""
+    sequences, checkpoints = state_slot_counts(engine, max_num_seqs)
+    slots = sequences + (checkpoints if prefix_caching else 0)
+    return slots * state_bytes_per_slot(state_specs(engine.model))
 
 
 def default_num_blocks(engine: Engine, max_num_seqs: int, memory_fraction: float = KV_CACHE_MEMORY_FRACTION,
-                       mtp: bool = False) -> int:
+                       mtp: bool = False, prefix_caching: bool = False) -> int:
     """Blocks for every sequence at full length (with a sliding window on every layer, the
     window and one step), capped at a share of available memory less the recurrent state slots
     (hybrid models: at least one block, even when the states take that share)."""
@@ -58,15 +62,15 @@ def default_num_blocks(engine: Engine, max_num_seqs: int, memory_fraction: float
     if mtp:  # speculative decoding's mtp method keeps one more attention layer's K/V
         attentions.append(mtp_attention(engine.model))
     per_block = max(1, build.tokens_per_block * layer_cache_bytes_per_token(attentions, kv_cache_dtype(config)))
-    budget = int(available_memory_bytes() * memory_fraction) - state_cache_bytes(engine, max_num_seqs)
+    budget = int(available_memory_bytes() * memory_fraction) - state_cache_bytes(engine, max_num_seqs, prefix_caching)
     affordable = max(budget, 0) // per_block
     return max(1, min(wanted, affordable))
 
 
 def agreed_num_blocks(engine: Engine, num_blocks: int | None, max_num_seqs: int, memory_fraction: float,
-                      mtp: bool = False) -> int:
+                      mtp: bool = False, prefix_caching: bool = False) -> int:
     """``num_blocks``, or when None what memory affords (``default_num_blocks``), the smallest
     over the ranks of a world, so every rank holds the same blocks."""
     if num_blocks is None:
-        num_blocks = default_num_blocks(engine, max_num_seqs, memory_fraction, mtp)
+        num_blocks = default_num_blocks(engine, max_num_seqs, memory_fraction, mtp, prefix_caching)
     return world_min(num_blocks)

@@ -35,7 +35,7 @@ from kiln.runtime.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.verification import verify
 from kiln.step.attention import BACKENDS, select_backend
-from kiln.runtime.kv_blocks import num_state_slots, state_specs
+from kiln.runtime.kv_blocks import state_slot_counts, state_specs
 from kiln.step.kv_cache import allocate_layer_caches, indexable, kv_cache_dtype
 from kiln.step.state_cache import allocate_state_caches, copy_state_slots, state_bytes_per_slot
 from kiln.step.metadata import AttentionMetadata
@@ -84,8 +84,9 @@ class ModelRunner:
         layers = list(self.model.transformer.layers.values())
         attentions = attention_modules(layers) + ([mtp_attention(self.model)] if mtp_tokens else [])
         kv_pairs = allocate_layer_caches(attentions, num_blocks, self.block_size, kv_cache_dtype(config))
-        # A hybrid model's recurrent layers keep state slots (kiln.runtime.state_slots) instead.
-        self.num_state_slots = num_state_slots(engine, max_num_seqs)
+        # A hybrid model's recurrent layers keep state slots (kiln.runtime.state_slots) instead,
+        # and checkpoints of them for prefix caching (all only committed once written).
+        self.num_state_slots = sum(state_slot_counts(engine, max_num_seqs))
         specs = state_specs(self.model)
         self.state_caches = allocate_state_caches(specs, self.num_state_slots)
         self.state_slot_bytes = state_bytes_per_slot(specs)  # over this rank's recurrent layers

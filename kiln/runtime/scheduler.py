@@ -15,7 +15,8 @@ policies decide:
   allow; long prompts are chunked.
 
 A hybrid model's sequence also owns two recurrent-state slots (``kiln.runtime.state_slots``),
-taken and given back with its blocks; no prefix cache (a reused prefix would have no state).
+taken and given back with its blocks; with prefix caching, states saved at block boundaries
+(``kiln.runtime.state_prefix_cache``) let it start after a cached prefix.
 
 With a sliding window (every layer attending to its last ``window`` positions only), a
 block every position of which fell out of the window goes back to the pool after the step
@@ -33,9 +34,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kiln.errors import CapacityError, ConfigError
-from kiln.runtime.block_pool import RELEASED, BlockPool, chain_hash
+from kiln.runtime.block_pool import RELEASED, BlockPool
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.speculative import SpecDecodeStats, pace_proposals
+from kiln.runtime.state_prefix_cache import StatePrefixCache
 from kiln.runtime.state_slots import StateSlots, commit
 
 
@@ -94,7 +96,8 @@ CAPACITY_POLICIES = ("MAX_UTILIZATION", "GUARANTEED_NO_EVICT")
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_tokens: int,
                  capacity_policy: str = "MAX_UTILIZATION", window: int | None = None,
-                 states: StateSlots | None = None, lookahead_tokens: int = 0):
+                 states: StateSlots | None = None, lookahead_tokens: int = 0,
+                 state_cache: StatePrefixCache | None = None):
         if capacity_policy not in CAPACITY_POLICIES:
             raise ConfigError(f"capacity_policy {capacity_policy!r} is not one of {CAPACITY_POLICIES}")
         self.capacity_policy = capacity_policy
@@ -103,10 +106,10 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
         self.window = window  # every layer's sliding window, when all have one: blocks behind it are released
-        if states is not None and pool.enable_caching:
-            raise ConfigError("prefix caching is not available with recurrent-state slots (no state is kept at "
-                              "a cached prefix's end)")
+        if states is not None and pool.enable_caching and state_cache is None:
+            raise ConfigError("prefix caching with recurrent-state slots needs a StatePrefixCache")
         self.states = states  # a hybrid model's recurrent-state slots (None: no recurrent layers)
+        self.state_cache = state_cache if pool.enable_caching else None  # their states at cached prefixes
         self.lookahead_tokens = lookahead_tokens  # slots past a step's tokens it may write (an MTP's guesses)
         self.state_copies: list[tuple[int, int]] = []  # queued for the next step (beams taking their parents')
         self.waiting: deque[Sequence] = deque()
@@ -175,7 +178,7 @@ class Scheduler:
             if self.capacity_policy == "GUARANTEED_NO_EVICT" and not self._fits_to_the_end(seq):
                 break
             self._take_cached_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._capped(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             if not self._reserve(seq, n + self.lookahead_tokens, out):
                 self._release_blocks(seq)
                 break
@@ -185,7 +188,12 @@ class Scheduler:
             budget -= n
         if not out.chunks:  # no step runs: the state copies wait for one that does
             self.state_copies, out.state_copies = out.state_copies, []
+        if self.state_cache is not None:
+            self.state_cache.scheduled(bool(out.chunks))
         return out
+
+    def _capped(self, seq: Sequence, n: int) -> int:
+        return n if self.state_cache is None else self.state_cache.cap_chunk(seq, n)
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
         """A running sequence's tokens this step: what it has to catch up with, and its proposed
@@ -194,7 +202,7 @@ class Scheduler:
         if seq.spec_tokens:
             room = self.pool.num_free * self.block_size + len(seq.block_ids) * self.block_size - seq.num_tokens
             del seq.spec_tokens[max(0, min(budget - behind, room)):]
-        return min(behind + len(seq.spec_tokens), budget)
+        return self._capped(seq, min(behind + len(seq.spec_tokens), budget))
 
     @staticmethod
     def _held_back(seq: Sequence, full: bool, groups: set[int]) -> bool:
@@ -226,6 +234,8 @@ class Scheduler:
             return
         blocks, hashes = self.pool.take_cached_prefix(seq.token_ids, self.block_size,
                                                       (seq.num_tokens - 1) // self.block_size, seq.cache_salt)
+        if self.state_cache is not None:  # only as far as a recurrent state was kept
+            blocks, hashes = self.state_cache.take_prefix(seq, blocks, hashes, self.pool)
         seq.block_ids, seq.block_hashes = blocks, hashes
         seq.num_computed_tokens = len(blocks) * self.block_size
 
@@ -255,16 +265,6 @@ class Scheduler:
                 ids[j] = RELEASED
         seq.num_released_blocks = max(stop, start)
 
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        """Make the blocks this step filled findable by later sequences with the same prefix."""
-        bs = self.block_size
-        full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
-        for j in range(len(seq.block_hashes), full):
-            tokens = tuple(seq.token_ids[j * bs:(j + 1) * bs])
-            block_hash = chain_hash(seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt, tokens)
-            seq.block_hashes.append(block_hash)
-            self.pool.register(seq.block_ids[j], block_hash, tokens)
-
     def _fits_to_the_end(self, seq: Sequence) -> bool:
         """Whether ``seq`` and every running sequence can all reach their maximum length."""
         def still_needed(s: Sequence) -> int:
@@ -288,6 +288,8 @@ class Scheduler:
             if self.states.num_free_pairs == 0:
                 return False
             seq.state_slots = self.states.allocate()
+            if self.state_cache is not None:
+                self.state_cache.restore(seq, out.state_copies)
         if shared:
             new = self.pool.allocate(1)[0]
             out.block_copies.append((seq.block_ids[first], new))
@@ -379,8 +381,10 @@ class Scheduler:
 
     def _after_compute(self, seq: Sequence) -> None:
         """Bookkeeping once a step's K/V are in: full blocks findable, blocks behind the window freed."""
-        if self.pool.enable_caching:
-            self._register_full_blocks(seq)  # before any release: released blocks stay findable
+        if self.pool.enable_caching:  # before any release: released blocks stay findable
+            self.pool.register_full_blocks(seq, self.block_size)
+            if seq.state_slots:
+                self.state_cache.after_compute(seq, self.state_copies)
         if self.window is not None:
             self._release_out_of_window(seq)
 

@@ -365,4 +365,5 @@ class ServingEngine:
             self._last_stats = stats[-1]
         core = self.executor.core
         return engine_gauges(self._last_stats, core.pool, idle=self.metrics.in_flight == 0,
-                             states=core.scheduler.states, slot_bytes=core.runner.state_slot_bytes)
+                             states=core.scheduler.states, slot_bytes=core.runner.state_slot_bytes,
+                             state_cache=core.scheduler.state_cache)

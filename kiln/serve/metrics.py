@@ -81,10 +81,12 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-def engine_gauges(last, pool, idle: bool, states=None, slot_bytes: int = 0) -> dict[str, tuple[str, float]]:
+def engine_gauges(last, pool, idle: bool, states=None, slot_bytes: int = 0,
+                  state_cache=None) -> dict[str, tuple[str, float]]:
     """Gauges (name -> help, value) of the executor's latest iteration stats ``last`` (None before
     the first step), its KV block ``pool`` and, for a hybrid model, its recurrent-state slots
-    ``states`` of ``slot_bytes`` each; ``idle``: no request is being served."""
+    ``states`` of ``slot_bytes`` each and (prefix caching) its ``state_cache`` of checkpoints;
+    ``idle``: no request is being served."""
     gauges = {
         "kiln_num_requests_running": ("Sequences being generated.",
                                       0 if idle or last is None else last.num_active_requests),
@@ -103,6 +105,13 @@ def engine_gauges(last, pool, idle: bool, states=None, slot_bytes: int = 0) -> d
             "kiln_state_cache_slots_total": ("Recurrent-state slots in all.", states.num_slots),
             "kiln_state_cache_bytes": ("Bytes of all recurrent-state slots (recurrent layers' state per slot "
                                        "times slots).", states.num_slots * slot_bytes),
+        })
+    if state_cache is not None:
+        gauges.update({
+            "kiln_state_checkpoints_cached": ("Prefix caching: recurrent states kept at block boundaries.",
+                                              state_cache.num_cached),
+            "kiln_state_checkpoints_total": ("Prefix caching: checkpoint slots in all.", state_cache.num_slots),
+            "kiln_state_checkpoints_bytes": ("Bytes of the checkpoint slots.", state_cache.num_slots * slot_bytes),
         })
     spec = None if last is None else last.spec_decode
     if spec is not None:
