@@ -6,6 +6,11 @@ mirror takes the target's tokens: what both agree on keeps its K/V (the proposal
 kept), the rest is recomputed from there; then the draft core steps ``k`` times, every mirror
 gaining a token a step, and the tokens past the target's are the proposals. The draft proposes
 its argmax, a one-token proposal, so verification's rule keeps the target distribution exactly.
+
+A draft with recurrent layers cannot drop tokens from its state: after the first step of each
+round (when a mirror has taken the target's tokens), each mirror's state is copied into a
+checkpoint slot of its own, and a mirror that must rewind (the target rejected a proposal)
+starts again from that copy and recomputes the tokens past it.
 """
 from __future__ import annotations
 
@@ -24,9 +29,6 @@ class DraftProposer:
         if draft.config.vocab_size != target.config.vocab_size:
             raise ConfigError(f"speculative_config.model {draft_dir}: its vocabulary ({draft.config.vocab_size}) "
                               f"is not the target's ({target.config.vocab_size}); a draft model shares the tokenizer")
-        if recurrent_layer_ids(draft.config):  # its mirrors rewind to the agreed tokens, which a state cannot
-            raise ConfigError(f"speculative_config.model {draft_dir}: a draft model with recurrent layers "
-                              f"({draft.config.architecture}) is not supported yet")
         block = draft.build_config.tokens_per_block
         # As many tokens of KV cache as the target's, so every sequence the target holds has its mirror.
         self.core = core_class(draft, max_num_seqs=max_num_seqs, num_blocks=-(-target_tokens // block))
@@ -34,6 +36,12 @@ class DraftProposer:
         self.params = SamplingParams(max_tokens=self.max_seq_len, temperature=0, ignore_eos=True)
         self._mirrors: dict[int, Sequence] = {}  # target seq_id -> its mirror in the draft core
         self._synced: dict[int, int] = {}  # target seq_id -> how many of its tokens the mirror took last time
+        # A recurrent draft: the core's checkpoint slots (past its sequences', unused without prefix
+        # caching), one per mirror: target seq_id -> (slot, the position its state is at).
+        self._recurrent = bool(recurrent_layer_ids(draft.config))
+        first = self.core.scheduler.states.num_slots if self._recurrent else 0
+        self._free_checkpoints = list(range(first, self.core.runner.num_state_slots if self._recurrent else 0))
+        self._checkpoints: dict[int, tuple[int, int]] = {}
 
     def propose(self, wanted: list[tuple[Sequence, int]]) -> None:
         """Set ``seq.spec_tokens`` (up to ``k`` tokens) of each ``(seq, k)``. The mirrors of other
@@ -44,8 +52,11 @@ class DraftProposer:
             mirror = self._sync(seq)
             if mirror is not None and k > 0:
                 mirrors[seq.seq_id] = (seq, mirror, k)
-        for _ in range(max((k for _, _, k in mirrors.values()), default=0)):
+        steps = max((k for _, _, k in mirrors.values()), default=0)
+        for step in range(steps):
             self.core.step()
+            if step == 0 and steps > 1 and self._recurrent:  # copied as the second step starts
+                self._save_states({seq_id: mirror for seq_id, (_, mirror, _) in mirrors.items()})
         for seq, mirror, k in mirrors.values():
             seq.spec_tokens = mirror.token_ids[seq.num_tokens:seq.num_tokens + k]
 
@@ -53,6 +64,8 @@ class DraftProposer:
         """Drop the mirror of a target sequence (finished, or not speculating)."""
         mirror = self._mirrors.pop(seq_id, None)
         self._synced.pop(seq_id, None)
+        if seq_id in self._checkpoints:
+            self._free_checkpoints.append(self._checkpoints.pop(seq_id)[0])
         if mirror is not None and not mirror.is_finished:
             self.core.finish_sequence(mirror, FinishReason.CANCELLED)
 
@@ -78,7 +91,34 @@ class DraftProposer:
             while agreed < end and mine[agreed] == target[agreed]:
                 agreed += 1
             mirror.token_ids[:] = target
+            if agreed < mirror.num_computed_tokens and self._recurrent:
+                agreed = self._restore_state(seq.seq_id, mirror, agreed)
             mirror.num_computed_tokens = min(agreed, mirror.num_computed_tokens)
         self._synced[seq.seq_id] = seq.num_tokens
         return mirror
 
+
+    def _save_states(self, mirrors: dict[int, Sequence]) -> None:
+        """Queue a copy of each running mirror's state (``mirrors``: by target seq_id) into its
+        checkpoint slot."""
+        for target_id, mirror in mirrors.items():
+            if target_id in self._checkpoints:
+                slot = self._checkpoints[target_id][0]
+            elif self._free_checkpoints:
+                slot = self._free_checkpoints.pop()
+            else:  # (more mirrors than slots: this one recomputes from the start when it rewinds)
+                continue
+            if mirror.state_slots and not mirror.is_finished:
+                self.core.scheduler.state_copies.append((mirror.state_slots[0], slot))
+                self._checkpoints[target_id] = (slot, mirror.num_computed_tokens)
+            elif target_id not in self._checkpoints:
+                self._free_checkpoints.append(slot)
+
+    def _restore_state(self, target_id: int, mirror: Sequence, agreed: int) -> int:
+        """Where a recurrent mirror that must drop tokens past ``agreed`` starts again: its
+        checkpoint's position (its copy queued into the current slot), or 0 without one."""
+        slot, position = self._checkpoints.get(target_id, (None, 0))
+        if slot is None or position > agreed or not mirror.state_slots:
+            return 0
+        self.core.scheduler.state_copies.append((slot, mirror.state_slots[0]))
+        return position

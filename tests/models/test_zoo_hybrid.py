@@ -358,20 +358,28 @@ def test_speculative_greedy_is_plain_greedy(built, name, monkeypatch) -> None:
 
 
 def test_a_draft_model_for_a_hybrid_target_gives_plain_greedy(built, tmp_path, build_from_hf) -> None:
-    """A dense draft of the same vocabulary proposing for a Qwen3.5 target: plain greedy's
-    tokens. A hybrid draft is refused (its mirror could not rewind to the tokens the target kept)."""
-    from kiln.errors import ConfigError
-    from kiln.runtime.draft import DraftProposer
+    """A dense draft and a hybrid one (the target's weights with its LM head disturbed, so it
+    agrees on some proposals and not others: its mirrors rewind through checkpoint copies of
+    their states) proposing for a Qwen3.5 target: plain greedy's tokens, every slot back."""
     from tests.utils.tiny_models import make_llama
 
-    make_llama(tmp_path / "hf", layers=1)
-    draft = build_from_hf(tmp_path / "hf", tmp_path / "kiln", {})
+    make_llama(tmp_path / "dense", layers=1)
+    near = tiny.make_qwen3_5(tmp_path / "near")
+    with torch.no_grad():
+        near.lm_head.weight.add_(torch.randn(near.lm_head.weight.shape, generator=torch.Generator().manual_seed(1)),
+                                 alpha=float(near.lm_head.weight.std()) * NEAR_NOISE)
+    near.save_pretrained(tmp_path / "near")
     engine = Engine(built("qwen3.5").engine_dir)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    spec = EngineCore(engine, num_blocks=64, speculative_config={"method": "draft_model", "model": str(draft),
-                                                                 "num_speculative_tokens": 3})
-    assert run(spec, SPECULATIVE_PROMPTS, params) == run(EngineCore(engine, num_blocks=64), SPECULATIVE_PROMPTS, params)
-    assert spec.stats.spec.num_drafts > 0
-    assert_all_returned(spec)
-    with pytest.raises(ConfigError, match="recurrent layers"):
-        DraftProposer(engine, str(built("lfm2").engine_dir), 64, 2, EngineCore)
+    expected = run(EngineCore(engine, num_blocks=64), SPECULATIVE_PROMPTS, params)
+    for draft in ("dense", "near"):
+        draft_dir = build_from_hf(tmp_path / draft, tmp_path / f"{draft}-kiln", {})
+        spec = EngineCore(engine, num_blocks=64, speculative_config={"method": "draft_model", "model": str(draft_dir),
+                                                                     "num_speculative_tokens": 3})
+        assert run(spec, SPECULATIVE_PROMPTS, params) == expected
+        assert_all_returned(spec)
+    stats = spec.stats.spec
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats  # the hybrid draft: kept and rejected
+
+
+NEAR_NOISE = 1.0
