@@ -32,8 +32,38 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #include "dtypes.h"
+
+/* A row of the next state written past the caches (non-temporal stores): the write slot is not
+ * the read slot, so plain stores would first read every line they write (read for ownership),
+ * a third pass over the largest thing a decode step touches; the next step reads the row from
+ * memory anyway. Plain copies where the row is not aligned or there are no such stores. */
+static inline void store_state_row(float *dst, const float *src, int64_t n) {
+#if defined(__AVX512F__)
+    if (((uintptr_t)dst & 63) == 0 && n % 16 == 0) {
+        for (int64_t i = 0; i < n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+        return;
+    }
+#elif defined(__AVX__)
+    if (((uintptr_t)dst & 31) == 0 && n % 8 == 0) {
+        for (int64_t i = 0; i < n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+        return;
+    }
+#endif
+    memcpy(dst, src, sizeof(float) * n);
+}
+
+/* Non-temporal stores are weakly ordered: each thread fences its own before the region ends. */
+static inline void state_rows_stored(void) {
+#if defined(__AVX512F__) || defined(__AVX__)
+    _mm_sfence();
+#endif
+}
 
 static inline float silu(float x) { return x / (1.f + expf(-x)); }
 static inline float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
@@ -144,11 +174,12 @@ int kiln_gated_delta_decode_##SUFFIX(                                           
             for (int64_t j = 0; j < value_dim; ++j) pred[j] = (v[j] - pred[j]) * beta;             \
             for (int64_t i = 0; i < key_dim; ++i) {                                                \
                 const float ki = k[i], qi = q[i];                                                  \
-                float *n = N + i * value_dim;                                                      \
+                float n[value_dim];                                                                \
                 for (int64_t j = 0; j < value_dim; ++j) {                                          \
                     n[j] = (S ? decay * S[i * value_dim + j] : 0.f) + ki * pred[j];                \
                     o[j] += qi * n[j];                                                             \
                 }                                                                                  \
+                store_state_row(N + i * value_dim, n, value_dim);                                  \
             }                                                                                      \
             /* The gated RMSNorm over the head, as kiln.layers.gated_delta_net.GatedRmsNorm. */    \
             float ss = 0.f;                                                                        \
@@ -161,6 +192,7 @@ int kiln_gated_delta_decode_##SUFFIX(                                           
                 oh[j] = STORE(normed * silu(LOAD(zh[j])));                                         \
             }                                                                                      \
         }                                                                                          \
+        state_rows_stored();                                                                       \
     }                                                                                              \
     free(conv_out);                                                                                \
     return 0;                                                                                      \
@@ -193,15 +225,17 @@ int kiln_mamba2_decode_##SUFFIX(                                                
             float *out = y + t * inner + h * head_dim;                                             \
             for (int64_t p = 0; p < head_dim; ++p) {                                               \
                 const float xdt = dt * x[p];                                                       \
-                float acc = 0.f;                                                                   \
+                float acc = 0.f, row[state_size];                                                  \
                 for (int64_t n = 0; n < state_size; ++n) {                                         \
                     const int64_t i = p * state_size + n;                                          \
-                    N[i] = (S ? decay * S[i] : 0.f) + xdt * B[n];                                  \
-                    acc += N[i] * C[n];                                                            \
+                    row[n] = (S ? decay * S[i] : 0.f) + xdt * B[n];                                \
+                    acc += row[n] * C[n];                                                          \
                 }                                                                                  \
+                store_state_row(N + p * state_size, row, state_size);                              \
                 out[p] = acc + dh * x[p];                                                          \
             }                                                                                      \
         }                                                                                          \
+        state_rows_stored();                                                                       \
     }                                                                                              \
     free(conv_out);                                                                                \
     return 0;                                                                                      \

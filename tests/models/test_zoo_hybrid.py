@@ -228,7 +228,8 @@ def test_gated_delta_decode_kernel_equals_the_pytorch_path(monkeypatch, dtype, t
     from kiln.layers import gated_delta_net
 
     torch.manual_seed(0)
-    layer = gated_delta_net.GatedDeltaNet(0, 48, num_key_heads=2, num_value_heads=4, key_dim=16, value_dim=8,
+    # (rows of 16 floats: the next state is written with non-temporal stores where a CPU has them)
+    layer = gated_delta_net.GatedDeltaNet(0, 48, num_key_heads=2, num_value_heads=4, key_dim=16, value_dim=16,
                                           kernel_size=4, eps=1e-6, dtype=dtype, value_heads_tiled=tiled)
     _random_layer(layer, dtype)
     layer.A_log.data.uniform_(0.0, 2.0)
