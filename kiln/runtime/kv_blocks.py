@@ -27,11 +27,13 @@ def common_window(model) -> int | None:
 def state_slot_counts(engine: Engine, max_num_seqs: int) -> tuple[int, int]:
     """A hybrid model's recurrent-state slots: two for each sequence that may run at once (the
     batch limit's sequences, each of which a beam search may turn into ``max_beam_width`` beams),
-    and one checkpoint per batch slot for prefix caching (``kiln.runtime.state_prefix_cache``);
-    (0, 0) for a model without recurrent layers. Slots are committed as they are first written."""
+    and checkpoints for prefix caching (``kiln.runtime.state_prefix_cache``): one for every two
+    batch slots, at least two (a state is as large as thousands of tokens' K/V, so they come out
+    of the KV budget); (0, 0) for a model without recurrent layers. Slots are committed as they
+    are first written."""
     if not recurrent_layer_ids(engine.config):
         return 0, 0
-    return 2 * max_num_seqs * max(1, engine.build_config.max_beam_width), max_num_seqs
+    return 2 * max_num_seqs * max(1, engine.build_config.max_beam_width), max(2, max_num_seqs // 2)
 
 
 def state_specs(model) -> list:

@@ -38,6 +38,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained content hash of each full block
     state_slots: list[int] = field(default_factory=list)  # hybrid models: [current, spare] (runtime.state_slots)
     state_restore: int | None = None  # hybrid prefix caching: the checkpoint slot its state starts from
+    state_checkpoint: tuple[int, int] | None = None  # hybrid prefix caching: (hash, slot) of its latest save
     num_released_blocks: int = 0  # leading block_ids given back out of a sliding window (a hint)
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None

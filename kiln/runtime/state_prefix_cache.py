@@ -14,8 +14,8 @@ block that ends there (the prefix cache's chained hash, ``BlockPool``)::
 Which boundaries get a state: every one a sequence's computed tokens end on after a step --
 each block a decode crosses (so a finished conversation's last full block has one: its next
 turn starts there), and the last full block of a prompt, which a prompt's chunk is cut at
-(``cap_chunk``) -- most recent first to stay: the checkpoints are a fixed pool, the least
-recently saved or used given up first. A cached prefix is used up to its last block with a
+(``cap_chunk``). A sequence keeps its prompt's and its latest other one (each new one replaces
+the last), in a fixed pool of checkpoints whose least recently saved or used is given up first. A cached prefix is used up to its last block with a
 state; blocks past it are computed again. A beam search's sequences save none (their slots
 change hands between steps).
 
@@ -73,20 +73,29 @@ class StatePrefixCache:
 
     def after_compute(self, seq: Sequence, copies: list[tuple[int, int]]) -> None:
         """After a step: when ``seq``'s computed tokens end on a block boundary, save its current
-        state there (a copy queued in ``copies``) unless that prefix has one."""
-        full = seq.num_computed_tokens // self.block_size
-        if (getattr(seq.group, "beam", None) is not None or not full or seq.num_computed_tokens % self.block_size
-                or len(seq.block_hashes) < full):
+        state there (a copy queued in ``copies``) unless that prefix has one. The state at the
+        prompt's last full block stays; each later one replaces the sequence's previous one
+        (``seq.state_checkpoint``), so a sequence holds at most two checkpoints however long it
+        runs, and a finished one keeps its last two until they are the least recently used."""
+        computed, bs = seq.num_computed_tokens, self.block_size
+        full = computed // bs
+        if getattr(seq.group, "beam", None) is not None or not full or computed % bs or len(seq.block_hashes) < full:
             return
         block_hash = seq.block_hashes[full - 1]
         if block_hash in self._slot_of or any(h == block_hash for h, _ in self._saving + self._copying):
             return
-        if self._free:
+        prompt_end = computed == seq.num_prompt_tokens // bs * bs
+        previous = None if prompt_end else seq.state_checkpoint
+        if previous is not None and self._slot_of.get(previous[0]) == previous[1]:
+            slot = self._slot_of.pop(previous[0])  # (a restore queued earlier reads it before this copy writes)
+        elif self._free:
             slot = self._free.pop()
         elif self._slot_of:  # give up the least recently used checkpoint (its copies have all run)
             slot = self._slot_of.popitem(last=False)[1]
         else:  # every slot is being written by pending copies
             return
+        if not prompt_end:
+            seq.state_checkpoint = (block_hash, slot)
         self._saving.append((block_hash, slot))
         copies.append((seq.state_slots[0], slot))
         self.num_saved += 1

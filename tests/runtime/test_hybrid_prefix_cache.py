@@ -50,9 +50,9 @@ def test_a_follow_up_starts_after_its_cached_prefix(built, name: str) -> None:
     plain = EngineCore(engine, max_num_seqs=4, num_blocks=64)
     (answer,) = run(cached, [PROMPT], greedy(10))
     assert [answer] == run(plain, [PROMPT], greedy(10))
-    # 22 tokens computed (13 prompt, 9 generated): states saved at 12 (the prompt's chunk is cut
-    # there), 16 and 20
-    assert cached.scheduler.state_cache.num_cached == 3
+    # 22 tokens computed (13 prompt, 9 generated): states kept at 12 (the prompt's chunk is cut
+    # there) and 20 (the one at 16 replaced by it)
+    assert cached.scheduler.state_cache.num_cached == 2
     hits = cached.pool.num_hit_blocks
     assert run(cached, [PROMPT], greedy(10)) == [answer]
     assert cached.pool.num_hit_blocks - hits == 3
@@ -64,20 +64,20 @@ def test_a_follow_up_starts_after_its_cached_prefix(built, name: str) -> None:
 
 
 def test_chunk_ends_save_states_and_evicted_ones_are_not_used(built) -> None:
-    """A long prompt prefilled in chunks of 8 saves a state at each chunk's end (and where its
-    last chunk is cut at its last full block); with four checkpoint slots, later sequences push
-    the oldest out, and a prompt sharing a prefix then starts only as far as a state is left,
-    still giving the plain engine's tokens."""
+    """A long prompt prefilled in chunks of 8 saves a state at each chunk's end (each replacing
+    the last) and where its last chunk is cut at its last full block; with two checkpoint slots,
+    later sequences push the oldest out, and a prompt sharing a prefix then starts only as far
+    as a state is left, still giving the plain engine's tokens."""
     engine = Engine(built("qwen3.5").engine_dir)
     cached = EngineCore(engine, max_num_seqs=4, max_num_tokens=8, num_blocks=64, enable_prefix_caching=True)
     plain = EngineCore(engine, max_num_seqs=4, max_num_tokens=8, num_blocks=64)
     long = [(7 * i + 3) % 250 + 1 for i in range(30)]
-    shares = long[:22] + [9, 9, 9]
+    shares = long[:26] + [9, 9, 9]
     assert run(cached, [long], greedy(2)) == run(plain, [long], greedy(2))
-    assert cached.scheduler.state_cache.num_cached == 4  # at 8, 16, 24 and 28
+    assert cached.scheduler.state_cache.num_cached == 2  # at 24 (after 8 and 16) and 28
     hits = cached.pool.num_hit_blocks
     assert run(cached, [shares], greedy(4)) == run(plain, [shares], greedy(4))
-    assert cached.pool.num_hit_blocks - hits == 4  # 16 tokens: the last saved state within 22 shared
+    assert cached.pool.num_hit_blocks - hits == 6  # 24 tokens: the last state kept within 26 shared
     for seed in range(3):  # other prompts take every checkpoint slot
         other = [(11 * i + seed) % 250 + 1 for i in range(17)]
         assert run(cached, [other, other[::-1]], greedy(5)) == run(plain, [other, other[::-1]], greedy(5))
