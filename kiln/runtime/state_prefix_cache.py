@@ -13,8 +13,8 @@ block that ends there (the prefix cache's chained hash, ``BlockPool``)::
 
 Which boundaries get a state: every one a sequence's computed tokens end on after a step --
 each block a decode crosses (so a finished conversation's last full block has one: its next
-turn starts there), and the last full block of a prompt, which a prompt's chunk is cut at
-(``cap_chunk``). A sequence keeps its prompt's and its latest other one (each new one replaces
+turn starts there), and the last block boundary before a prompt's last token, which a prompt's
+chunk is cut at (``cap_chunk``). A sequence keeps its prompt's and its latest other one (each new one replaces
 the last), in a fixed pool of checkpoints whose least recently saved or used is given up first. A cached prefix is used up to its last block with a
 state; blocks past it are computed again. A beam search's sequences save none (their slots
 change hands between steps).
@@ -66,15 +66,20 @@ class StatePrefixCache:
             seq.state_restore = None
 
     def cap_chunk(self, seq: Sequence, n: int) -> int:
-        """``n`` tokens of ``seq`` this step, cut at the last full block boundary of what it
-        holds when the chunk would cross it (so a state is saved there)."""
-        start, boundary = seq.num_computed_tokens, seq.num_tokens // self.block_size * self.block_size
-        return boundary - start if start < boundary < start + n else n
+        """``n`` tokens of ``seq`` this step, cut at the last block boundary before its last token
+        when the chunk would cross it (so a state is saved where the same prompt again, which
+        computes at least its last token, can start); a chunk verifying proposed tokens is never
+        cut (they are verified together or not at all)."""
+        start, boundary = seq.num_computed_tokens, self._last_boundary(seq.num_tokens)
+        return boundary - start if start < boundary < start + n and not seq.spec_tokens else n
+
+    def _last_boundary(self, num_tokens: int) -> int:
+        return (num_tokens - 1) // self.block_size * self.block_size
 
     def after_compute(self, seq: Sequence, copies: list[tuple[int, int]]) -> None:
         """After a step: when ``seq``'s computed tokens end on a block boundary, save its current
         state there (a copy queued in ``copies``) unless that prefix has one. The state at the
-        prompt's last full block stays; each later one replaces the sequence's previous one
+        prompt's last boundary (``cap_chunk``) stays; each later one replaces the sequence's previous one
         (``seq.state_checkpoint``), so a sequence holds at most two checkpoints however long it
         runs, and a finished one keeps its last two until they are the least recently used."""
         computed, bs = seq.num_computed_tokens, self.block_size
@@ -84,7 +89,7 @@ class StatePrefixCache:
         block_hash = seq.block_hashes[full - 1]
         if block_hash in self._slot_of or any(h == block_hash for h, _ in self._saving + self._copying):
             return
-        prompt_end = computed == seq.num_prompt_tokens // bs * bs
+        prompt_end = computed == self._last_boundary(seq.num_prompt_tokens)
         previous = None if prompt_end else seq.state_checkpoint
         if previous is not None and self._slot_of.get(previous[0]) == previous[1]:
             slot = self._slot_of.pop(previous[0])  # (a restore queued earlier reads it before this copy writes)

@@ -63,6 +63,20 @@ def test_a_follow_up_starts_after_its_cached_prefix(built, name: str) -> None:
     assert_all_returned(cached)
 
 
+def test_speculative_decoding_with_prefix_caching_is_plain_greedy(built) -> None:
+    """n-gram proposals verified on a hybrid model with prefix caching on (a verifying chunk is
+    never cut at a block boundary): plain greedy's tokens, a second run starting from the cache."""
+    engine = Engine(built("lfm2").engine_dir)
+    repetitive = [5, 17, 42, 99, 3] * 4
+    expected = run(EngineCore(engine, max_num_seqs=2, num_blocks=64), [repetitive], greedy(24))
+    spec = EngineCore(engine, max_num_seqs=2, num_blocks=64, enable_prefix_caching=True,
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert run(spec, [repetitive], greedy(24)) == expected
+    assert run(spec, [repetitive], greedy(24)) == expected and spec.pool.num_hit_blocks > 0
+    assert spec.stats.spec.num_drafts > 0
+    assert_all_returned(spec)
+
+
 def test_chunk_ends_save_states_and_evicted_ones_are_not_used(built) -> None:
     """A long prompt prefilled in chunks of 8 saves a state at each chunk's end (each replacing
     the last) and where its last chunk is cut at its last full block; with two checkpoint slots,
