@@ -315,6 +315,8 @@ class NativeDecodeStep:
                     present = [(t, adapter.weights[t.layer, t.module_id]) for t in linear.lora_targets
                                if (t.layer, t.module_id) in adapter.weights]
                     for slot, (target, (a, b, magnitude)) in enumerate(present):
+                        if target.rows is not None:  # this linear's rows of the module (kiln.layers.lora)
+                            b, magnitude = b[target.rows], None if magnitude is None else magnitude[target.rows]
                         bt = b.t().contiguous()
                         tensors += [a, bt, magnitude]
                         table[(4 * layer + which) * slots + slot] = kernels.LoraLinear(
