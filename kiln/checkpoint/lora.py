@@ -101,13 +101,13 @@ def parse_lora_tensors(weights, config, shapes: ModuleShapes, num_layers: int,
                               f"got {list(w.shape)}")
     if not w.is_floating_point():
         raise CheckpointError(f"LoRA weights: expected a floating-point tensor, got {w.dtype}")
-    modules, seen = [], {}
+    modules, seen, taken = [], {}, {m for _, m in shapes}
     for row, (module_id, layer, rank, *is_dora_field) in enumerate(c.long().tolist()):
         where = f"LoRA config row {row} ([{module_id}, {layer}, {rank}{''.join(f', {d}' for d in is_dora_field)}])"
         if module_id not in LORA_MODULE_NAMES:
             raise CheckpointError(f"{where}: unknown module_id {module_id} (the reference's ids are 0-18, "
                                   f"kiln's recurrent ones 19-{max(LORA_MODULE_NAMES)})")
-        if module_id not in {m for _, m in shapes}:
+        if module_id not in taken:
             raise CheckpointError(f"{where}: module {LORA_MODULE_NAMES[module_id]} (id {module_id}) is not one this "
                                   f"engine applies LoRA to; it takes {module_names(shapes)}")
         if not 0 <= layer < num_layers:

@@ -137,6 +137,12 @@ class BlockPool:
             previous = block_hash
         return blocks, hashes
 
+    def give_back_prefix(self, blocks: list[int]) -> None:
+        """Return blocks ``take_cached_prefix`` found but the caller cannot use (a hybrid model's,
+        past its last kept state): freed, and not counted as hits."""
+        self.free(blocks)
+        self.num_hit_blocks -= len(blocks)
+
     def _forget(self, block: int) -> None:
         block_hash = self._hash_of_block.pop(block, None)
         if block_hash is not None:

@@ -15,7 +15,6 @@ starts again from that copy and recomputes the tokens past it.
 from __future__ import annotations
 
 from kiln.errors import ConfigError, KilnError
-from kiln.models.hybrid import recurrent_layer_ids
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import FinishReason, Sequence
@@ -38,9 +37,9 @@ class DraftProposer:
         self._synced: dict[int, int] = {}  # target seq_id -> how many of its tokens the mirror took last time
         # A recurrent draft: the core's checkpoint slots (past its sequences', unused without prefix
         # caching), one per mirror: target seq_id -> (slot, the position its state is at).
-        self._recurrent = bool(recurrent_layer_ids(draft.config))
-        first = self.core.scheduler.states.num_slots if self._recurrent else 0
-        self._free_checkpoints = list(range(first, self.core.runner.num_state_slots if self._recurrent else 0))
+        states = self.core.scheduler.states  # (None: no recurrent layers)
+        self._recurrent = states is not None
+        self._free_checkpoints = list(range(states.num_slots, self.core.runner.num_state_slots)) if states else []
         self._checkpoints: dict[int, tuple[int, int]] = {}
 
     def propose(self, wanted: list[tuple[Sequence, int]]) -> None:
@@ -97,22 +96,20 @@ class DraftProposer:
         self._synced[seq.seq_id] = seq.num_tokens
         return mirror
 
-
     def _save_states(self, mirrors: dict[int, Sequence]) -> None:
         """Queue a copy of each running mirror's state (``mirrors``: by target seq_id) into its
         checkpoint slot."""
         for target_id, mirror in mirrors.items():
+            if not mirror.state_slots or mirror.is_finished:  # (a checkpoint it has stays valid)
+                continue
             if target_id in self._checkpoints:
                 slot = self._checkpoints[target_id][0]
             elif self._free_checkpoints:
                 slot = self._free_checkpoints.pop()
             else:  # (more mirrors than slots: this one recomputes from the start when it rewinds)
                 continue
-            if mirror.state_slots and not mirror.is_finished:
-                self.core.scheduler.state_copies.append((mirror.state_slots[0], slot))
-                self._checkpoints[target_id] = (slot, mirror.num_computed_tokens)
-            elif target_id not in self._checkpoints:
-                self._free_checkpoints.append(slot)
+            self.core.scheduler.state_copies.append((mirror.state_slots[0], slot))
+            self._checkpoints[target_id] = (slot, mirror.num_computed_tokens)
 
     def _restore_state(self, target_id: int, mirror: Sequence, agreed: int) -> int:
         """Where a recurrent mirror that must drop tokens past ``agreed`` starts again: its

@@ -108,12 +108,13 @@ class EngineCore:
         if speculative_config is not None and self.pipeline_depth > 1:
             raise ConfigError("speculative_config: speculative decoding runs without pipeline stages (pp_size 1)")
         slots, checkpoints = state_slot_counts(engine, self.max_num_seqs)  # (hybrid models)
+        kept_states = range(slots, slots + checkpoints) if slots and enable_prefix_caching else None
         self._in_flight: deque = deque()
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, block, self.max_num_seqs, self.max_num_tokens, capacity_policy,
                                    window=common_window(engine.model), states=StateSlots(slots) if slots else None,
-                                   lookahead_tokens=max(mtp - 1, 0), state_cache=StatePrefixCache(
-                                       range(slots, slots + checkpoints), block) if slots else None)
+                                   lookahead_tokens=max(mtp - 1, 0),
+                                   state_cache=StatePrefixCache(kept_states, block) if kept_states else None)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._requests: dict[int, SequenceGroup] = {}  # seq_id -> request, for live sequences

@@ -109,7 +109,7 @@ class Scheduler:
         if states is not None and pool.enable_caching and state_cache is None:
             raise ConfigError("prefix caching with recurrent-state slots needs a StatePrefixCache")
         self.states = states  # a hybrid model's recurrent-state slots (None: no recurrent layers)
-        self.state_cache = state_cache if pool.enable_caching else None  # their states at cached prefixes
+        self.state_cache = state_cache  # their states at cached prefixes (with prefix caching only)
         self.lookahead_tokens = lookahead_tokens  # slots past a step's tokens it may write (an MTP's guesses)
         self.state_copies: list[tuple[int, int]] = []  # queued for the next step (beams taking their parents')
         self.waiting: deque[Sequence] = deque()

@@ -54,8 +54,7 @@ class StatePrefixCache:
                 self._slot_of.move_to_end(hashes[j - 1])
                 keep, seq.state_restore = j, slot
                 break
-        pool.free(blocks[keep:])
-        pool.num_hit_blocks -= len(blocks) - keep  # found, but of no use without a state
+        pool.give_back_prefix(blocks[keep:])
         return blocks[:keep], hashes[:keep]
 
     @staticmethod
