@@ -32,12 +32,6 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 static int amx_disabled;  /* KILN_AMX=0: kiln_set_amx(0) */
 
 int kiln_amx_available(void) {
@@ -49,7 +43,7 @@ int kiln_amx_available(void) {
 void kiln_set_amx(int enabled) { amx_disabled = !enabled; }
 
 static void configure_tiles(void) {
-    tile_config cfg;
+    kiln_tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     for (int t = 0; t < 8; ++t) {  /* 0-3: accumulators, 4: x block, 5-7: weight blocks */

@@ -30,6 +30,12 @@ int kiln_paged_decode_attention_##SUFFIX(const T *q, int64_t q_stride, const T *
                                         int num_threads);
 
 int kiln_amx_available(void);
+/* An AMX tile configuration (LDTILECFG's 64 bytes, palette 1): each tile's rows and bytes a row. */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} kiln_tile_config;
 void kiln_set_amx(int enabled);
 /* The bf16 tiles of output blocks nb0 .. nb0 + blocks - 1 (16 columns each; kblocks k-blocks of
  * 512 elements per block, block-major), from `weight`, using `scratch` (room for

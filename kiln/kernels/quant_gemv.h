@@ -25,6 +25,7 @@ typedef struct {
     const int16_t *x16;
     const int8_t *x8;
     const float *xscale, *xsum;  /* xscale: per row (int8 weights) or per span (4-bit) */
+    const int32_t *isum;         /* 4- and 6-bit: each span's sum of the int8 x */
     int64_t spans;
 } kiln_gemv_input;
 
@@ -43,6 +44,12 @@ int64_t kiln_quant_gemv_unit(const kiln_qweight *W);
  * (one unit): x W^T in fp32 (no bias) into out[t * 64 + 16 * b + c]. */
 void kiln_quant_gemv_tile(const kiln_qweight *W, const kiln_gemv_input *in, int64_t t0, int mt, int64_t nb0,
                           int blocks, float *out);
+/* Rows past the GEMV's, up to KILN_QUANT_AMX_MAX_ROWS (beyond it dequantized tiles win), on
+ * AMX int8 tiles with the GEMV's numbers (quant_amx.c): 4- and 6-bit codes. Returns 0 when it does not take the call (no AMX,
+ * int8 codes, too many rows, out of memory), and the caller dequantizes instead. */
+#define KILN_QUANT_AMX_MAX_ROWS 32
+int kiln_quant_amx_linear(const bf16_t *x, const kiln_qweight *W, const bf16_t *bias, bf16_t *y, int64_t m,
+                          int num_threads);
 #endif
 
 #endif

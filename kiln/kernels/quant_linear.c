@@ -50,34 +50,10 @@
 #include "dtypes.h"
 #include "kernels.h"
 #include "quant_gemv.h"
+#include "quant_layout.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-
-/* nibble -> twice its E2M1 value plus 12: 0, 0.5, 1, 1.5, 2, 3, 4, 6, then the negatives */
-static const uint8_t E2M1_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
-
-
-static inline float half_load(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-    union { uint32_t u; float f; } v;
-    if (e == 0) return (sign ? -1.f : 1.f) * ldexpf((float)m, -24);  /* zero and subnormals */
-    v.u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
-    return v.f;
-}
-
-/* Byte offset of 4-bit chunk j (k 8j .. 8j + 7) of block nb: its panel's start, then the
- * chunks before it, alternating between the panel's blocks. */
-static inline int64_t chunk_at(int64_t n, int64_t k, int64_t nb, int64_t j) {
-    const int64_t first = nb & ~(int64_t)1, pair = first + 1 < n / 16 ? 2 : 1;
-    return (first * (k / 8) + j * pair + (nb - first)) * 64;
-}
-
-/* 6-bit codes: byte offset of the high bits of k 16p .. 16p + 15 of block nb, after the nibbles:
- * 64 bytes per 16 k, in the panel order the chunks of half as many k have. */
-static inline int64_t high_bits_at(int64_t n, int64_t k, int64_t nb, int64_t p) {
-    return n * k / 2 + chunk_at(n, k / 2, nb, p);
-}
 
 /* Tile / chunk order from row-major codes: int8 [n, k] or packed 4-bit [n, k / 2] (byte j of a
  * row holds codes 2j in its low and 2j + 1 in its high nibble). */
@@ -107,16 +83,6 @@ void kiln_quant_pack(const uint8_t *codes, uint8_t *out, int64_t n, int64_t k, i
             }
         }
     }
-}
-
-/* The offset a group has when none is stored: 4-bit codes are centred on 8, int8 codes on 0. */
-static inline float implicit_offset(const kiln_qweight *W, float s) {
-    return W->bits == 4 ? (W->e2m1 ? -12.f : -8.f) * s : W->bits == 6 ? -32.f * s : 0.f;
-}
-
-/* Byte offset of the super-block record holding group g of block nb (super scales). */
-static inline int64_t super_record_at(const kiln_qweight *W, int64_t nb, int64_t g) {
-    return (nb * (W->k / KILN_SUPER_K) + g * W->group / KILN_SUPER_K) * KILN_SUPER_BYTES(W->group);
 }
 
 /* Scale and offset of the 16 columns of block nb in group g (fp32). */
@@ -158,24 +124,6 @@ static inline int code4(const kiln_qweight *W, int64_t nb, int64_t kb, int c, in
     }
     return W->e2m1 ? E2M1_U[u] : u;
 }
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-/* E2M1_U in each 128-bit lane, for VPSHUFB (a byte's low 4 bits pick within its lane). */
-static inline __m512i e2m1_table(void) {
-    return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)E2M1_U));
-}
-
-/* 6-bit codes: bit pair `pair` of each high-bits byte, moved to bits 4-5 (beside the nibble). */
-static inline __m512i high_pair(__m512i high, int pair) {
-    const __m512i mask = _mm512_set1_epi8(0x30);
-    switch (pair) {
-    case 0: return _mm512_and_si512(_mm512_slli_epi16(high, 4), mask);
-    case 1: return _mm512_and_si512(_mm512_slli_epi16(high, 2), mask);
-    case 2: return _mm512_and_si512(high, mask);
-    default: return _mm512_and_si512(_mm512_srli_epi16(high, 2), mask);
-    }
-}
-#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 /* Column scales and offsets spread over a tile row's 32 lanes (lane i: column i / 2, + 8 in the
@@ -279,53 +227,13 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
  *   widened: a row costs half what 16-bit x split in two bytes did, which matters past one row
  *   (verifying proposals, batches), where the GEMV is bound by these instructions rather than
  *   by memory. */
-/* Beyond KILN_QUANT_GEMV_MAX_ROWS (quant_gemv.h), dequantized tiles on the panel kernel win:
+/* Beyond KILN_QUANT_GEMV_MAX_ROWS (quant_gemv.h), AMX int8 tiles with the GEMV's numbers take
+ * 4- and 6-bit codes (quant_amx.c) up to KILN_QUANT_AMX_MAX_ROWS; else dequantized tiles on the
+ * panel kernel win:
  * SmolLM2-135M Q4_1 on the AMX Xeon of docs/benchmark-log.md, linears of a decode step at 9 / 11 / 13 / 16 rows 11.2 / 12.0 / 14.1 /
  * 16.6 ms against the panel's 14.1 / 14.8 / 14.5 / 14.5 (with 16-bit x; 8-bit x moved the
  * crossover further). Covers a step verifying up to 11 proposals, whose rows then compute what
  * plain decode steps do. */
-
-/* k per flush: 4-bit, a block of x (32); 6-bit, a group (16); else a divisor of the group (a multiple of 32) of at
- * most 512 k. */
-static inline int64_t flush_span(const kiln_qweight *W) {
-    if (W->bits == 4) return 32;
-    if (W->bits == 6) return 16;  /* Q6_K's groups of 16: two spans of each block of x */
-    if (W->channel_scales) return 512;
-    int64_t blocks = W->group / 32, best = 1;
-    for (int64_t d = 1; d <= 16; ++d)
-        if (blocks % d == 0) best = d;
-    return best * 32;
-}
-
-static inline void load_block_scales(const kiln_qweight *W, int64_t nb, int64_t g, __m512 *s, __m512 *o) {
-    if (W->channel_scales) {
-        *s = _mm512_loadu_ps(W->channel_scales + nb * 16);
-        *o = _mm512_setzero_ps();
-        return;
-    }
-    if (W->super) {  /* int8 codes times the super-block's float16 multipliers */
-        const int64_t at = super_record_at(W, nb, g), per = KILN_SUPER_K / W->group;
-        const int64_t q = (g % per) * 16, mult = per * 16;
-        const uint8_t *sc = (const uint8_t *)W->scales + at;
-        *s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + q)))),
-                           _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + mult))));
-        if (W->offsets) {
-            const uint8_t *of = (const uint8_t *)W->offsets + at;
-            *o = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(of + q)))),
-                               _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(of + mult))));
-        } else {
-            *o = _mm512_mul_ps(_mm512_set1_ps(implicit_offset(W, 1.f)), *s);
-        }
-        return;
-    }
-    const int64_t at = (nb * (W->k / W->group) + g) * 16;
-    *s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(W->scales + at)));
-    *o = W->offsets ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(W->offsets + at)))
-                    : _mm512_mul_ps(_mm512_set1_ps(implicit_offset(W, 1.f)), *s);
-}
-
-/* Whether a group's offset enters the GEMV (through the span's sum of x). */
-static inline int has_offsets(const kiln_qweight *W) { return W->bits != 8 || W->offsets != NULL; }
 
 static inline __m512i bcast32(const void *p) {
     int32_t v;
@@ -338,6 +246,7 @@ static inline __m512i bcast32(const void *p) {
 static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight *W, const kiln_gemv_input *in,
                                                              int64_t t0, int MT, int64_t nb0, int NB, float *out) {
     const int64_t k = W->k, span = flush_span(W);
+    const int32_t zero = W->bits == 8 ? 0 : (int32_t)folded_zero(W);
     /* A panel's codes are short (a few KB), too short for the hardware prefetcher to ramp up
      * on: each load prefetches the same spot of the next panel (this thread's next, but at the
      * end of its run), a whole panel ahead. */
@@ -406,8 +315,10 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
             for (int t = 0; t < MT; ++t) {
                 const float xs = W->bits == 8 ? in->xscale[t0 + t] : in->xscale[(t0 + t) * in->spans + sp];
                 const __m512 st = _mm512_mul_ps(sv, _mm512_set1_ps(xs));
+                if (zero)
+                    acc[t][b] = _mm512_sub_epi32(acc[t][b], _mm512_set1_epi32(zero * in->isum[(t0 + t) * in->spans + sp]));
                 total[t][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][b]), st, total[t][b]);
-                if (has_offsets(W))
+                if (W->offsets)
                     total[t][b] = _mm512_fmadd_ps(ov, _mm512_set1_ps(in->xsum[(t0 + t) * in->spans + sp]), total[t][b]);
             }
         }
@@ -425,11 +336,12 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
  * of a small layer. */
 void *kiln_quant_gemv_prepare(const bf16_t *x, const kiln_qweight *W, int64_t m, kiln_gemv_input *in) {
     const int64_t k = W->k, span = flush_span(W), spans = k / span;
-    char *mem = malloc(sizeof(int16_t) * m * k + sizeof(float) * m * (2 * spans + 1));
+    char *mem = malloc(sizeof(int16_t) * m * k + sizeof(float) * m * (3 * spans + 1));
     if (mem == NULL) return NULL;
     int16_t *x16 = (int16_t *)mem;
     int8_t *x8 = (int8_t *)x16;  /* 4-bit weights take bytes in the same place */
     float *xscale = (float *)(x16 + m * k), *xsum = xscale + m * spans;
+    int32_t *isum = (int32_t *)(xsum + m * spans);
     for (int64_t t = 0; t < m; ++t) {
         const bf16_t *xr = x + t * k;
         if (W->bits != 8) {
@@ -444,11 +356,14 @@ void *kiln_quant_gemv_prepare(const bf16_t *x, const kiln_qweight *W, int64_t m,
                 _mm_storeu_si128((__m128i *)(x8 + t * k + i + 16), _mm512_cvtsepi32_epi8(qb));
                 if (span == 16) {
                     xscale[t * spans + i / 16] = xscale[t * spans + i / 16 + 1] = scale;
-                    xsum[t * spans + i / 16] = (float)_mm512_reduce_add_epi32(qa) * scale;
-                    xsum[t * spans + i / 16 + 1] = (float)_mm512_reduce_add_epi32(qb) * scale;
+                    isum[t * spans + i / 16] = _mm512_reduce_add_epi32(qa);
+                    isum[t * spans + i / 16 + 1] = _mm512_reduce_add_epi32(qb);
+                    xsum[t * spans + i / 16] = (float)isum[t * spans + i / 16] * scale;
+                    xsum[t * spans + i / 16 + 1] = (float)isum[t * spans + i / 16 + 1] * scale;
                 } else {
                     xscale[t * spans + i / 32] = scale;
-                    xsum[t * spans + i / 32] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)) * scale;
+                    isum[t * spans + i / 32] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+                    xsum[t * spans + i / 32] = (float)isum[t * spans + i / 32] * scale;
                 }
             }
             continue;
@@ -475,6 +390,7 @@ void *kiln_quant_gemv_prepare(const bf16_t *x, const kiln_qweight *W, int64_t m,
     in->x8 = x8;
     in->xscale = xscale;
     in->xsum = xsum;
+    in->isum = isum;
     in->spans = spans;
     return mem;
 }
@@ -529,6 +445,7 @@ void kiln_quant_linear_bf16(const bf16_t *x, const uint8_t *codes, const void *s
         quant_gemv(x, &W, bias, y, m, num_threads);
         return;
     }
+    if (kiln_quant_amx_linear(x, &W, bias, y, m, num_threads)) return;
 #endif
     kiln_linear_panels(x, dequant_panel, &W, bias, NULL, y, m, n, k, num_threads);
 }

@@ -190,7 +190,9 @@ def test_engine_computes_the_checkpoints_prescaled_dequantized_model(awq_and_rtn
         ours = kiln_prompt_logits(engine, ids)
         with torch.no_grad():
             ref = reference(torch.tensor([ids])).logits[0].float()
-        assert (ours - ref).abs().max().item() <= 0.03 * ref.abs().max().item()  # bf16 compute, as test_bf16
+        # bf16 compute, and (prompts of 1-32 tokens: the integer GEMV and AMX int8 tiles) x in int8
+        # blocks of 32, as llama.cpp's Q8 activations
+        assert (ours - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
 
 
 def test_bad_awq_requests_are_clear_errors(tmp_path):

