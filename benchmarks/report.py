@@ -138,6 +138,16 @@ def _scale(records: list[dict]) -> list[str]:
             "", *rows, "", *notes]
 
 
+def _per_sequence(kiln: dict) -> str:
+    """A sequence's recurrent state (MB, two slots) and K/V per token (KB), as far as recorded."""
+    state = kiln.get("state_bytes_per_sequence")
+    kv = kiln.get("kv_bytes_per_token")
+    parts = [f"{state / 1e6:.0f} MB" if state else ("0 MB" if kv is not None else "-")]
+    if kv is not None:
+        parts.append(f"{kv / 1e3:.0f} KB")
+    return " + ".join(parts)
+
+
 def _moe_scale(records: list[dict]) -> list[str]:
     """The newest moe_scale record per shape, quantization and CPU: kiln beside llama.cpp on one GGUF."""
     latest: dict[tuple, dict] = {}
@@ -146,8 +156,9 @@ def _moe_scale(records: list[dict]) -> list[str]:
             latest[(r["shape"], r["quant"], _cpu(r))] = r
     rows = ["| date | CPU | shape, GGUF | decode tok/s kiln / llama.cpp | ratio | % of read bandwidth | "
             "after N tokens (N) | batch 8 | batch 32 | prefill 512 tok/s | load s | peak RSS MB | GGUF / engine GB | "
+            "kiln state MB + K/V KB a token, per sequence | "
             "kiln convert, build s (peak RSS MB) | command |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for (shape, quant, cpu), r in sorted(latest.items(), key=lambda kv: kv[1]["date"], reverse=True)[:ROWS]:
         k, ll = (r["engines"][f"{name} {quant}"] for name in ("kiln", "llama.cpp"))
 
@@ -163,6 +174,7 @@ def _moe_scale(records: list[dict]) -> list[str]:
                     f"{both('decode_tok_s_batch8', '.1f')} | {both('decode_tok_s_batch32', '.1f')} | "
                     f"{both('prefill_tok_s', '.1f')} | {both('load_to_first_token_s', '.1f')} | "
                     f"{both('peak_rss_mb', '.0f')} | {r['gguf_bytes'] / 1e9:.2f} / {r['engine_bytes'] / 1e9:.2f} | "
+                    f"{_per_sequence(k)} | "
                     f"{r['convert']['seconds']:.0f} ({r['convert']['peak_rss_mb']:.0f}), {r['build']['seconds']:.0f} "
                     f"({r['build']['peak_rss_mb']:.0f}) | `{_short(r['command'])}` |")
     return ["## Mixture of experts and hybrid models at real size: kiln beside llama.cpp on one GGUF (random "

@@ -190,6 +190,7 @@ def run_kiln(engine: str, new_tokens: int, contexts: tuple[int, ...] = ()) -> di
                "weight_bytes": weight_bytes_per_token(llm.engine.model)}
     if llm.core.runner.state_slot_bytes:  # a hybrid model: its recurrent state (two slots) per sequence
         figures["state_bytes_per_sequence"] = 2 * llm.core.runner.state_slot_bytes
+    figures["kv_bytes_per_token"] = kv_bytes_per_token(llm.engine)
     timer = ForwardTimer(llm.core.runner.model)
     for batch in BATCHES:  # batched decode (llama-cpp-python has no batched generate to set beside it)
         # each sequence its own prompt: a mixture of experts then routes the batch's tokens apart
@@ -199,6 +200,16 @@ def run_kiln(engine: str, new_tokens: int, contexts: tuple[int, ...] = ()) -> di
     for context in contexts:  # batch-1 decode after a long prompt: the KV cache read grows with it
         figures[f"decode_tok_s_context{context}"] = stream_round(llm, _prompts(context)[1], new_tokens // 2)[1]
     return figures
+
+
+def kv_bytes_per_token(engine) -> int:
+    """K/V cache bytes a token of a sequence takes (the attention layers only: a hybrid's
+    recurrent layers keep their state instead)."""
+    from kiln.models.hybrid import attention_modules
+    from kiln.step.kv_cache import kv_cache_dtype, layer_cache_bytes_per_token
+
+    return layer_cache_bytes_per_token(attention_modules(engine.model.transformer.layers.values()),
+                                       kv_cache_dtype(engine.config))
 
 
 def run_llamacpp(gguf_path: str, new_tokens: int, contexts: tuple[int, ...] = ()) -> dict:
