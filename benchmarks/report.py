@@ -139,12 +139,12 @@ def _scale(records: list[dict]) -> list[str]:
 
 
 def _per_sequence(kiln: dict) -> str:
-    """A sequence's recurrent state (MB, two slots) and K/V per token (KB), as far as recorded."""
+    """A sequence's recurrent state (MB, two slots) and K/V per token (KiB), as far as recorded."""
     state = kiln.get("state_bytes_per_sequence")
     kv = kiln.get("kv_bytes_per_token")
     parts = [f"{state / 1e6:.0f} MB" if state else ("0 MB" if kv is not None else "-")]
     if kv is not None:
-        parts.append(f"{kv / 1e3:.0f} KB")
+        parts.append(f"{kv / 1024:.0f} KiB")
     return " + ".join(parts)
 
 
@@ -156,7 +156,7 @@ def _moe_scale(records: list[dict]) -> list[str]:
             latest[(r["shape"], r["quant"], _cpu(r))] = r
     rows = ["| date | CPU | shape, GGUF | decode tok/s kiln / llama.cpp | ratio | % of read bandwidth | "
             "after N tokens (N) | batch 8 | batch 32 | prefill 512 tok/s | load s | peak RSS MB | GGUF / engine GB | "
-            "kiln state MB + K/V KB a token, per sequence | "
+            "kiln state MB + K/V KiB a token, per sequence | "
             "kiln convert, build s (peak RSS MB) | command |",
             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for (shape, quant, cpu), r in sorted(latest.items(), key=lambda kv: kv[1]["date"], reverse=True)[:ROWS]:
