@@ -215,7 +215,8 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
 #ifdef KILN_HAVE_QUANT_GEMV
 /* A few rows of x (decode steps) straight from the codes, in integers. Converting codes to
  * floats instead ran 3x slower than the memory here. The integer sums are flushed to fp32 per
- * span of k, times scale * x's scale; a group's offset comes in times its sum of x.
+ * span of k, times scale * x's scale; a stored offset comes in times the span's sum of x, a
+ * format's zero code (no stored offset) as -zero * sum(x8) in the integer sums (quant_layout.h).
  *   int8: each row of x in 16-bit fixed point (error at most 2^-15 of its largest value); a
  *   span is a group, or at most 512 k, before the sums could overflow. VPDPWSSD multiplies the
  *   tile order's code pairs (widened to 16 bits) by x pairs.
