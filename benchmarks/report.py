@@ -168,7 +168,9 @@ def _moe_scale(records: list[dict]) -> list[str]:
         share = (f"{100 * k['bandwidth_share']:.0f}% / {100 * ll['bandwidth_share']:.0f}%"
                  if "bandwidth_share" in k and "bandwidth_share" in ll else "-")
         contexts = sorted(int(key.rpartition("context")[2]) for key in k if key.startswith("decode_tok_s_context"))
-        after = (f"{both(f'decode_tok_s_context{contexts[0]}', '.2f')} ({contexts[0]})" if contexts else "-")
+        after = (f"{both(f'decode_tok_s_context{contexts[0]}', '.2f')} ({contexts[0]}"
+                 + (f"; its prefill {both(f'prefill_tok_s_context{contexts[0]}', '.1f')}"
+                    if f"prefill_tok_s_context{contexts[0]}" in k else "") + ")" if contexts else "-")
         rows.append(f"| {r['date'][:10]} | {cpu} | {shape} {quant} | {both('decode_tok_s', '.2f')} | "
                     f"{k['decode_tok_s'] / ll['decode_tok_s']:.2f}x | {share} | {after} | "
                     f"{both('decode_tok_s_batch8', '.1f')} | {both('decode_tok_s_batch32', '.1f')} | "

@@ -198,7 +198,9 @@ def run_kiln(engine: str, new_tokens: int, contexts: tuple[int, ...] = ()) -> di
         kiln_batch(llm, prompts, 4, timer)  # warm-up at this batch size
         figures[f"decode_tok_s_batch{batch}"] = kiln_batch(llm, prompts, new_tokens // 2, timer)["decode_tok_s"]
     for context in contexts:  # batch-1 decode after a long prompt: the KV cache read grows with it
-        figures[f"decode_tok_s_context{context}"] = stream_round(llm, _prompts(context)[1], new_tokens // 2)[1]
+        first, decode = stream_round(llm, _prompts(context, seed=7)[1], new_tokens // 2)  # no cached prefix
+        figures[f"decode_tok_s_context{context}"] = decode
+        figures[f"prefill_tok_s_context{context}"] = context / first  # the prompt's prefill, to its first token
     return figures
 
 
@@ -230,7 +232,9 @@ def run_llamacpp(gguf_path: str, new_tokens: int, contexts: tuple[int, ...] = ()
     figures = {"load_to_first_token_s": load, "prefill_tok_s": prefill, "decode_tok_s": decode,
                "weight_bytes": gguf_bytes_per_token(gguf_path)}
     for context in contexts:
-        figures[f"decode_tok_s_context{context}"] = llamacpp_round(llm, _prompts(context)[1], new_tokens // 2)[1]
+        first, decode = llamacpp_round(llm, _prompts(context, seed=7)[1], new_tokens // 2)
+        figures[f"decode_tok_s_context{context}"] = decode
+        figures[f"prefill_tok_s_context{context}"] = context / first
     return figures
 
 
