@@ -45,9 +45,6 @@ static inline int code_zero(const kiln_qweight *W) {
     return W->bits == 4 ? (W->e2m1 ? 12 : 8) : W->bits == 6 ? 32 : 0;
 }
 
-/* The offset a group has when none is stored. */
-static inline float implicit_offset(const kiln_qweight *W, float s) { return -(float)code_zero(W) * s; }
-
 /* Byte offset of the super-block record holding group g of block nb (super scales). */
 static inline int64_t super_record_at(const kiln_qweight *W, int64_t nb, int64_t g) {
     return (nb * (W->k / KILN_SUPER_K) + g * W->group / KILN_SUPER_K) * KILN_SUPER_BYTES(W->group);
@@ -90,7 +87,8 @@ static inline __m512i high_pair(__m512i high, int pair) {
 #endif
 
 #if defined(__AVX512F__)
-/* The 16 columns' scales and offsets of block nb in group g, as fp32 vectors. */
+/* The 16 columns' scales and stored offsets of block nb in group g, as fp32 vectors; the offset
+ * is zero where none is stored (the integer kernels fold the zero code into their sums). */
 static inline void load_block_scales(const kiln_qweight *W, int64_t nb, int64_t g, __m512 *s, __m512 *o) {
     if (W->channel_scales) {
         *s = _mm512_loadu_ps(W->channel_scales + nb * 16);
@@ -103,19 +101,15 @@ static inline void load_block_scales(const kiln_qweight *W, int64_t nb, int64_t 
         const uint8_t *sc = (const uint8_t *)W->scales + at;
         *s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + q)))),
                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + mult))));
-        if (W->offsets) {
-            const uint8_t *of = (const uint8_t *)W->offsets + at;
-            *o = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(of + q)))),
-                               _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(of + mult))));
-        } else {
-            *o = _mm512_mul_ps(_mm512_set1_ps(implicit_offset(W, 1.f)), *s);
-        }
+        const uint8_t *of = (const uint8_t *)W->offsets + at;
+        *o = W->offsets ? _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(of + q)))),
+                                        _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(of + mult))))
+                        : _mm512_setzero_ps();
         return;
     }
     const int64_t at = (nb * (W->k / W->group) + g) * 16;
     *s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(W->scales + at)));
-    *o = W->offsets ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(W->offsets + at)))
-                    : _mm512_mul_ps(_mm512_set1_ps(implicit_offset(W, 1.f)), *s);
+    *o = W->offsets ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(W->offsets + at))) : _mm512_setzero_ps();
 }
 #endif
 

@@ -85,6 +85,9 @@ void kiln_quant_pack(const uint8_t *codes, uint8_t *out, int64_t n, int64_t k, i
     }
 }
 
+/* The offset a group has when none is stored. */
+static inline float implicit_offset(const kiln_qweight *W, float s) { return -(float)code_zero(W) * s; }
+
 /* Scale and offset of the 16 columns of block nb in group g (fp32). */
 static inline void column_scales(const kiln_qweight *W, int64_t nb, int64_t g, float s[16], float o[16]) {
     if (W->channel_scales) {
@@ -247,7 +250,7 @@ static inline __m512i bcast32(const void *p) {
 static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight *W, const kiln_gemv_input *in,
                                                              int64_t t0, int MT, int64_t nb0, int NB, float *out) {
     const int64_t k = W->k, span = flush_span(W);
-    const int32_t zero = W->bits == 8 ? 0 : (int32_t)folded_zero(W);
+    const int32_t zero = (int32_t)folded_zero(W);
     /* A panel's codes are short (a few KB), too short for the hardware prefetcher to ramp up
      * on: each load prefetches the same spot of the next panel (this thread's next, but at the
      * end of its run), a whole panel ahead. */
