@@ -63,7 +63,7 @@ def _latency(records: list[dict]) -> list[str]:
 
 def _throughput(records: list[dict]) -> list[str]:
     rows = ["| date | CPU | engine | dtype | decode tok/s by batch size | command |", "|---|---|---|---|---|---|"]
-    for r in _newest(records, "throughput"):
+    for r in _newest(records, "throughput", rows=2):  # the bundled model's engines (real sizes: the tables above)
         by_batch = ", ".join(f"{b['batch']}: {_tok_s(b['kiln']['decode_tok_s'])}" for b in r["batches"])
         rows.append(f"| {r['date'][:10]} | {_cpu(r)} | {Path(r['engine']).name} | {r['dtype']} | {by_batch} | "
                     f"`{_short(r['command'])}` |")
