@@ -118,7 +118,7 @@ def format_latency(record: dict) -> str:
     lines = [f"latency: {precision(record)}, {m['threads']} threads, {record['prompt_len']}-token prompt, "
              f"{record['new_tokens']} new tokens, prefill {record['prefill_len']} tokens, median of {record['rounds']}",
              f"machine: read {m['read_gbs']} GB/s, matmul {m['matmul_gflops_fp32']} GFLOP/s fp32, "
-             f"{m['matmul_gflops_bf16']} bf16",
+             f"{m['matmul_gflops_bf16'] or 'no native'} bf16",
              f"  {'':22} {'kiln':>10} {'HF':>10} {'kiln/HF':>8}"]
     rows = [("decode tok/s", "decode_tok_s", False, "{:.1f}"), ("prefill tok/s", "prefill_tok_s", False, "{:.0f}"),
             ("time to first token s", "ttft_s", True, "{:.3f}"),

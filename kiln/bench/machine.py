@@ -57,7 +57,10 @@ def cpu_name() -> str:
 
 
 def machine_facts() -> dict:
+    """CPU, threads, read bandwidth and matmul rates; the bf16 rate is None where the CPU has
+    no bf16 arithmetic (torch emulates it near 1 GFLOP/s: a minute of measuring for nothing)."""
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "read_gbs": round(read_bandwidth_gbs(), 1),
             "matmul_gflops_fp32": round(matmul_gflops(torch.float32)),
-            "matmul_gflops_bf16": round(matmul_gflops(torch.bfloat16))}
+            "matmul_gflops_bf16": round(matmul_gflops(torch.bfloat16)) if native_bf16 else None}

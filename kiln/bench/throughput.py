@@ -100,7 +100,7 @@ def format_throughput(record: dict) -> str:
     lines = [f"throughput: {precision(record)}{split}, {m['threads']} threads, {record['prompt_len']}-token prompts, "
              f"{record['new_tokens']} new tokens each (median of {record['rounds']})",
              f"machine: read {m['read_gbs']} GB/s, matmul {m['matmul_gflops_fp32']} GFLOP/s fp32, "
-             f"{m['matmul_gflops_bf16']} bf16",
+             f"{m['matmul_gflops_bf16'] or 'no native'} bf16",
              f"  {'batch':>5} {'kiln out tok/s':>15} {'HF out tok/s':>13} {'kiln/HF':>8} "
              f"{'kiln decode tok/s':>18} {'HF decode tok/s':>16}"]
     for row in record["batches"]:

@@ -115,6 +115,37 @@ static inline __attribute__((always_inline)) int64_t scores16_##SUFFIX(         
     return ntok;                                                                                   \
 }
 DEFINE_SCORES16(f32, float)
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const bf16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* AVX2: each token's dot product in eight lanes, in one order whatever surrounds it. The
+ * compiler-vectorized loop peeled a few elements by the stack's alignment, which differs
+ * between a run of rows and a row alone, and so rounded their scores differently. */
+#define DEFINE_SCORES8(SUFFIX, T)                                                                  \
+static inline __attribute__((always_inline)) int64_t scores16_##SUFFIX(                           \
+        const float *q, const T *kb, int64_t ntok, const int64_t D, float *out, prefetch_cursor *pf) { \
+    if (D % 8 != 0) return 0;                                                                      \
+    for (int64_t t = 0; t < ntok; ++t) {                                                           \
+        const T *kt = kb + t * D;                                                                  \
+        prefetch_rows(pf, 1);                                                                      \
+        __m256 acc = _mm256_setzero_ps();                                                          \
+        for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8_##SUFFIX(kt + d), acc); \
+        out[t] = hsum8(acc);                                                                       \
+    }                                                                                              \
+    return ntok;                                                                                   \
+}
+DEFINE_SCORES8(f32, float)
 #else
 #define scores16_f32(q, kb, ntok, D, out, pf) ((int64_t)0)
 #endif
@@ -271,6 +302,9 @@ static inline void pv_unpermute(float *acc, int64_t D) {
 #if defined(__AVX512F__)
 DEFINE_SCORES16(bf16, bf16_t)
 DEFINE_GROUP_SCORES(bf16, bf16_t, scores16_bf16)
+#elif defined(__AVX2__) && defined(__FMA__)
+DEFINE_SCORES8(bf16, bf16_t)
+DEFINE_GROUP_SCORES(bf16, bf16_t, scores16_bf16)
 #else
 DEFINE_GROUP_SCORES(bf16, bf16_t, scores16_none)
 #endif
@@ -364,6 +398,60 @@ static inline float exp_sum(float *s, int64_t n, float m) {
         sum = _mm512_mask_add_ps(sum, k, sum, e);
     }
     return _mm512_reduce_add_ps(sum);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The same in eight lanes. Every score goes through the one vector exp, whatever its place: a
+ * compiler-vectorized expf loop took a scalar expf for the elements it peeled or left over, so
+ * a row's scores rounded differently when its row of the scratch sat at another alignment (a
+ * row in a verifying step's run against the same row alone). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(1.44269504f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147181f));
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    /* 2^n as a float's exponent field (x - m <= 0 here, and n >= -126 after the clamp) */
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+static inline __m256i lanes_below(int64_t left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float scale_max(float *s, int64_t n, float scale, float m) {
+    const __m256 vs = _mm256_set1_ps(scale);
+    __m256 vm = _mm256_set1_ps(m);
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256i k = lanes_below(n - i);
+        const __m256 x = _mm256_mul_ps(_mm256_maskload_ps(s + i, k), vs);
+        _mm256_maskstore_ps(s + i, k, x);
+        vm = _mm256_blendv_ps(vm, _mm256_max_ps(vm, x), _mm256_castsi256_ps(k));
+    }
+    return hmax8(vm);
+}
+
+static inline float exp_sum(float *s, int64_t n, float m) {
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256i k = lanes_below(n - i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(s + i, k), vm));
+        _mm256_maskstore_ps(s + i, k, e);
+        sum = _mm256_add_ps(sum, _mm256_and_ps(e, _mm256_castsi256_ps(k)));
+    }
+    return hsum8(sum);
 }
 #else
 static inline float scale_max(float *s, int64_t n, float scale, float m) {

@@ -13,6 +13,7 @@
  * y [m, n]. Weight rows are split over threads in blocks. kiln_head_gemm does the same per
  * head with a weight per head (latent attention's absorbed decode).
  */
+#include <stddef.h>
 #include <stdint.h>
 
 #include "dtypes.h"

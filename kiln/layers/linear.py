@@ -28,8 +28,9 @@ from kiln.layers.quantized_matmul import dequantize, fp8_linear, fp8_round_input
 # once on first use where the CPU has those instructions, else goes to oneDNN, whose bf16
 # matmul re-lays-out a plain weight on every call, on a weight packed once into its blocked
 # format (1.4-2x faster than F.linear). fp32: the native skinny GEMM up to 16 rows (faster
-# than MKL), F.linear beyond.
-_PACK_BF16 = torch.backends.mkldnn.is_available()
+# than MKL), F.linear beyond. oneDNN packs bf16 only where the CPU converts bf16 in hardware
+# (AVX512-BW or AVX-NE-CONVERT); elsewhere (AVX2 alone) F.linear.
+_PACK_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 # A linear's weight and its per-row quantization parameters (codes, scales, zero points, offsets).

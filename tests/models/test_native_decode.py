@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kiln.models.base as base
-from kiln import SamplingParams
+from kiln import SamplingParams, kernels
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.models.native_decode import NativeDecodeStep, native_decode_for, supports_native_decode
@@ -22,6 +22,8 @@ from tests.conftest import convert_and_build
 from tests.utils.tiny_models import make_gpt2, make_llama
 from tests.utils.tiny_moe_models import make_deepseek_v2, make_gpt_oss, make_qwen3_moe
 from tests.utils.tiny_tokenizer import CORPUS, VOCAB_SIZE, save_tiny_tokenizer
+
+W8A8_NATIVE = kernels.w8a8_supported(torch.bfloat16, torch.zeros(16, 32, dtype=torch.int8))
 
 # name: (make_llama options, or another maker's under "maker"; engine dtype or weight-only quant_algo,
 # kv_cache_quant_algo)
@@ -61,6 +63,8 @@ CASES = {
 @pytest.fixture(scope="module", params=sorted(CASES))
 def engine_dir(request, tmp_path_factory):
     options, dtype, kv_algo = CASES[request.param]
+    if dtype == "W8A8_SQ_PER_CHANNEL" and not W8A8_NATIVE:
+        pytest.skip("SmoothQuant's native int8 kernel needs AVX512-VNNI (elsewhere torch._int_mm runs W8A8)")
     root = tmp_path_factory.mktemp(request.param)
     options = dict(options)
     options.pop("maker", make_llama)(root / "hf", hidden=64, layers=3, **options)

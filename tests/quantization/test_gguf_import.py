@@ -132,8 +132,14 @@ def test_native_engine_computes_the_dequantized_engine(mixed, tmp_path):
     ours, ref = kiln_prompt_logits(native_engine, ids), kiln_prompt_logits(float_engine, ids)
     # a 20-token prompt's linears take x in int8 blocks of 32 (AMX int8 tiles, the GEMV's arithmetic)
     assert (ours - ref).abs().max() <= 0.04 * ref.abs().max()
+    # Greedy: each token the native engine picks is the float engine's pick, or a near-tie within
+    # the logits' tolerance (how a prompt's rows meet the weights differs by CPU: AMX int8 tiles,
+    # or dequantized panels where the decode steps' GEMV takes x in int8 blocks).
     prompts = [ids[:7], ids[7:]]
-    assert kiln_greedy(native_engine, prompts, 12) == kiln_greedy(float_engine, prompts, 12)
+    for prompt, tokens in zip(prompts, kiln_greedy(native_engine, prompts, 12)):
+        logits = kiln_prompt_logits(float_engine, prompt + tokens)[len(prompt) - 1:-1].float()
+        chosen = logits[torch.arange(len(tokens)), torch.tensor(tokens)]
+        assert torch.all(chosen >= logits.max(-1).values - 0.04 * ref.abs().max())
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)

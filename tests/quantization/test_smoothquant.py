@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from kiln import kernels
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.layers.quantized_matmul import int8_matmul, int8_matmul_reference, quantize_activations, w8a8_linear
@@ -153,6 +154,12 @@ def test_engine_stays_close_to_float_hf(sq_model):
     assert agree >= 0.75
 
 
+NO_NATIVE_W8A8 = pytest.mark.skipif(
+    not kernels.w8a8_supported(torch.bfloat16, torch.zeros(16, 32, dtype=torch.int8)),
+    reason="SmoothQuant's native int8 kernel needs AVX512-VNNI (elsewhere torch._int_mm runs W8A8)")
+
+
+@NO_NATIVE_W8A8
 def test_bf16_engine_takes_the_native_decode_path(sq_model, tmp_path):
     from kiln.build import build_engine
     from kiln.models.base import DecoderModelForCausalLM
@@ -176,6 +183,7 @@ def _torch_w8a8(x, codes, weights_scale, prequant, bias):
     return y.to(x.dtype)
 
 
+@NO_NATIVE_W8A8
 @pytest.mark.parametrize("m,n,k,with_bias", [(1, 96, 64, False), (3, 64, 1536, True), (5, 48, 96, True),
                                              (37, 160, 576, False)])
 def test_native_w8a8_kernel_equals_torch_bit_for_bit(m, n, k, with_bias):
