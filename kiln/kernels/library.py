@@ -151,8 +151,8 @@ def _declare_other_kernels(lib: ctypes.CDLL) -> None:
     lib.kiln_set_amx.argtypes = [ctypes.c_int]
     lib.kiln_set_amx.restype = None
     lib.kiln_set_amx(int(env.amx_enabled()))
-    lib.kiln_dot_bf16_available.argtypes = []
-    lib.kiln_dot_bf16_available.restype = ctypes.c_int
+    lib.kiln_vector_panels_available.argtypes = []
+    lib.kiln_vector_panels_available.restype = ctypes.c_int
     for name in ("kiln_packed_linear_bf16", "kiln_portable_linear_bf16"):
         getattr(lib, name).argtypes = [C_PTR] * 4 + [C_INT64] * 3 + [ctypes.c_int]
         getattr(lib, name).restype = None

@@ -20,10 +20,10 @@ def amx_available() -> bool:
 
 @lru_cache(maxsize=1)
 def packed_linear_available() -> bool:
-    """Whether ``packed_linear`` runs in hardware bf16 here: AMX tiles or AVX512-BF16 dot
-    products (without either its plain-C loop is slower than oneDNN)."""
+    """Whether ``packed_linear`` runs on vector units here: AMX tiles, AVX512-BF16 dot products,
+    or AVX2 FMAs on bf16 widened to fp32 (its plain-C loop is slower than oneDNN)."""
     lib = native_library()
-    return lib is not None and bool(lib.kiln_amx_available() or lib.kiln_dot_bf16_available())
+    return lib is not None and bool(lib.kiln_amx_available() or lib.kiln_vector_panels_available())
 
 
 def tile_packable(shape: tuple[int, ...]) -> bool:
@@ -34,7 +34,7 @@ def tile_packable(shape: tuple[int, ...]) -> bool:
 
 def packed_supported(weight: torch.Tensor) -> bool:
     """Whether ``packed_linear`` takes this weight, fast, here: bf16 that ``tile_packable``, on
-    a CPU with AMX or AVX512-BF16."""
+    a CPU where its panels run on vector units (packed_linear_available)."""
     return (weight.dtype == torch.bfloat16 and tile_packable(tuple(weight.shape)) and weight.device.type == "cpu"
             and packed_linear_available())
 

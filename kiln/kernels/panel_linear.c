@@ -19,7 +19,7 @@
 
 #include "dtypes.h"
 #include "kernels.h"
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -95,7 +95,85 @@ static void dot_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const vo
 }
 #endif
 
-/* Plain C over the same panels (CPUs without AVX512-BF16). */
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__)) && defined(__AVX2__) && defined(__FMA__)
+#define FMA_ROWS 4  /* 4 rows x 2 halves = 8 accumulators (FMA latency x throughput), 4 weight vectors, 2 broadcasts */
+
+/* AVX2 without bf16 arithmetic: a tile row's bf16 pairs as two fp32 vectors (even k: the low
+ * halves shifted up; odd k: the high halves masked), each multiplied by its k of x broadcast.
+ * MT rows of x (fp32) against one block: out[t][c] = sum over k of x[t][k] w[c][k]. */
+static inline __attribute__((always_inline)) void fma_tile(const float *x, int64_t k, int MT, const bf16_t *w,
+                                                          int64_t kblocks, float out[FMA_ROWS][16]) {
+    __m256 acc[FMA_ROWS][2];
+    for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int64_t kb = 0; kb < kblocks; ++kb) {
+        const bf16_t *tile = w + kb * 512;
+        for (int p = 0; p < 16; ++p) {
+            __m256 even[2], odd[2];
+            for (int h = 0; h < 2; ++h) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(tile + p * 32 + 16 * h));
+                even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                odd[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+            }
+            const float *xp = x + kb * 32 + 2 * p;
+            for (int t = 0; t < MT; ++t) {
+                const __m256 xe = _mm256_broadcast_ss(xp + t * k), xo = _mm256_broadcast_ss(xp + t * k + 1);
+                for (int h = 0; h < 2; ++h)
+                    acc[t][h] = _mm256_fmadd_ps(odd[h], xo, _mm256_fmadd_ps(even[h], xe, acc[t][h]));
+            }
+        }
+    }
+    for (int t = 0; t < MT; ++t) {
+        _mm256_storeu_ps(out[t], acc[t][0]);
+        _mm256_storeu_ps(out[t] + 8, acc[t][1]);
+    }
+}
+
+/* As dot_linear_panels, with x converted to fp32 once. */
+static int fma_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight, const bf16_t *bias,
+                             const float *col_scale, bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads) {
+    const int64_t nblocks = n / 16, kblocks = k / 32, wstride = kblocks * 512;
+    const int64_t panels = (nblocks + PANEL_BLOCKS - 1) / PANEL_BLOCKS;
+    float *xf = malloc(sizeof(float) * m * k);
+    if (xf == NULL) return 0;
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        _Pragma("omp for schedule(static)")
+        for (int64_t i = 0; i < m * k; ++i) xf[i] = bf16_load(x[i]);
+        bf16_t *scratch = aligned_alloc(64, sizeof(bf16_t) * KILN_MAX_PANEL_BLOCKS * wstride);
+        float out[FMA_ROWS][16];
+        _Pragma("omp for schedule(static)")
+        for (int64_t panel = 0; panel < panels; ++panel) {
+            const int64_t nb0 = panel * PANEL_BLOCKS;
+            const int blocks = (int)min64(nblocks - nb0, PANEL_BLOCKS);
+            const bf16_t *w = get_panel(weight, nb0, blocks, kblocks, scratch);
+            for (int b = 0; b < blocks; ++b)
+                for (int64_t t0 = 0; t0 < m; t0 += FMA_ROWS) {
+                    const int mt = (int)min64(m - t0, FMA_ROWS);
+                    const float *xt = xf + t0 * k;
+                    const bf16_t *wb = w + b * wstride;
+                    switch (mt) {
+                    case 1: fma_tile(xt, k, 1, wb, kblocks, out); break;
+                    case 2: fma_tile(xt, k, 2, wb, kblocks, out); break;
+                    case 3: fma_tile(xt, k, 3, wb, kblocks, out); break;
+                    default: fma_tile(xt, k, 4, wb, kblocks, out); break;
+                    }
+                    for (int t = 0; t < mt; ++t)
+                        for (int c = 0; c < 16; ++c) {
+                            const int64_t col = (nb0 + b) * 16 + c;
+                            const float v = col_scale ? out[t][c] * col_scale[col] : out[t][c];
+                            y[(t0 + t) * n + col] = bf16_store(v + (bias ? bf16_load(bias[col]) : 0.f));
+                        }
+                }
+        }
+        free(scratch);
+    }
+    free(xf);
+    return 1;
+}
+#endif
+
+/* Plain C over the same panels (CPUs without AVX512-BF16 or AVX2). */
 static void portable_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *weight,
                                    const bf16_t *bias, const float *col_scale, bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads) {
     const int64_t nblocks = n / 16, kblocks = k / 32, wstride = kblocks * 512;
@@ -133,8 +211,10 @@ static void portable_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, con
     }
 }
 
-int kiln_dot_bf16_available(void) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* Whether the panels run on vector units here (AVX512-BF16 dot products, or AVX2 FMAs on bf16
+ * widened to fp32) rather than in plain C. */
+int kiln_vector_panels_available(void) {
+#if (defined(__AVX512F__) && defined(__AVX512BF16__)) || defined(FMA_ROWS)
     return 1;
 #else
     return 0;
@@ -156,6 +236,9 @@ void kiln_linear_panels(const bf16_t *x, kiln_panel_fn get_panel, const void *we
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     dot_linear_panels(x, get_panel, weight, bias, col_scale, y, m, n, k, num_threads, get_panel == packed_panel);
 #else
+#ifdef FMA_ROWS
+    if (fma_linear_panels(x, get_panel, weight, bias, col_scale, y, m, n, k, num_threads)) return;
+#endif
     portable_linear_panels(x, get_panel, weight, bias, col_scale, y, m, n, k, num_threads);
 #endif
 }

@@ -32,8 +32,14 @@ typedef struct {
 /* Up to this many rows of x the GEMV beats dequantized tiles (quant_linear.c). */
 #define KILN_QUANT_GEMV_MAX_ROWS 12
 
-/* The integer GEMV needs AVX512-VNNI; without it the functions below are absent. */
+/* The integer GEMV takes AVX512-VNNI (quant_linear.c) or else AVX2 (quant_gemv_avx2.c); with
+ * neither the functions below are absent. */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KILN_QUANT_GEMV_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KILN_QUANT_GEMV_AVX2 1
+#endif
+#if defined(KILN_QUANT_GEMV_AVX512) || defined(KILN_QUANT_GEMV_AVX2)
 #define KILN_HAVE_QUANT_GEMV 1
 /* m rows of x [m, W->k] as a GEMV against any weight of W's format reads them; returns the one
  * allocation to free (NULL: out of memory). */

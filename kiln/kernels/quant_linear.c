@@ -51,7 +51,7 @@
 #include "kernels.h"
 #include "quant_gemv.h"
 #include "quant_layout.h"
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -142,13 +142,90 @@ static inline void tile_scales(const float s[16], const float o[16], __m512 v[4]
 }
 #endif
 
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)) && defined(__AVX2__) && \
+    defined(__FMA__)
+#define DEQUANT_AVX2 1
+/* Eight fp32 lanes rounded to bf16 (nearest even; the values are finite), in the low halves. */
+static inline __m256i bf16_round8(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+}
+
+/* Tile row pairs as bf16 dwords (k pair 2p, 2p + 1 of 8 columns): even k in the low half. */
+static inline __m256i bf16_pairs(__m256 even, __m256 odd) {
+    return _mm256_or_si256(bf16_round8(even), _mm256_slli_epi32(bf16_round8(odd), 16));
+}
+
+/* k block kb of block nb (16 x 32 weights) dequantized into a bf16 tile (AVX2). 4- and 6-bit:
+ * chunk j's dword c holds column c's codes of k 8j .. 8j + 3 (low nibbles) and 8j + 4 .. 8j + 7
+ * (high), so byte 2r + e of a nibble dword is tile row 4j + 2h + r's k pair element e: lanes are
+ * columns, one shift and mask away. int8 tiles are in place: each 16 bytes widen to 8 pairs. */
+static void dequant_tile_avx2(const kiln_qweight *W, int64_t nb, int64_t kb, bf16_t *out) {
+    float s[16], o[16];
+    column_scales(W, nb, kb * 32 / W->group, s, o);
+    __m256 sv[2] = {_mm256_loadu_ps(s), _mm256_loadu_ps(s + 8)}, ov[2] = {_mm256_loadu_ps(o), _mm256_loadu_ps(o + 8)};
+    const __m256i byte = _mm256_set1_epi32(0xff);
+    if (W->bits == 8) {
+        const uint8_t *tile = W->codes + (nb * (W->k / 32) + kb) * 512;
+        const __m256i dup_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), dup_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+        for (int p = 0; p < 16; ++p)
+            for (int q = 0; q < 4; ++q) {  /* columns 4q .. 4q + 3, both k of each */
+                const __m256i codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + p * 32 + 8 * q)));
+                const __m256i dup = q % 2 ? dup_hi : dup_lo;
+                const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), _mm256_permutevar8x32_ps(sv[q / 2], dup),
+                                                 _mm256_permutevar8x32_ps(ov[q / 2], dup));
+                const __m256i b = bf16_round8(f);  /* 8 bf16 in dword lanes: pack to words in order */
+                const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+                _mm_storeu_si128((__m128i *)(out + p * 32 + 8 * q), words);
+            }
+        return;
+    }
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)E2M1_U));
+    for (int j = 0; j < 4; ++j) {
+        if (j == 2 && W->group < 32) {  /* 6-bit codes: the k block's second group of 16 */
+            column_scales(W, nb, (kb * 32 + 16) / W->group, s, o);
+            sv[0] = _mm256_loadu_ps(s), sv[1] = _mm256_loadu_ps(s + 8);
+            ov[0] = _mm256_loadu_ps(o), ov[1] = _mm256_loadu_ps(o + 8);
+        }
+        for (int half = 0; half < 2; ++half) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(W->codes + chunk_at(W->n, W->k, nb, kb * 4 + j) + 32 * half));
+            __m256i nibbles[2] = {_mm256_and_si256(bytes, mask), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask)};
+            if (W->e2m1)
+                for (int h = 0; h < 2; ++h) nibbles[h] = _mm256_shuffle_epi8(table, nibbles[h]);
+            if (W->bits == 6) {  /* the high bit pairs, as quant_layout.h's high_pair lines them up */
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(W->codes + high_bits_at(W->n, W->k, nb, kb * 2 + j / 2) + 32 * half));
+                const int shift[4] = {4, 2, 0, -2};
+                for (int h = 0; h < 2; ++h) {
+                    const int sh = shift[2 * (j % 2) + h];
+                    const __m256i moved = sh > 0 ? _mm256_slli_epi16(hb, sh) : sh < 0 ? _mm256_srli_epi16(hb, -sh) : hb;
+                    nibbles[h] = _mm256_or_si256(nibbles[h], _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
+                }
+            }
+            for (int h = 0; h < 2; ++h)
+                for (int r = 0; r < 2; ++r) {  /* tile row 4j + 2h + r: bytes 2r, 2r + 1 of each dword */
+                    const __m256 even = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(nibbles[h], 16 * r), byte));
+                    const __m256 odd = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(nibbles[h], 16 * r + 8), byte));
+                    const __m256i pairs = bf16_pairs(_mm256_fmadd_ps(even, sv[half], ov[half]),
+                                                     _mm256_fmadd_ps(odd, sv[half], ov[half]));
+                    _mm256_storeu_si256((__m256i *)(out + (4 * j + 2 * h + r) * 32 + 16 * half), pairs);
+                }
+        }
+    }
+}
+#endif
+
 static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, int64_t kblocks, bf16_t *scratch) {
     const kiln_qweight *W = weight;
     for (int b = 0; b < blocks; ++b)
         for (int64_t kb = 0; kb < kblocks; ++kb) {
+            bf16_t *out = scratch + (b * kblocks + kb) * 512;
+#ifdef DEQUANT_AVX2
+            dequant_tile_avx2(W, nb0 + b, kb, out);
+#else
             float s[16], o[16];
             column_scales(W, nb0 + b, kb * 32 / W->group, s, o);
-            bf16_t *out = scratch + (b * kblocks + kb) * 512;
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
             __m512 sv[4];
             tile_scales(s, o, sv);
@@ -211,11 +288,12 @@ static const bf16_t *dequant_panel(const void *weight, int64_t nb0, int blocks, 
                 }
             }
 #endif
+#endif
         }
     return scratch;
 }
 
-#ifdef KILN_HAVE_QUANT_GEMV
+#ifdef KILN_QUANT_GEMV_AVX512
 /* A few rows of x (decode steps) straight from the codes, in integers. Converting codes to
  * floats instead ran 3x slower than the memory here. The integer sums are flushed to fp32 per
  * span of k, times scale * x's scale; a stored offset comes in times the span's sum of x, a
@@ -399,8 +477,6 @@ void *kiln_quant_gemv_prepare(const bf16_t *x, const kiln_qweight *W, int64_t m,
     return mem;
 }
 
-int64_t kiln_quant_gemv_unit(const kiln_qweight *W) { return W->bits == 8 ? 4 : 2; }
-
 /* 4-bit, one panel (1 or 2 blocks); int8, a full panel of 4 at once, a last panel's 1-3 blocks
  * one at a time. */
 void kiln_quant_gemv_tile(const kiln_qweight *W, const kiln_gemv_input *in, int64_t t0, int mt, int64_t nb0,
@@ -414,6 +490,10 @@ void kiln_quant_gemv_tile(const kiln_qweight *W, const kiln_gemv_input *in, int6
     KILN_GEMV_ROWS(mt, ROWS)
 #undef ROWS
 }
+#endif
+
+#ifdef KILN_HAVE_QUANT_GEMV
+int64_t kiln_quant_gemv_unit(const kiln_qweight *W) { return W->bits == 8 ? 4 : 2; }
 
 typedef struct {
     const kiln_qweight *W;
