@@ -36,9 +36,9 @@ from kiln.kernels.decode_step import (LORA_SLOTS, DecoderDims, DecoderHead, Deco
 from kiln.kernels.moe_experts import (MOE_MAX_ROWS, SHARED_MAX_ROWS, ExpertWeights, expert_weights, moe_experts,
                                       moe_experts_supported, moe_route)
 from kiln.kernels.library import DECODE_KERNELS, DECODE_KERNELS_QUANTIZED_KV, DTYPE_SUFFIX, native_library, output
-from kiln.kernels.quant_weights import (CODEBOOKS, CODES_E2M1, SUPER_K, fit_offset_groups, quant_bits_arg,
-                                        quant_kernel_group, quant_linear, quant_pack, quant_pack_scales,
-                                        quant_shape_tiles, super_bytes)
+from kiln.kernels.quant_weights import (CODEBOOKS, CODES_E2M1, SUPER_K, fit_offset_groups, quant_batch_invariant_rows,
+                                        quant_bits_arg, quant_kernel_group, quant_linear, quant_pack,
+                                        quant_pack_scales, quant_shape_tiles, super_bytes)
 from kiln.kernels.recurrent import gated_delta_decode, mamba2_decode, recurrent_decode_supported, short_conv_decode
 from kiln.kernels.packed_linear import (amx_available, pack_bf16, packed_linear, packed_linear_available,
                                         packed_supported, tile_packable, unpack_bf16)

@@ -153,6 +153,8 @@ def _declare_other_kernels(lib: ctypes.CDLL) -> None:
     lib.kiln_set_amx(int(env.amx_enabled()))
     lib.kiln_vector_panels_available.argtypes = []
     lib.kiln_vector_panels_available.restype = ctypes.c_int
+    lib.kiln_quant_batch_invariant_rows.argtypes = []
+    lib.kiln_quant_batch_invariant_rows.restype = C_INT64
     for name in ("kiln_packed_linear_bf16", "kiln_portable_linear_bf16"):
         getattr(lib, name).argtypes = [C_PTR] * 4 + [C_INT64] * 3 + [ctypes.c_int]
         getattr(lib, name).restype = None

@@ -13,7 +13,7 @@ from kiln.kernels.library import C_INT64, C_PTR, native_library
 # way) and the call's buffers grow with its tokens: the layer groups them in PyTorch.
 MOE_MAX_ROWS = 256
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}  # moe_experts.c KILN_ACT_*
-SHARED_MAX_ROWS = 12  # quant_gemv.h KILN_QUANT_GEMV_MAX_ROWS: a shared expert joins calls of this many tokens
+SHARED_MAX_ROWS = 12  # at most quant_gemv.h KILN_QUANT_GEMV_MAX_ROWS (12 or 32): a shared expert joins calls this short
 
 
 class ExpertWeights(ctypes.Structure):

@@ -492,6 +492,19 @@ void kiln_quant_gemv_tile(const kiln_qweight *W, const kiln_gemv_input *in, int6
 }
 #endif
 
+/* Up to how many rows a call's rows of 4- or 6-bit codes equal the same rows in smaller calls,
+ * bit for bit: the GEMV's rows, and on AMX the int8 tiles' with the GEMV's arithmetic. */
+int64_t kiln_quant_batch_invariant_rows(void) {
+#ifdef KILN_HAVE_QUANT_GEMV
+#ifdef KILN_QUANT_GEMV_AVX512
+    if (kiln_amx_available() && KILN_QUANT_AMX_MAX_ROWS > KILN_QUANT_GEMV_MAX_ROWS) return KILN_QUANT_AMX_MAX_ROWS;
+#endif
+    return KILN_QUANT_GEMV_MAX_ROWS;
+#else
+    return 0;
+#endif
+}
+
 #ifdef KILN_HAVE_QUANT_GEMV
 int64_t kiln_quant_gemv_unit(const kiln_qweight *W) { return W->bits == 8 ? 4 : 2; }
 

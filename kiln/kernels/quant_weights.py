@@ -131,6 +131,14 @@ def quant_bits_arg(bits: int, codebook: str | None, super_scales: bool = False) 
     return arg | CODES_E2M1
 
 
+def quant_batch_invariant_rows() -> int:
+    """Up to how many rows of x a 4- or 6-bit ``quant_linear`` computes each row exactly as a
+    call of that row alone would (the integer GEMV, or AMX int8 tiles with its arithmetic): 12
+    with AVX512-VNNI, 32 with AMX or AVX2 alone; 0 without the native library."""
+    lib = native_library()
+    return 0 if lib is None else int(lib.kiln_quant_batch_invariant_rows())
+
+
 def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int,
                  group_size: int | None, bias: torch.Tensor | None, out_features: int, *,
                  out: torch.Tensor | None = None, codebook: str | None = None,
