@@ -89,16 +89,20 @@ static inline void block_scales(const kiln_qweight *W, int64_t nb, int64_t g, __
     }
 }
 
-/* MT rows (1-2) of x against NB output blocks (int8: 1; 4-bit: a whole panel, 1 or 2); both
- * constant once inlined. Sums into out[t * 64 + 16 * b + c]. */
+enum { FMT_U4, FMT_E2M1, FMT_U6, FMT_I8 };  /* the code formats, each a loop of its own */
+
+/* MT rows (1-2) of x against NB output blocks (int8: 1; 4-bit: a whole panel, 1 or 2) of codes
+ * in format FMT; all three constant once inlined, so the loops test nothing per chunk. Sums into
+ * out[t * 64 + 16 * b + c]. */
 static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight *W, const kiln_gemv_input *in,
-                                                             int64_t t0, int MT, int64_t nb0, int NB, float *out) {
+                                                             int64_t t0, int MT, int64_t nb0, int NB, int FMT,
+                                                             float *out) {
     const int64_t k = W->k, span = flush_span(W);
     const int32_t zero = (int32_t)folded_zero(W);
     /* the same spot of the next panel, a panel ahead (quant_linear.c's GEMV says why) */
-    const int64_t next_panel = W->bits == 8 ? 4 * 16 * k : 2 * 16 * k / 2;
-    const uint8_t *panel = W->bits != 8 ? W->codes + chunk_at(W->n, k, nb0, 0) : W->codes + nb0 * (k / 32) * 512;
-    const uint8_t *high_panel = W->bits == 6 ? W->codes + high_bits_at(W->n, k, nb0, 0) : NULL;
+    const int64_t next_panel = FMT == FMT_I8 ? 4 * 16 * k : 2 * 16 * k / 2;
+    const uint8_t *panel = FMT != FMT_I8 ? W->codes + chunk_at(W->n, k, nb0, 0) : W->codes + nb0 * (k / 32) * 512;
+    const uint8_t *high_panel = FMT == FMT_U6 ? W->codes + high_bits_at(W->n, k, nb0, 0) : NULL;
     const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0f);
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)E2M1_U));
     __m256 total[2][2][2];
@@ -113,7 +117,7 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
         for (int t = 0; t < MT; ++t)
             _Pragma("GCC unroll 4")
             for (int b = 0; b < NB; ++b) acc[t][b][0] = acc[t][b][1] = _mm256_setzero_si256();
-        if (W->bits == 8) {  /* NB == 1: a block's tiles are one stream */
+        if (FMT == FMT_I8) {  /* NB == 1: a block's tiles are one stream */
             for (int64_t kb = k0 / 32; kb < k1 / 32; ++kb) {
                 const uint8_t *tile = panel + kb * 512;
                 for (int p = 0; p < 16; ++p) {
@@ -140,18 +144,18 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
                 for (int b = 0; b < NB; ++b) {
                     const uint8_t *chunk = panel + (j * NB + b) * 64;
                     _mm_prefetch((const char *)(chunk + next_panel), _MM_HINT_T0);
-                    const uint8_t *bits = W->bits == 6 ? high_panel + ((j / 2) * NB + b) * 64 : NULL;
-                    if (bits && j % 2 == 0) _mm_prefetch((const char *)(bits + next_panel / 2), _MM_HINT_T0);
+                    const uint8_t *bits = FMT == FMT_U6 ? high_panel + ((j / 2) * NB + b) * 64 : NULL;
+                    if (FMT == FMT_U6 && j % 2 == 0) _mm_prefetch((const char *)(bits + next_panel / 2), _MM_HINT_T0);
                     _Pragma("GCC unroll 4")
                     for (int h = 0; h < 2; ++h) {
                         const __m256i bytes = _mm256_loadu_si256((const __m256i *)(chunk + 32 * h));
                         __m256i low = _mm256_and_si256(bytes, mask);                          /* k 8j .. 8j + 3 */
                         __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);  /* k 8j + 4 .. */
-                        if (W->e2m1) {
+                        if (FMT == FMT_E2M1) {
                             low = _mm256_shuffle_epi8(table, low);
                             high = _mm256_shuffle_epi8(table, high);
                         }
-                        if (bits) {
+                        if (FMT == FMT_U6) {
                             const __m256i hb = _mm256_loadu_si256((const __m256i *)(bits + 32 * h));
                             low = _mm256_or_si256(low, high_pair(hb, 2 * (j % 2)));
                             high = _mm256_or_si256(high, high_pair(hb, 2 * (j % 2) + 1));
@@ -173,7 +177,7 @@ static inline __attribute__((always_inline)) void gemv_blocks(const kiln_qweight
             block_scales(W, nb0 + b, g, sv, ov);
             _Pragma("GCC unroll 4")
             for (int t = 0; t < MT; ++t) {
-                const float xs = W->bits == 8 ? in->xscale[t0 + t] : in->xscale[(t0 + t) * in->spans + sp];
+                const float xs = FMT == FMT_I8 ? in->xscale[t0 + t] : in->xscale[(t0 + t) * in->spans + sp];
                 const __m256i shift = _mm256_set1_epi32(zero ? zero * in->isum[(t0 + t) * in->spans + sp] : 0);
                 const __m256 xsum = _mm256_set1_ps(W->offsets ? in->xsum[(t0 + t) * in->spans + sp] : 0.f);
                 _Pragma("GCC unroll 4")
@@ -269,14 +273,23 @@ void *kiln_quant_gemv_prepare(const bf16_t *x, const kiln_qweight *W, int64_t m,
 /* Rows in pairs; 4-bit, one panel (1 or 2 blocks); int8, one block at a time. */
 void kiln_quant_gemv_tile(const kiln_qweight *W, const kiln_gemv_input *in, int64_t t0, int mt, int64_t nb0,
                           int blocks, float *out) {
+    const int fmt = W->bits == 8 ? FMT_I8 : W->bits == 6 ? FMT_U6 : W->e2m1 ? FMT_E2M1 : FMT_U4;
     for (int t = 0; t < mt; t += 2) {
+#define BLOCKS(MT, FMT)                                                                            \
+        if (FMT == FMT_I8)                                                                         \
+            for (int b = 0; b < blocks; ++b) gemv_blocks(W, in, t0 + t, MT, nb0 + b, 1, FMT, out + t * 64 + 16 * b); \
+        else if (blocks == 2) gemv_blocks(W, in, t0 + t, MT, nb0, 2, FMT, out + t * 64);          \
+        else gemv_blocks(W, in, t0 + t, MT, nb0, 1, FMT, out + t * 64);
 #define ROWS(MT)                                                                                   \
-        if (W->bits != 8) {                                                                        \
-            if (blocks == 2) gemv_blocks(W, in, t0 + t, MT, nb0, 2, out + t * 64);                 \
-            else gemv_blocks(W, in, t0 + t, MT, nb0, 1, out + t * 64);                             \
-        } else for (int b = 0; b < blocks; ++b) gemv_blocks(W, in, t0 + t, MT, nb0 + b, 1, out + t * 64 + 16 * b);
+        switch (fmt) {                                                                             \
+        case FMT_U4: BLOCKS(MT, FMT_U4) break;                                                     \
+        case FMT_E2M1: BLOCKS(MT, FMT_E2M1) break;                                                 \
+        case FMT_U6: BLOCKS(MT, FMT_U6) break;                                                     \
+        default: BLOCKS(MT, FMT_I8) break;                                                         \
+        }
         if (mt - t >= 2) { ROWS(2) } else { ROWS(1) }
 #undef ROWS
+#undef BLOCKS
     }
 }
 #endif
