@@ -32,6 +32,40 @@ from kiln.checkpoint.gguf_declaration import (ATTENTION, EXPERTS, MLP, QK_NORM, 
 from kiln.checkpoint.gguf_rope import global_rope
 
 
+def tiled_value_heads(num_key_heads: int, num_value_heads: int) -> torch.Tensor:
+    """For each value head in llama.cpp's tiled order, its index in Hugging Face's grouped order:
+    tiled head ``j`` is value head ``j // key heads`` of key head ``j % key heads``."""
+    j = torch.arange(num_value_heads)
+    return (j % num_key_heads) * (num_value_heads // num_key_heads) + j // num_key_heads
+
+
+def tiled_value_channels(num_key_heads: int, num_value_heads: int, head_dim: int) -> torch.Tensor:
+    """``tiled_value_heads`` over channels: each tiled channel's Hugging Face index."""
+    heads = tiled_value_heads(num_key_heads, num_value_heads)
+    return (heads[:, None] * head_dim + torch.arange(head_dim)).flatten()
+
+
+def untiled_delta_net_weight(key: str, weight: torch.Tensor, config: dict) -> torch.Tensor:
+    """A Gated DeltaNet projection's ``weight`` (Hugging Face name ``key``) read from a file whose
+    value heads are tiled (``linear_value_heads_tiled``), in Hugging Face's order again; any
+    other weight as it is."""
+    keys, values = config.get("linear_num_key_heads"), config.get("linear_num_value_heads")
+    if not config.get("linear_value_heads_tiled") or ".linear_attn." not in key or keys == values:
+        return weight
+    heads = tiled_value_heads(keys, values).argsort()
+    channels = tiled_value_channels(keys, values, config["linear_value_head_dim"]).argsort()
+    qk = 2 * keys * config["linear_key_head_dim"]
+    if key.endswith("in_proj_qkv.weight"):
+        return torch.cat([weight[:qk], weight[qk:][channels]])
+    if key.endswith("in_proj_z.weight"):
+        return weight[channels]
+    if key.endswith(("in_proj_b.weight", "in_proj_a.weight")):
+        return weight[heads]
+    if key.endswith("out_proj.weight"):
+        return weight[:, channels]
+    return weight
+
+
 def _lfm2(m: Meta) -> dict:
     layers, heads, hidden = m.int("block_count"), m.int("attention.head_count"), m.int("embedding_length")
     kv_heads = m.per_layer("attention.head_count_kv", layers)

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.checkpoint.format import atomic_output_dir
+from kiln.checkpoint.gguf_hybrid import untiled_delta_net_weight
 from kiln.checkpoint.lora import LORA_MODULE_IDS, LoraModule, pack_lora_tensors
 from kiln.checkpoint.sources import open_source
 from kiln.errors import CheckpointError
@@ -184,7 +185,8 @@ def _dora_row_norms(source, module_key: str, a: torch.Tensor, b: torch.Tensor) -
     if len(keys) != 1:
         raise CheckpointError(f"{source.path}: {'no' if not keys else 'more than one'} base weight named like "
                               f"{suffix!r} for the DoRA module {module_key}{': ' + ', '.join(keys) if keys else ''}")
-    weight = source.read(keys[0]).float()
+    # (a GGUF's Gated DeltaNet weights back in Hugging Face's value-head order, as the adapter has them)
+    weight = untiled_delta_net_weight(keys[0], source.read(keys[0]).float(), source.hf_config() or {})
     if weight.shape != (b.shape[0], a.shape[1]):
         raise CheckpointError(f"{source.path}: base weight {keys[0]} is {list(weight.shape)}, but the adapter's "
                               f"{module_key} is [{b.shape[0]}, {a.shape[1]}] (another model?)")

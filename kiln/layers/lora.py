@@ -27,6 +27,9 @@ class LoraTarget:
     to output columns ``start:stop``. ``rows`` (int64 indices), when the linear holds only some
     of the module's output rows (one half of a gate/up pair kiln keeps as two linears, or Qwen3-Next's
     rows of a fused projection kiln splits), says which, in column order; None: all of them.
+    ``columns`` likewise, when the linear's inputs are the module's in another order (a Gated
+    DeltaNet out_proj over llama.cpp's tiled value heads): the module's input feature for each
+    of the linear's; None: the same order.
     Compared by identity: a linear's targets are made once and key the fused-matmul cache."""
 
     layer: int
@@ -34,6 +37,7 @@ class LoraTarget:
     start: int
     stop: int
     rows: torch.Tensor | None = None
+    columns: torch.Tensor | None = None
 
 
 class LoraAdapter:
@@ -81,7 +85,7 @@ class FusedLora:
 
 def _fuse(present: list[tuple[LoraTarget, tuple]]) -> FusedLora:
     start, stop = min(t.start for t, _ in present), max(t.stop for t, _ in present)
-    a = torch.cat([a for _, (a, _, _) in present])
+    a = torch.cat([a if t.columns is None else a[:, t.columns] for t, (a, _, _) in present])
     b = torch.zeros(stop - start, a.shape[0])
     dora = any(m is not None for _, (_, _, m) in present)
     scale = torch.ones(stop - start) if dora else None

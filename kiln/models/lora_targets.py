@@ -10,7 +10,8 @@ every linear with the modules whose deltas land in its output columns (``Linear.
     short conv,    in_proj: mixer_in; out_proj: mixer_out
     Mamba2
     Gated DeltaNet in_proj_qkv / _z / _b / _a: linear_attn_qkv / _z / _b / _a, and (Qwen3-Next)
-                   their rows of linear_attn_qkvz / linear_attn_ba; out_proj: mixer_out
+                   their rows of linear_attn_qkvz / linear_attn_ba; out_proj: mixer_out (value
+                   heads in llama.cpp's tiled order take the adapter's rows and columns in it)
 
 A mixture-of-experts block takes none (experts, router and shared expert run fused). Shapes and
 validation come from the same marks (``lora_module_shapes``), so an adapter row for a module a
@@ -23,6 +24,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from kiln.checkpoint.gguf_hybrid import tiled_value_channels, tiled_value_heads
 from kiln.checkpoint.lora import LORA_MODULE_IDS, ModuleShapes
 from kiln.config import PretrainedConfig
 from kiln.layers.gated_delta_net import GatedDeltaNet
@@ -46,8 +48,9 @@ def assign_lora_targets(layers: dict[str, nn.Module]) -> None:
     for key, layer in layers.items():
         i = int(key)
 
-        def target(name: str, start: int, stop: int, rows: torch.Tensor | None = None) -> LoraTarget:
-            return LoraTarget(i, LORA_MODULE_IDS[name], start, stop, rows)
+        def target(name: str, start: int, stop: int, rows: torch.Tensor | None = None,
+                   columns: torch.Tensor | None = None) -> LoraTarget:
+            return LoraTarget(i, LORA_MODULE_IDS[name], start, stop, rows, columns)
 
         attn, mixer, mlp = (getattr(layer, name, None) for name in ("attention", "mixer", "mlp"))
         if attn is not None:
@@ -86,19 +89,31 @@ def _mlp(mlp: nn.Module, target) -> None:
 def _mixer(mixer: nn.Module, target) -> None:
     if isinstance(mixer, (ShortConv, Mamba2)):
         mixer.in_proj.lora_targets = (target("mixer_in", 0, mixer.in_proj.out_features),)
+        mixer.out_proj.lora_targets = (target("mixer_out", 0, mixer.out_proj.out_features),)
     elif isinstance(mixer, GatedDeltaNet):
-        if mixer.value_heads_tiled and mixer.num_value_heads != mixer.num_key_heads:
-            # llama.cpp's value-head order: an adapter trained on Hugging Face's rows and columns
-            # would land on other heads, so the layer's own modules take none.
-            return
-        for name, (own, fused) in _DELTA_NET.items():
-            linear: Linear = getattr(mixer, name)
-            rows = getattr(linear, "source_rows", None)  # Qwen3-Next: its rows of the fused projection
-            linear.lora_targets = ((target(own, 0, linear.out_features),)
-                                   + (() if rows is None else (target(fused, 0, linear.out_features, rows),)))
-    else:
-        return
-    mixer.out_proj.lora_targets = (target("mixer_out", 0, mixer.out_proj.out_features),)
+        _delta_net(mixer, target)
+
+
+def _delta_net(mixer: GatedDeltaNet, target) -> None:
+    heads, channels = _value_order(mixer)
+    qk = 2 * mixer.num_key_heads * mixer.key_dim  # the q and k rows, in the same order everywhere
+    own_rows = {"in_proj_qkv": None if channels is None else torch.cat([torch.arange(qk), qk + channels]),
+                "in_proj_z": channels, "in_proj_b": heads, "in_proj_a": heads}
+    for name, (own, fused) in _DELTA_NET.items():
+        linear: Linear = getattr(mixer, name)
+        rows = getattr(linear, "source_rows", None)  # Qwen3-Next: its rows of the fused projection
+        linear.lora_targets = ((target(own, 0, linear.out_features, own_rows[name]),)
+                               + (() if rows is None else (target(fused, 0, linear.out_features, rows),)))
+    mixer.out_proj.lora_targets = (target("mixer_out", 0, mixer.out_proj.out_features, columns=channels),)
+
+
+def _value_order(mixer: GatedDeltaNet) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """For value heads stored in llama.cpp's tiled order, the adapter's (Hugging Face's) index of
+    each of the layer's value heads and value channels; (None, None) in Hugging Face's own order."""
+    if not mixer.value_heads_tiled or mixer.num_value_heads == mixer.num_key_heads:
+        return None, None
+    return (tiled_value_heads(mixer.num_key_heads, mixer.num_value_heads),
+            tiled_value_channels(mixer.num_key_heads, mixer.num_value_heads, mixer.value_dim))
 
 
 def lora_targets_shapes(model: nn.Module) -> ModuleShapes:

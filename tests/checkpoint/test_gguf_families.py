@@ -797,3 +797,44 @@ def test_hybrid_metadata_kiln_cannot_represent_is_refused(files, tmp_path: Path,
     path = _rewritten(files[name][2], tmp_path / "x.gguf", changes)
     with pytest.raises(CheckpointError, match=match.replace(".", r"\.")):
         GGUFSource(path).hf_config()
+
+
+def test_qwen3_5_lora_reaches_the_tiled_value_heads(converted) -> None:
+    """An adapter trained on the Hugging Face model adapts the GGUF's Gated DeltaNet projections,
+    whose value heads llama.cpp stores tiled: each module's rows (and out_proj's columns) are
+    taken in the file's order, so the tokens and logits are PEFT's."""
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.lora_cache import parse_adapter
+    from tests.runtime.test_lora_hybrid import CASES as LORA_CASES
+    from tests.runtime.test_lora_hybrid import _peft_model
+    from tests.runtime.test_lora_runtime import PROMPT, _hf_greedy, _kiln_greedy
+
+    case = converted("qwen3.5")
+    assert case.hf.config.linear_num_value_heads > case.hf.config.linear_num_key_heads  # tiled in the file
+    model, (weights, config) = _peft_model(case.hf_dir, LORA_CASES["qwen3.5"][2])
+    expected_tokens, expected_logits = _hf_greedy(model, PROMPT)
+    engine = Engine(case.engine)
+    adapter = parse_adapter(weights, config, engine.config, engine.lora_config, "lora")
+    ((tokens, logits),) = _kiln_greedy(engine, [PROMPT], [adapter])
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_qwen3_5_dora_normalizes_alike_against_the_gguf(files, tmp_path: Path) -> None:
+    """DoRA's magnitudes normalized against the GGUF (value heads tiled) equal those against the
+    Hugging Face directory: the base weights are read back in the adapter's order."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from kiln.checkpoint.peft import peft_to_lora_modules
+
+    _, hf_dir, gguf = files["qwen3.5"]
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+                           LoraConfig(r=2, lora_alpha=4, use_dora=True, init_lora_weights=False,
+                                      target_modules=["in_proj_qkv", "in_proj_z", "in_proj_b", "out_proj"]))
+    model.save_pretrained(tmp_path / "dora")
+    from_hf, from_gguf = (peft_to_lora_modules(tmp_path / "dora", base_model=base) for base in (hf_dir, gguf))
+    assert [(m.layer, m.module_id) for m in from_hf] == [(m.layer, m.module_id) for m in from_gguf]
+    for ours, theirs in zip(from_gguf, from_hf):
+        torch.testing.assert_close(ours.magnitude, theirs.magnitude, rtol=1e-5, atol=1e-6)
