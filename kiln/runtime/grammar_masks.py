@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Callable
 
 import llguidance
-import llguidance.torch
 import torch
 
 from kiln.errors import KilnError, RequestError
@@ -34,7 +33,8 @@ class GrammarMasks:
         words = (logits.shape[1] + 31) // 32
         bitmask = torch.empty(len(rows), words, dtype=torch.int32)
         for r, i in enumerate(rows):
-            llguidance.torch.fill_next_token_bitmask(self._matcher(seqs[i]), bitmask, r)
+            # (llguidance.torch's helper does this; importing it loads torch.compile's machinery, seconds)
+            self._matcher(seqs[i]).unsafe_compute_mask_ptr(bitmask[r].data_ptr(), words * 4)
         bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
         banned = bits.view(len(rows), -1)[:, : logits.shape[1]] == 0
         index = torch.tensor(rows)
