@@ -40,26 +40,39 @@ RUN = ("run", "--engine_dir", "hf", "--cache_dir", "cache", "--input_text", "the
        "--max_output_len", "12", "--ignore_eos")
 
 
+@pytest.fixture(scope="module")
+def run(hf):
+    """``kiln run`` of the tiny model with a split's flags, each split run once for the module
+    (a run also leaves that split's engine in the cache)."""
+    done: dict[tuple[str, ...], subprocess.CompletedProcess] = {}
+
+    def get(*split: str) -> subprocess.CompletedProcess:
+        if split not in done:
+            done[split] = kiln(*RUN, *split, cwd=hf)
+        return done[split]
+    return get
+
+
 @pytest.mark.parametrize("split", [("--tp_size", "2"), ("--pp_size", "2"), ("--tp_size", "2", "--pp_size", "2")],
                          ids=["tp2", "pp2", "tp2-pp2"])
-def test_kiln_run_split_prints_what_one_process_prints(hf, split):
-    one, split_run = kiln(*RUN, cwd=hf), kiln(*RUN, *split, cwd=hf)
+def test_kiln_run_split_prints_what_one_process_prints(run, split):
+    one, split_run = run(), run(*split)
     assert one.returncode == 0 and split_run.returncode == 0, split_run.stderr
     assert split_run.stdout == one.stdout and one.stdout.strip()
     assert "12 generated" in split_run.stderr
 
 
-def test_a_mismatched_split_is_refused(hf):
-    assert kiln(*RUN, "--tp_size", "2", cwd=hf).returncode == 0
+def test_a_mismatched_split_is_refused(hf, run):
+    assert run("--tp_size", "2").returncode == 0
     engine = cached_engine(hf, tp_size=2, pp_size=1)
     bad = kiln("run", "--engine_dir", engine, "--input_text", "x", "--tp_size", "4", cwd=hf)
     assert bad.returncode == 2 and "--tp_size 4: " in bad.stderr and "was built for 2" in bad.stderr
 
 
-def test_kiln_bench_runs_a_pipeline(hf):
+def test_kiln_bench_runs_a_pipeline(hf, run):
     """kiln bench throughput on a two-stage engine: the CLI starts the second stage, the
     figures come back, every rank exits."""
-    assert kiln(*RUN, "--pp_size", "2", cwd=hf).returncode == 0
+    assert run("--pp_size", "2").returncode == 0
     engine = cached_engine(hf, tp_size=1, pp_size=2)
     bench = kiln("bench", "throughput", "--engine_dir", engine, "--pp_size", "2", "--batch_sizes", "2", "4",
                  "--prompt_len", "8", "--new_tokens", "6", "--json", cwd=hf)
