@@ -17,8 +17,9 @@ tokens, not the models' own). Each is written once as a GGUF whose quantized blo
 directly (random codes under scales that give weights of ~0.02; routers, norms, biases and sinks
 float32), typed as llama.cpp's quantizer types a file of that kind: ``q4_0`` (every linear Q4_0,
 the head Q6_K), ``q4_k_m`` (Q4_K, with Q6_K for the head and for attn_v / ffn_down_exps on
-llama.cpp's "more bits" layers) or ``mxfp4`` (gpt-oss as released: experts MXFP4, the other
-linears Q8_0). A bf16 Qwen3-30B-A3B (61 GB) would not fit this disk, so no HF directory: kiln
+llama.cpp's "more bits" layers), ``mxfp4`` (gpt-oss as released: experts MXFP4, the other
+linears Q8_0) or ``bf16`` (Qwen3.5-9B: every matrix, 18 GB; the MoE shapes' 40-70 GB of bf16 do
+not fit 24 GiB). A bf16 Qwen3-30B-A3B (61 GB) would not fit this disk, so no HF directory: kiln
 reads the same GGUF, keeping every block at its own precision (experts expert-major), and both
 engines compute with the same numbers.
 
@@ -87,7 +88,10 @@ SHAPES = {
     "deepseek-v2-lite": Shape("deepseek2", 2048, 27, 16, 16, 192, 64, 6, 1408, 10000.0, shared_width=2816,
                               dense_layers=1, dense_width=10944, kv_lora=512, nope=128, rope=64, value=128),
 }
-QUANTS = {"qwen3moe": ("q4_0", "q4_k_m"), "gpt-oss": ("mxfp4",), "deepseek2": ("q4_0",), "qwen35": ("q4_0", "q4_k_m"),
+# (bf16: Qwen3.5-9B's 18 GB fit in 24 GiB, one engine's file in the page cache at a time; the MoE
+# shapes' 40-70 GB do not)
+QUANTS = {"qwen3moe": ("q4_0", "q4_k_m"), "gpt-oss": ("mxfp4",), "deepseek2": ("q4_0",),
+          "qwen35": ("q4_0", "q4_k_m", "bf16"),
           "qwen35moe": ("q4_0", "q4_k_m"), "granitehybrid": ("q4_0", "q8_0", "q4_k_m")}
 # (hybrid_shapes.py: Qwen3.5's Gated DeltaNet beside attention; converted_shapes.py: Granite 4's
 # Mamba2, written by llama.cpp's own converter and quantizer)
@@ -107,6 +111,8 @@ def tensor_types(quant: str, name: str, layer: int, layers: int):
 
     if quant == "mxfp4":  # gpt-oss as released: experts MXFP4, every other linear Q8_0
         return Q.MXFP4 if name.endswith("_exps") else Q.Q8_0
+    if quant == "bf16":  # convert_hf_to_gguf.py --outtype bf16: every matrix, the head and table too
+        return Q.BF16
     if name == "output":
         return Q.Q6_K
     if quant == "q4_0":
@@ -248,7 +254,7 @@ def write_gguf(shape: str, quant: str, out: Path) -> None:
     writer = gguf.GGUFWriter(str(out), m.arch)
     writer.add_name(f"random {shape} {quant}")
     _metadata(writer, m)
-    writer.add_uint32("general.file_type", {"q4_0": 2, "q4_k_m": 15, "mxfp4": 38}[quant])
+    writer.add_uint32("general.file_type", {"q4_0": 2, "q4_k_m": 15, "mxfp4": 38, "bf16": 32}[quant])
     for key, field in gguf.GGUFReader(smollm2_gguf_path()).fields.items():
         if key.startswith("tokenizer."):
             sub = field.types[1] if len(field.types) > 1 else None
@@ -268,6 +274,9 @@ def write_gguf(shape: str, quant: str, out: Path) -> None:
     for name, (dims, qtype) in tensors.items():
         if qtype == gguf.GGMLQuantizationType.F32:
             writer.write_tensor_data(_float_values(name, dims, rng))
+        elif qtype == gguf.GGMLQuantizationType.BF16:  # ~N(0, 0.02), truncated to bf16's top 16 bits
+            values = (rng.standard_normal(dims, dtype=np.float32) * 0.02).view(np.uint32) >> 16
+            writer.write_tensor_data(values.astype(np.uint16).view(np.uint8).reshape(*dims[:-1], -1))
         else:
             rows = int(np.prod(dims[:-1]))
             writer.write_tensor_data(random_blocks(rows, dims[-1], qtype, rng))
@@ -323,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="model shape (default qwen3-30b-a3b; qwen3.5-*: hybrid, see hybrid_shapes.py; granite-*: "
                         "written by llama.cpp's converter, see converted_shapes.py)")
     p.add_argument("--quant", choices=sorted({q for qs in QUANTS.values() for q in qs}), default=None,
-                   help="the GGUF's types: q4_0 or q4_k_m (Qwen3 shape; default q4_0), mxfp4 (gpt-oss; its default)")
+                   help="the GGUF's types: q4_0 or q4_k_m (Qwen3 shape; default q4_0), mxfp4 (gpt-oss; its default), "
+                        "bf16 (qwen3.5-9b: every matrix bf16, as convert_hf_to_gguf.py --outtype bf16 writes it)")
     p.add_argument("--work_dir", default="/tmp/kiln-moe", help="where the file and engine go (reused)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians (default 3)")
     p.add_argument("--new_tokens", type=int, default=32, help="greedy tokens decoded per round (default 32)")
