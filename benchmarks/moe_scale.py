@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         record["build"] = scale.timed_child([*kiln, "build", "--checkpoint_dir", str(ckpt), "--output_dir",
                                              str(engine), "--max_batch_size", "32", "--max_seq_len",
                                              str(max([8192, *args.contexts]) + 256), "--max_input_len",
-                                             str(max([8192, *args.contexts]))])
+                                             str(max([8192, *args.contexts])),
+                                             *(["--dtype", "bfloat16"] if args.quant == "bf16" else [])])
         subprocess.run(["rm", "-rf", str(ckpt)], check=True)
         steps.write_text(json.dumps({"convert": record["convert"], "build": record["build"]}))
     record["engine_bytes"] = sum(f.stat().st_size for f in engine.glob("*.safetensors"))

@@ -184,7 +184,8 @@ def _moe_scale(records: list[dict]) -> list[str]:
             "weights, SmolLM2's vocabulary)", "",
             "`python benchmarks/moe_scale.py --shape qwen3-30b-a3b --quant q4_0|q4_k_m` (or `--shape gpt-oss-20b "
             "--quant mxfp4`, `--shape deepseek-v2-lite --quant q4_0`, the hybrid `--shape qwen3.5-9b|qwen3.5-35b-a3b "
-            "--quant q4_0`, or Granite 4's Mamba2 hybrid `--shape granite-4.0-h-micro`, whose GGUF llama.cpp's own "
+            "--quant q4_0` (the 9B also `--quant bf16`, 15 GB here; the MoE shapes' bf16 does not fit 24 GiB), or "
+            "Granite 4's Mamba2 hybrid `--shape granite-4.0-h-micro`, whose GGUF llama.cpp's own "
             "converter and quantizer write from a random bf16 directory, GPT-2's vocabulary) "
             "`--batched_bench PATH/llama-batched-bench`: the GGUF's quantized blocks written directly; "
             "kiln converts it keeping each block's precision (experts expert-major). Batch-1 greedy decode after a "
