@@ -32,38 +32,33 @@ from kiln.checkpoint.gguf_declaration import (ATTENTION, EXPERTS, MLP, QK_NORM, 
 from kiln.checkpoint.gguf_rope import global_rope
 
 
-def tiled_value_heads(num_key_heads: int, num_value_heads: int) -> torch.Tensor:
-    """For each value head in llama.cpp's tiled order, its index in Hugging Face's grouped order:
-    tiled head ``j`` is value head ``j // key heads`` of key head ``j % key heads``."""
+def tiled_delta_net_order(num_key_heads: int, num_value_heads: int, key_dim: int,
+                          value_dim: int) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Where a file with llama.cpp's tiled value heads puts each Gated DeltaNet projection's rows
+    and input columns: projection name -> (the Hugging Face index of each of its rows, of each of
+    its input columns; None: Hugging Face's own order). Tiled value head ``j`` is value head
+    ``j // key heads`` of key head ``j % key heads``; the q and k rows keep their order."""
     j = torch.arange(num_value_heads)
-    return (j % num_key_heads) * (num_value_heads // num_key_heads) + j // num_key_heads
-
-
-def tiled_value_channels(num_key_heads: int, num_value_heads: int, head_dim: int) -> torch.Tensor:
-    """``tiled_value_heads`` over channels: each tiled channel's Hugging Face index."""
-    heads = tiled_value_heads(num_key_heads, num_value_heads)
-    return (heads[:, None] * head_dim + torch.arange(head_dim)).flatten()
+    heads = (j % num_key_heads) * (num_value_heads // num_key_heads) + j // num_key_heads
+    channels = (heads[:, None] * value_dim + torch.arange(value_dim)).flatten()
+    qk = 2 * num_key_heads * key_dim
+    return {"in_proj_qkv": (torch.cat([torch.arange(qk), qk + channels]), None), "in_proj_z": (channels, None),
+            "in_proj_b": (heads, None), "in_proj_a": (heads, None), "out_proj": (None, channels)}
 
 
 def untiled_delta_net_weight(key: str, weight: torch.Tensor, config: dict) -> torch.Tensor:
     """A Gated DeltaNet projection's ``weight`` (Hugging Face name ``key``) read from a file whose
-    value heads are tiled (``linear_value_heads_tiled``), in Hugging Face's order again; any
-    other weight as it is."""
+    value heads are tiled (``linear_value_heads_tiled`` in its config), in Hugging Face's order
+    again; any other weight as it is."""
     keys, values = config.get("linear_num_key_heads"), config.get("linear_num_value_heads")
     if not config.get("linear_value_heads_tiled") or ".linear_attn." not in key or keys == values:
         return weight
-    heads = tiled_value_heads(keys, values).argsort()
-    channels = tiled_value_channels(keys, values, config["linear_value_head_dim"]).argsort()
-    qk = 2 * keys * config["linear_key_head_dim"]
-    if key.endswith("in_proj_qkv.weight"):
-        return torch.cat([weight[:qk], weight[qk:][channels]])
-    if key.endswith("in_proj_z.weight"):
-        return weight[channels]
-    if key.endswith(("in_proj_b.weight", "in_proj_a.weight")):
-        return weight[heads]
-    if key.endswith("out_proj.weight"):
-        return weight[:, channels]
-    return weight
+    order = tiled_delta_net_order(keys, values, config["linear_key_head_dim"], config["linear_value_head_dim"])
+    projection = key.removesuffix(".weight").rpartition(".")[2]
+    if projection not in order:
+        return weight
+    rows, columns = order[projection]
+    return weight[rows.argsort()] if rows is not None else weight[:, columns.argsort()]
 
 
 def _lfm2(m: Meta) -> dict:

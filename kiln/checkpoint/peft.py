@@ -150,6 +150,7 @@ def peft_to_lora_modules(adapter_dir: str | Path, base_model: str | Path | None 
         module_id = LORA_MODULE_IDS[_IN_BLOCK.get((module_key.split(".")[-2], target), PEFT_TARGETS[target])]
         parts.setdefault((layer, module_key), {"key": module_key, "id": module_id})[found.group("side") or "M"] = tensor
     source = open_source(base_model) if dora else None
+    base_config = (source.hf_config() or {}) if dora else {}  # (read once: a GGUF's is built from its metadata)
     modules = []
     for (layer, module_key), part in parts.items():
         target = module_key.rpartition(".")[2]
@@ -169,24 +170,25 @@ def peft_to_lora_modules(adapter_dir: str | Path, base_model: str | Path | None 
             if magnitude.numel() != b.shape[0]:
                 raise CheckpointError(f"{adapter_dir}: layer {layer} {target}: lora_magnitude_vector has "
                                       f"{magnitude.numel()} values for {b.shape[0]} outputs")
-            magnitude = magnitude / _dora_row_norms(source, part["key"], a, b)
+            magnitude = magnitude / _dora_row_norms(source, base_config, part["key"], a, b)
         modules.append(LoraModule(part["id"], layer, a, b, magnitude))
     if not modules:
         raise CheckpointError(f"{adapter_dir}: the adapter has no LoRA weights")
     return sorted(modules, key=lambda m: (m.layer, m.module_id))
 
 
-def _dora_row_norms(source, module_key: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _dora_row_norms(source, config: dict, module_key: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The row norms of ``W + B A`` (``B`` scaled) for the base linear PEFT's ``module_key``
-    (``base_model.model.model.layers.3.self_attn.q_proj``) adapts, as PEFT's DoRA takes them."""
+    (``base_model.model.model.layers.3.self_attn.q_proj``) adapts, as PEFT's DoRA takes them;
+    ``config``: the base model's (a GGUF's tiled Gated DeltaNet weights are read back in the
+    adapter's order)."""
     inner = module_key.split(".layers.", 1)[-1] if ".layers." in module_key else module_key
     suffix = f"layers.{inner}.weight"
     keys = [k for k in source.keys() if k == suffix or k.endswith("." + suffix)]
     if len(keys) != 1:
         raise CheckpointError(f"{source.path}: {'no' if not keys else 'more than one'} base weight named like "
                               f"{suffix!r} for the DoRA module {module_key}{': ' + ', '.join(keys) if keys else ''}")
-    # (a GGUF's Gated DeltaNet weights back in Hugging Face's value-head order, as the adapter has them)
-    weight = untiled_delta_net_weight(keys[0], source.read(keys[0]).float(), source.hf_config() or {})
+    weight = untiled_delta_net_weight(keys[0], source.read(keys[0]).float(), config)
     if weight.shape != (b.shape[0], a.shape[1]):
         raise CheckpointError(f"{source.path}: base weight {keys[0]} is {list(weight.shape)}, but the adapter's "
                               f"{module_key} is [{b.shape[0]}, {a.shape[1]}] (another model?)")

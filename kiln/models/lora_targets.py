@@ -24,7 +24,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from kiln.checkpoint.gguf_hybrid import tiled_value_channels, tiled_value_heads
+from kiln.checkpoint.gguf_hybrid import tiled_delta_net_order
 from kiln.checkpoint.lora import LORA_MODULE_IDS, ModuleShapes
 from kiln.config import PretrainedConfig
 from kiln.layers.gated_delta_net import GatedDeltaNet
@@ -95,25 +95,17 @@ def _mixer(mixer: nn.Module, target) -> None:
 
 
 def _delta_net(mixer: GatedDeltaNet, target) -> None:
-    heads, channels = _value_order(mixer)
-    qk = 2 * mixer.num_key_heads * mixer.key_dim  # the q and k rows, in the same order everywhere
-    own_rows = {"in_proj_qkv": None if channels is None else torch.cat([torch.arange(qk), qk + channels]),
-                "in_proj_z": channels, "in_proj_b": heads, "in_proj_a": heads}
+    # value heads in llama.cpp's tiled order: the adapter's rows and columns taken in that order
+    tiled = mixer.value_heads_tiled and mixer.num_value_heads != mixer.num_key_heads
+    order = (tiled_delta_net_order(mixer.num_key_heads, mixer.num_value_heads, mixer.key_dim, mixer.value_dim)
+             if tiled else {})
     for name, (own, fused) in _DELTA_NET.items():
         linear: Linear = getattr(mixer, name)
         rows = getattr(linear, "source_rows", None)  # Qwen3-Next: its rows of the fused projection
-        linear.lora_targets = ((target(own, 0, linear.out_features, own_rows[name]),)
+        linear.lora_targets = ((target(own, 0, linear.out_features, order.get(name, (None, None))[0]),)
                                + (() if rows is None else (target(fused, 0, linear.out_features, rows),)))
-    mixer.out_proj.lora_targets = (target("mixer_out", 0, mixer.out_proj.out_features, columns=channels),)
-
-
-def _value_order(mixer: GatedDeltaNet) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """For value heads stored in llama.cpp's tiled order, the adapter's (Hugging Face's) index of
-    each of the layer's value heads and value channels; (None, None) in Hugging Face's own order."""
-    if not mixer.value_heads_tiled or mixer.num_value_heads == mixer.num_key_heads:
-        return None, None
-    return (tiled_value_heads(mixer.num_key_heads, mixer.num_value_heads),
-            tiled_value_channels(mixer.num_key_heads, mixer.num_value_heads, mixer.value_dim))
+    columns = order.get("out_proj", (None, None))[1]
+    mixer.out_proj.lora_targets = (target("mixer_out", 0, mixer.out_proj.out_features, columns=columns),)
 
 
 def lora_targets_shapes(model: nn.Module) -> ModuleShapes:

@@ -12,18 +12,18 @@ import pytest
 import torch
 
 import kiln.models.base as base
-from kiln import SamplingParams, kernels
+from kiln import SamplingParams
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError
 from kiln.models.native_decode import NativeDecodeStep, native_decode_for, supports_native_decode
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_core import EngineCore
 from tests.conftest import convert_and_build
+from tests.quantization.test_smoothquant import NATIVE_W8A8
 from tests.utils.tiny_models import make_gpt2, make_llama
 from tests.utils.tiny_moe_models import make_deepseek_v2, make_gpt_oss, make_qwen3_moe
 from tests.utils.tiny_tokenizer import CORPUS, VOCAB_SIZE, save_tiny_tokenizer
 
-W8A8_NATIVE = kernels.w8a8_supported(torch.bfloat16, torch.zeros(16, 32, dtype=torch.int8))
 
 # name: (make_llama options, or another maker's under "maker"; engine dtype or weight-only quant_algo,
 # kv_cache_quant_algo)
@@ -58,7 +58,7 @@ CASES = {
     # clamped SwiGLU.
     "gpt-oss-w4a16": (dict(maker=make_gpt_oss, intermediate=64), "W4A16", None),
 }
-if not W8A8_NATIVE:  # SmoothQuant's native int8 kernel needs AVX512-VNNI: no native step to compare here
+if not NATIVE_W8A8:  # SmoothQuant's native int8 kernel needs AVX512-VNNI: no native step to compare here
     del CASES["llama-sq"]  # (test_smoothquant checks that such a CPU takes the layer path instead)
 
 
